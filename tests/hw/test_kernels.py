@@ -1,0 +1,165 @@
+"""Torch staging kernels against the loop-based reference, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twin.hw.kernels import (
+    TORCH_BACKEND,
+    gather_to_staging,
+    get_kernels,
+    int_view,
+    pool_token_indices,
+    reference_gather,
+    reference_scatter,
+    scatter_from_staging,
+    staging_bytes,
+    triton_available,
+)
+from twin.hw.kvpattern import TransferCase, TransferResult, run_transfer
+
+# (prefill TP, decode TP, total KV heads)
+TP_CONFIGS = [
+    (2, 1, 8),
+    (1, 2, 8),
+    (4, 2, 8),
+    (2, 4, 8),
+    (2, 2, 4),
+    (4, 1, 2),  # GQA replication on prefill
+    (4, 2, 2),  # GQA replication on prefill, several writers per decode rank
+    (1, 4, 2),  # GQA replication on decode
+    (8, 4, 2),  # replicated on both sides
+]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def assert_same_transfer(a: TransferResult, b: TransferResult) -> None:
+    """Identical staging bytes and decode pools (including untouched noise), no mismatches."""
+    assert a.mismatches == [None] * len(a.mismatches), a.mismatches
+    assert b.mismatches == [None] * len(b.mismatches), b.mismatches
+    for ra, rb in zip(a.regions, b.regions, strict=True):
+        assert torch.equal(ra.cpu(), rb.cpu())
+    for pa, pb in zip(a.decode_k + a.decode_v, b.decode_k + b.decode_v, strict=True):
+        for x, y in zip(pa, pb, strict=True):
+            assert torch.equal(int_view(x).cpu(), int_view(y).cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("src_tp,dst_tp,heads", TP_CONFIGS)
+def test_torch_matches_reference(
+    src_tp: int, dst_tp: int, heads: int, page_size: int, dtype: torch.dtype
+) -> None:
+    case = TransferCase(
+        src_tp,
+        dst_tp,
+        heads,
+        page_size=page_size,
+        chunk_pages=3 if page_size > 1 else 20,
+        pool_pages=5 if page_size > 1 else 48,
+        dtype=dtype,
+        token_offset=64,
+        seed=src_tp * 100 + dst_tp * 10 + page_size,
+    )
+    got = run_transfer(case, gather_to_staging, scatter_from_staging)
+    want = run_transfer(case, reference_gather, reference_scatter)
+    assert_same_transfer(got, want)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float8_e4m3fn, torch.float64], ids=["fp32", "fp8", "fp64"]
+)
+def test_other_element_sizes(dtype: torch.dtype) -> None:
+    case = TransferCase(4, 2, 8, dtype=dtype, seed=3)
+    got = run_transfer(case, gather_to_staging, scatter_from_staging)
+    want = run_transfer(case, reference_gather, reference_scatter)
+    assert_same_transfer(got, want)
+
+
+def _noise_layers(n: int, shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int32)
+        .to(torch.int16)
+        .view(torch.bfloat16)
+        for _ in range(n)
+    ]
+
+
+def test_gather_head_slice_and_bounds() -> None:
+    """Partial head slice of a noisy pool; bytes past the block stay untouched."""
+    page_size, heads, head_dim = 4, 6, 8
+    k = _noise_layers(3, (10 * page_size, heads, head_dim), 1)
+    v = _noise_layers(3, (10 * page_size, heads, head_dim), 2)
+    pages = torch.tensor([7, 2, 9, 0])
+    need = staging_bytes(k, 4 * page_size, 2)
+    out = torch.full((need + 64,), 0xAB, dtype=torch.uint8)
+    ref = torch.full((need + 64,), 0xAB, dtype=torch.uint8)
+    assert gather_to_staging(k, v, pages, page_size, 3, 2, out) == need
+    assert reference_gather(k, v, pages.numpy(), page_size, 3, 2, ref) == need
+    assert torch.equal(out, ref)
+    assert bool((out[need:] == 0xAB).all())
+    # first staged row is K layer 0, chunk token 0 = pool token 7 * 4, heads 3..4
+    first = out[: 2 * head_dim * 2].view(torch.int16)
+    assert torch.equal(first, int_view(k[0])[28, 3:5].reshape(-1))
+
+
+def test_nan_payloads_survive() -> None:
+    """Copies move bits, not float values: NaN payloads and -0.0 are kept."""
+    bits = torch.tensor([0x7FC1, 0x7F81, -0x8000, 0xFFFF - 0x10000], dtype=torch.int16)
+    k = [bits.repeat(8 * 2 * 2).view(8, 2, 8).view(torch.bfloat16).clone()]
+    v = [bits.flip(0).repeat(8 * 2 * 2).view(8, 2, 8).view(torch.bfloat16).clone()]
+    out = torch.empty(staging_bytes(k, 8, 2), dtype=torch.uint8)
+    gather_to_staging(k, v, [1, 0], 4, 0, 2, out)
+    dk = [torch.zeros_like(k[0])]
+    dv = [torch.zeros_like(v[0])]
+    scatter_from_staging(out, dk, dv, [0, 1], 4, 1, 1, 0, 2)
+    assert torch.equal(int_view(dk[0]).view(2, 4, 2, 8), int_view(k[0]).view(2, 4, 2, 8).flip(0))
+    assert torch.equal(int_view(dv[0]).view(2, 4, 2, 8), int_view(v[0]).view(2, 4, 2, 8).flip(0))
+
+
+def test_pool_token_indices() -> None:
+    assert pool_token_indices([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert pool_token_indices(torch.tensor([5, 2], dtype=torch.int32), 1).tolist() == [5, 2]
+
+
+def test_size_and_shape_errors() -> None:
+    k = _noise_layers(2, (16, 4, 8), 5)
+    v = _noise_layers(2, (16, 4, 8), 6)
+    small = torch.empty(staging_bytes(k, 8, 2) - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="need"):
+        gather_to_staging(k, v, [0, 1], 4, 0, 2, small)
+    with pytest.raises(ValueError, match="uint8"):
+        gather_to_staging(k, v, [0, 1], 4, 0, 2, torch.empty(4096, dtype=torch.int16))
+    with pytest.raises(ValueError, match="head slice"):
+        gather_to_staging(k, v, [0, 1], 4, 3, 2, torch.empty(4096, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="equal length"):
+        gather_to_staging(k, v[:1], [0, 1], 4, 0, 2, torch.empty(4096, dtype=torch.uint8))
+    # 2 writers of 2 heads each: a region of one writer block is too small
+    with pytest.raises(ValueError, match="need"):
+        scatter_from_staging(torch.empty(staging_bytes(k, 8, 2), dtype=torch.uint8),
+                             k, v, [0, 1], 4, 4, 2, 0, 8)
+
+
+def test_get_kernels_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TWIN_KERNELS", raising=False)
+    assert get_kernels("cpu") is TORCH_BACKEND
+    assert get_kernels("cuda", prefer_triton=False) is TORCH_BACKEND
+    if triton_available():
+        assert get_kernels("cuda").name == "triton"
+    monkeypatch.setenv("TWIN_KERNELS", "torch")
+    assert get_kernels("cuda") is TORCH_BACKEND
+    monkeypatch.setenv("TWIN_KERNELS", "cutlass")
+    with pytest.raises(ValueError, match="TWIN_KERNELS"):
+        get_kernels("cpu")
+
+
+@needs_cuda
+@pytest.mark.parametrize("src_tp,dst_tp,heads", [(2, 1, 8), (1, 2, 8), (4, 2, 2)])
+def test_torch_cuda_matches_reference(src_tp: int, dst_tp: int, heads: int) -> None:
+    case = TransferCase(src_tp, dst_tp, heads, seed=11)
+    got = run_transfer(case, gather_to_staging, scatter_from_staging, device="cuda")
+    want = run_transfer(case, reference_gather, reference_scatter)
+    assert_same_transfer(got, want)

@@ -1,0 +1,252 @@
+"""Typed, validated configuration of a staged PD deployment, with SGLang's names.
+
+``TwinConfig.from_toml(path)`` / ``from_dict`` reject bad input with a ``ConfigError`` naming the
+file and field. Validation mirrors SGLang's start-up checks for the staging buffer: positive
+``chunked_prefill_size`` that is a multiple of ``page_size``, no ``pp_size > 1``, no MLA model,
+no prefill context parallelism. Sections the core does not know (for example ``[sim]``) are
+kept in ``extra`` for the drivers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from twin.core.grid import staging_grid_tokens
+from twin.core.layout import num_tp_writers
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or rejected by SGLang's start-up rules."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """KV geometry of the served model."""
+
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    is_mla: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSide:
+    """One side's parallelism (SGLang launch arguments of that server)."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    pp_size: int = 1
+    instances: int = 1
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Attention TP: ``tp_size // dp_size`` under DP attention, else ``tp_size``."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    @property
+    def attn_dp_size(self) -> int:
+        """Independent attention groups (sessions) per instance."""
+        return self.dp_size if self.enable_dp_attention else 1
+
+
+@dataclass(frozen=True, slots=True)
+class TwinConfig:
+    """Everything the protocol core needs to know about a deployment."""
+
+    model: ModelShape = field(default_factory=ModelShape)
+    prefill: ServerSide = field(default_factory=lambda: ServerSide(tp_size=4))
+    decode: ServerSide = field(default_factory=lambda: ServerSide(tp_size=2))
+    chunked_prefill_size: int = 8192
+    page_size: int = 16
+    staging_pool_size_mb: int = 4096
+    staging_pool_size_bytes: int | None = None
+    transfer_queue_size: int = 4
+    waiting_timeout_s: float = 300.0
+    bootstrap_timeout_s: float = 300.0
+    enable_prefill_context_parallel: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # Derived quantities --------------------------------------------------------------
+    @property
+    def ring_bytes(self) -> int:
+        """Decode staging ring size in bytes (``staging_pool_size_bytes`` wins if set)."""
+        if self.staging_pool_size_bytes is not None:
+            return self.staging_pool_size_bytes
+        return self.staging_pool_size_mb * MiB
+
+    @property
+    def grid_tokens(self) -> int:
+        return staging_grid_tokens(self.chunked_prefill_size, self.page_size)
+
+    @property
+    def full_chunk_pages(self) -> int:
+        return self.grid_tokens // self.page_size
+
+    @property
+    def bytes_per_head_token(self) -> int:
+        return self.model.head_dim * self.model.dtype_bytes
+
+    @property
+    def num_writers(self) -> int:
+        """Writers per staged chunk: TP writers times prefill PP stages."""
+        tp_writers = num_tp_writers(self.prefill.attn_tp_size, self.decode.attn_tp_size)
+        return tp_writers * self.prefill.pp_size // max(1, self.decode.pp_size)
+
+    def replace(self, **changes: Any) -> TwinConfig:
+        return dataclasses.replace(self, **changes)
+
+    # Loading --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "<config>") -> TwinConfig:
+        return _from_dict(data, source)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> TwinConfig:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: no such file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        return _from_dict(data, str(p))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that ``from_dict`` reads back to an equal config."""
+        out = {
+            "model": dataclasses.asdict(self.model),
+            "prefill": dataclasses.asdict(self.prefill),
+            "decode": dataclasses.asdict(self.decode),
+        }
+        for f in dataclasses.fields(self):
+            if f.name not in ("model", "prefill", "decode", "extra"):
+                value = getattr(self, f.name)
+                if value is not None:
+                    out[f.name] = value
+        out.update(self.extra)
+        return out
+
+
+_SECTIONS = {"model": ModelShape, "prefill": ServerSide, "decode": ServerSide}
+
+
+def _typed(source: str, name: str, value: Any, want: Any) -> Any:
+    kind = want if isinstance(want, type) else None
+    if want in (bool, "bool"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: field {name!r}: expected true/false, got {value!r}")
+        return value
+    if want in (int, "int", "int | None"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: field {name!r}: expected an integer, got {value!r}")
+        return value
+    if want in (float, "float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: field {name!r}: expected a number, got {value!r}")
+        return float(value)
+    del kind
+    return value
+
+
+def _build(cls: type, data: Any, source: str, prefix: str, known_extra: bool = False) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: field {prefix.rstrip('.')!r}: expected a table")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{source}: field {prefix + key!r}: unknown; known: {', '.join(sorted(fields))}"
+            )
+        kwargs[key] = _typed(source, prefix + key, value, fields[key].type)
+    return kwargs
+
+
+def _from_dict(data: dict[str, Any], source: str) -> TwinConfig:
+    top: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    scalar_fields = {
+        f.name: f for f in dataclasses.fields(TwinConfig) if f.name not in (*_SECTIONS, "extra")
+    }
+    for key, value in data.items():
+        if key in _SECTIONS:
+            top[key] = _SECTIONS[key](**_build(_SECTIONS[key], value, source, f"{key}."))
+        elif key in scalar_fields:
+            top[key] = _typed(source, key, value, scalar_fields[key].type)
+        elif isinstance(value, dict):
+            extra[key] = value
+        else:
+            raise ConfigError(
+                f"{source}: field {key!r}: unknown; known: "
+                f"{', '.join(sorted([*_SECTIONS, *scalar_fields]))}"
+            )
+    try:
+        return TwinConfig(**top, extra=extra)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"field {name!r}: must be positive, got {value}")
+
+
+def validate(cfg: TwinConfig) -> None:
+    """SGLang's staging start-up rules plus self-consistency; raises ``ConfigError``."""
+    m = cfg.model
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.is_mla:
+        raise ConfigError(
+            "field 'model.is_mla': the staging buffer is for non-MLA models (GQA, MHA) only"
+        )
+    _positive("page_size", cfg.page_size)
+    if cfg.chunked_prefill_size <= 0 or cfg.chunked_prefill_size % cfg.page_size:
+        raise ConfigError(
+            f"field 'chunked_prefill_size': staging needs a positive multiple of page_size "
+            f"({cfg.page_size}); got {cfg.chunked_prefill_size}"
+        )
+    for side_name in ("prefill", "decode"):
+        side: ServerSide = getattr(cfg, side_name)
+        for name in ("tp_size", "dp_size", "pp_size", "instances"):
+            _positive(f"{side_name}.{name}", getattr(side, name))
+        if side.pp_size > 1:
+            raise ConfigError(f"field '{side_name}.pp_size': staging does not support pp_size > 1")
+        if side.enable_dp_attention and side.tp_size % side.dp_size:
+            raise ConfigError(
+                f"field '{side_name}.dp_size': tp_size ({side.tp_size}) must be divisible by "
+                f"dp_size ({side.dp_size}) under DP attention"
+            )
+    if cfg.enable_prefill_context_parallel:
+        raise ConfigError(
+            "field 'enable_prefill_context_parallel': staging does not support prefill "
+            "context parallelism"
+        )
+    pa, da = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
+    if max(pa, da) % min(pa, da):
+        raise ConfigError(
+            f"field 'decode.tp_size': attention TP sizes must divide each other "
+            f"(prefill {pa}, decode {da})"
+        )
+    _positive("staging_pool_size_mb", cfg.staging_pool_size_mb)
+    if cfg.staging_pool_size_bytes is not None:
+        _positive("staging_pool_size_bytes", cfg.staging_pool_size_bytes)
+    _positive("transfer_queue_size", cfg.transfer_queue_size)
+    _positive("waiting_timeout_s", cfg.waiting_timeout_s)
+    _positive("bootstrap_timeout_s", cfg.bootstrap_timeout_s)

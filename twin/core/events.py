@@ -1,0 +1,328 @@
+"""Inputs the core consumes and effects it returns.
+
+Drivers call ``rank.handle(event, now)`` with an *input* and carry out the returned *effects*.
+Every class here is a frozen, slotted, keyword-only dataclass, so events are cheap, hashable and
+serialise to the trace as ``{"type": ClassName, **fields}``. ``EVENT_TYPES`` maps names back to
+classes for the trace reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twin.core.wire import Message
+
+_ev = dataclass(frozen=True, slots=True, kw_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+@_ev
+class MessageArrived:
+    """A control frame from ``src`` was delivered (already decoded)."""
+
+    src: str
+    msg: Message
+
+
+@_ev
+class DecodeRoomInit:
+    """Decode pre-allocated KV for a room (``pop_preallocated``) and is about to send metadata.
+
+    ``total_pages`` counts pages after the decode-side cached prefix (``decode_prefix_len``
+    tokens); ``prefill_ranks`` are the prefill nodes that write this rank's KV.
+    """
+
+    room: int
+    prefill_ranks: tuple[str, ...]
+    prefill_attn_tp: int
+    decode_prefix_len: int
+    total_pages: int
+
+
+@_ev
+class DecodeRoomRegister:
+    """The late registration point (``extend``); only used with ``late-decode-registration``."""
+
+    room: int
+
+
+@_ev
+class ScatterDone:
+    """The scatter of ``alloc_id`` (room, chunk) finished on the decode device."""
+
+    room: int
+    chunk_idx: int
+    alloc_id: int
+
+
+@_ev
+class Tick:
+    """Time advanced; check timeouts."""
+
+
+@_ev
+class RoomAborted:
+    """The request was aborted (client, router, or the other side failed it)."""
+
+    room: int
+    reason: str = "aborted"
+
+
+@_ev
+class RoomBootstrapped:
+    """Prefill received the decode metadata of a room: one target per decode session."""
+
+    room: int
+    targets: tuple[Target, ...]
+
+
+@_ev
+class Target:
+    """One decode session a prefill rank writes a room's KV to."""
+
+    session: str
+    decode_rank: int
+    total_pages: int
+    decode_prefix_len: int
+
+
+@_ev
+class Prefetch:
+    """The prefill scheduler formed a batch with this room: prefetch STAGING_REQs."""
+
+    room: int
+
+
+@_ev
+class SendKV:
+    """The prefill scheduler sends KV ``[start_send_idx, end_idx)`` of a room (``send_kv_chunk``).
+
+    Token indices are absolute in the request; non-last ends are floored to the page and to the
+    staging grid anchored at the decode prefix.
+    """
+
+    room: int
+    end_idx: int
+    last: bool
+
+
+@_ev
+class WorkerPoll:
+    """Transfer worker ``worker`` may pop its queue (woken, or its deferral wait ended)."""
+
+    worker: int
+
+
+@_ev
+class TransferDone:
+    """The staged WRITE posted by ``worker`` settled."""
+
+    worker: int
+    ok: bool = True
+    error: str = ""
+
+
+@_ev
+class SendFailed:
+    """The driver could not send ``msg`` (socket error)."""
+
+    dst: str
+    msg: Message
+
+
+# ---------------------------------------------------------------------------------------------
+# Effects
+# ---------------------------------------------------------------------------------------------
+@_ev
+class Send:
+    """Send ``msg`` to node ``dst``."""
+
+    dst: str
+    msg: Message
+
+
+@_ev
+class SendMetadata:
+    """Decode tells the room's prefill ranks where to write (bootstrap metadata)."""
+
+    room: int
+    prefill_ranks: tuple[str, ...]
+    session: str
+    decode_rank: int
+    decode_prefix_len: int
+    total_pages: int
+
+
+@_ev
+class AbortNotice:
+    """Tell the other side that a room failed here so it stops working on it."""
+
+    room: int
+    dsts: tuple[str, ...]
+    reason: str
+
+
+@_ev
+class Allocated:
+    room: int
+    chunk_idx: int
+    alloc_id: int
+    offset: int
+    round: int
+    size: int
+
+
+@_ev
+class Freed:
+    alloc_id: int
+    room: int
+    chunk_idx: int
+    reason: str
+
+
+@_ev
+class WatermarkMoved:
+    round: int
+    tail: int
+
+
+@_ev
+class StartScatter:
+    """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``."""
+
+    room: int
+    chunk_idx: int
+    alloc_id: int
+    offset: int
+    nbytes: int
+    page_start: int
+    num_pages: int
+    blind: bool = False
+
+
+@_ev
+class StartTransfer:
+    """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
+
+    The bytes land at ``dst_offset`` of ``session``'s ring (``region_offset`` plus this writer's
+    block). ``staged`` is False for the per-slice fallback, which writes KV pages directly.
+    """
+
+    worker: int
+    room: int
+    chunk_idx: int
+    session: str
+    page_start: int
+    num_pages: int
+    region_offset: int
+    dst_offset: int
+    nbytes: int
+    writer: int
+    round: int
+    staged: bool = True
+    is_last: bool = False
+
+
+@_ev
+class Deferred:
+    """The chunk at the head of ``worker``'s queue is not ready and was re-enqueued.
+
+    ``all_blocked``: every chunk in the queue deferred since the last allocation or watermark
+    update, so polling again before one arrives cannot make progress.
+    """
+
+    worker: int
+    room: int
+    chunk_idx: int
+    session: str
+    reason: str
+    all_blocked: bool
+
+
+@_ev
+class WorkerIdle:
+    worker: int
+
+
+@_ev
+class WakeWorkers:
+    """Allocation or watermark news: deferring workers should poll again."""
+
+    workers: tuple[int, ...]
+
+
+@_ev
+class ChunkQueued:
+    worker: int
+    room: int
+    chunk_idx: int
+    page_start: int
+    num_pages: int
+    is_last: bool
+
+
+@_ev
+class ChunkSkipped:
+    room: int
+    page_start: int
+    reason: str
+
+
+@_ev
+class RoomConcluded:
+    """A room ended on this rank: ``status`` is ``"Success"`` or ``"Failed"``."""
+
+    room: int
+    status: str
+    reason: str = ""
+
+
+@_ev
+class RoomTornDown:
+    room: int
+
+
+@_ev
+class Dropped:
+    """An input was ignored, with why (a warning in SGLang's logs)."""
+
+    what: str
+    room: int
+    reason: str
+
+
+@_ev
+class SetTimer:
+    """Feed this rank a ``Tick`` at time ``at``: a timeout may fire then."""
+
+    at: float
+
+
+@_ev
+class RankCrashed:
+    """The rank raised out of its scheduler loop; it handles nothing from now on."""
+
+    reason: str
+
+
+INPUT_TYPES = (
+    MessageArrived, DecodeRoomInit, DecodeRoomRegister, ScatterDone, Tick, RoomAborted,
+    RoomBootstrapped, Prefetch, SendKV, WorkerPoll, TransferDone, SendFailed,
+)
+EFFECT_TYPES = (
+    Send, SendMetadata, AbortNotice, Allocated, Freed, WatermarkMoved, StartScatter,
+    StartTransfer, Deferred, WorkerIdle, WakeWorkers, ChunkQueued, ChunkSkipped,
+    RoomConcluded, RoomTornDown, Dropped, SetTimer, RankCrashed,
+)
+EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (*INPUT_TYPES, *EFFECT_TYPES, Target)}
+Input = (
+    MessageArrived | DecodeRoomInit | DecodeRoomRegister | ScatterDone | Tick | RoomAborted
+    | RoomBootstrapped | Prefetch | SendKV | WorkerPoll | TransferDone | SendFailed
+)
+Effect = (
+    Send | SendMetadata | AbortNotice | Allocated | Freed | WatermarkMoved | StartScatter
+    | StartTransfer | Deferred | WorkerIdle | WakeWorkers | ChunkQueued | ChunkSkipped
+    | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed
+)

@@ -1,0 +1,418 @@
+"""Prefill rank: grid-aligned sends, STAGING_REQ prefetch, transfer-worker queues, watermarks.
+
+Mirrors sglang 0.5.23 ``prefill.py`` (``send_kv_chunk``), ``prefetch_staging_reqs`` and the NIXL
+``transfer_worker``. Each worker is a queue of chunks and at most one chunk in flight. A chunk
+that is not ready (allocation pending or watermark behind) is re-enqueued at the tail
+(backpressure deferral); a worker whose whole queue is blocked waits for a ``WakeWorkers``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
+from twin.core.config import TwinConfig
+from twin.core.defects import (
+    COMPLETION_BEFORE_LAST_SCATTER,
+    NO_GRID_ALIGNMENT,
+    SILENT_SLICE_FALLBACK,
+    SWALLOWED_CHUNK_READY_ERROR,
+    TEARDOWN_DROPS_DEFERRED,
+    Defects,
+)
+from twin.core.grid import (
+    chunk_index,
+    compute_grid_segments,
+    floor_to_grid,
+    pages_for_tokens,
+    prefetch_chunks,
+)
+from twin.core.layout import compute_staging_layout, writer_index
+
+
+@dataclass(slots=True)
+class TransferChunk:
+    """``TransferKVChunk``: pages ``[page_start, +num_pages)`` after the decode prefix."""
+
+    room: int
+    page_start: int
+    num_pages: int
+    is_last: bool
+    counted: bool = False
+    next_target: int = 0
+    staged: bool = True
+
+
+@dataclass(slots=True)
+class PrefillTarget:
+    session: str
+    decode_rank: int
+    total_pages: int
+    staging: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefillRoom:
+    room: int
+    targets: list[PrefillTarget]
+    base: int
+    status: str = "Bootstrapping"
+    outstanding: int = 0
+    start_send_idx: int = 0
+    sent_pages: int = 0
+    prefetched: bool = False
+    fail_reason: str = ""
+
+
+@dataclass(slots=True)
+class Worker:
+    queue: deque[TransferChunk] = field(default_factory=deque)
+    busy: TransferChunk | None = None
+    waiting: bool = False
+    blocked_streak: int = 0
+
+
+class PrefillRank:
+    """One prefill attention-TP rank (``node`` is its name; ``unique_rank`` goes on the wire)."""
+
+    def __init__(self, cfg: TwinConfig, node: str, attn_tp_rank: int, unique_rank: int,
+                 defects: Defects | None = None) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.rank = attn_tp_rank
+        self.unique_rank = unique_rank
+        self.defects = defects or Defects()
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.watermarks: dict[str, tuple[int, int]] = {}
+        self.prefetch_requested: set[tuple[int, int, str]] = set()
+        self.workers = [Worker() for _ in range(cfg.transfer_queue_size)]
+        self.now = 0.0
+        m = cfg.model
+        heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
+        pages = cfg.extra.get("prefill_staging_buffer_pages")
+        buf_pages = pages if pages is not None else cfg.full_chunk_pages
+        self.buffer_bytes = (buf_pages * cfg.page_size * heads * cfg.bytes_per_head_token
+                             * m.num_layers * 2)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def handle(self, event: ev.Input, now: float) -> list[ev.Effect]:
+        """Consume one input at time ``now``; return the effects, in order."""
+        assert now >= self.now - 1e-12, (now, self.now)
+        self.now = now
+        out: list[ev.Effect] = []
+        handler = self._DISPATCH.get(type(event))
+        if handler is None:
+            raise TypeError(f"prefill rank cannot handle {type(event).__name__}")
+        handler(self, event, out)
+        return out
+
+    def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
+        msg = e.msg
+        if isinstance(msg, wire.Watermark):
+            prev = self.watermarks.get(msg.session_id, (0, 0))
+            if (msg.round, msg.tail) > prev:
+                self.watermarks[msg.session_id] = (msg.round, msg.tail)
+                self._wake(out)
+        elif isinstance(msg, wire.StagingRsp):
+            room = self.rooms.get(msg.room)
+            target = None if room is None else _find(room.targets, msg.session_id)
+            if target is None:
+                out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
+                return
+            target.staging[msg.chunk_idx] = (msg.offset, msg.round, msg.end)
+            self._wake(out)
+        else:
+            out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                                  reason="unexpected message kind at prefill"))
+
+    def _wake(self, out: list[ev.Effect]) -> None:
+        waiting = tuple(i for i, w in enumerate(self.workers) if w.waiting)
+        for i in waiting:
+            self.workers[i].waiting = False
+            self.workers[i].blocked_streak = 0
+        if waiting:
+            out.append(ev.WakeWorkers(workers=waiting))
+
+    # -- rooms and sends ---------------------------------------------------------------------
+    def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
+        room = self.rooms.get(e.room)
+        targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages) for t in e.targets]
+        if room is None:
+            base = e.targets[0].decode_prefix_len if e.targets else 0
+            self.rooms[e.room] = PrefillRoom(room=e.room, targets=targets, base=base,
+                                             start_send_idx=base)
+        else:
+            known = {t.session for t in room.targets}
+            room.targets.extend(t for t in targets if t.session not in known)
+
+    def _on_prefetch(self, e: ev.Prefetch, out: list[ev.Effect]) -> None:
+        room = self.rooms.get(e.room)
+        if room is None or room.prefetched:
+            return
+        room.prefetched = True
+        grid_pages = self.cfg.full_chunk_pages
+        for target in room.targets:
+            for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
+                key = (e.room, chunk_idx, target.session)
+                if key in self.prefetch_requested:
+                    continue
+                self.prefetch_requested.add(key)
+                out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
+                    room=e.room, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
+                    session_id=target.session)))
+
+    def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
+        room = self.rooms.get(e.room)
+        if room is None or room.status == "Failed":
+            out.append(ev.Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
+            return
+        cfg = self.cfg
+        page = cfg.page_size
+        aligned = not self.defects.on(NO_GRID_ALIGNMENT)
+        start, end = room.start_send_idx, e.end_idx
+        if not e.last:
+            end -= end % page
+            if aligned:
+                end = floor_to_grid(end, room.base, cfg.grid_tokens)
+        if end < start:
+            return
+        self._on_prefetch(ev.Prefetch(room=e.room), out)
+        segments = (compute_grid_segments(start, end, room.base, cfg.grid_tokens)
+                    if aligned else [(start, end)])
+        total_pages = max((t.total_pages for t in room.targets), default=0)
+        worker = sum(t.decode_rank for t in room.targets) % len(self.workers)
+        for seg_start, seg_end in segments:
+            num_pages = pages_for_tokens(seg_end - seg_start, page)
+            chunk = TransferChunk(room=e.room, page_start=room.sent_pages, num_pages=num_pages,
+                                  is_last=False)
+            room.sent_pages += num_pages
+            chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
+            self.workers[worker].queue.append(chunk)
+            out.append(ev.ChunkQueued(worker=worker, room=e.room,
+                                      chunk_idx=chunk_index(chunk.page_start, cfg.full_chunk_pages),
+                                      page_start=chunk.page_start, num_pages=num_pages,
+                                      is_last=chunk.is_last))
+        room.start_send_idx = end
+        w = self.workers[worker]
+        if w.busy is None and not w.waiting:
+            self._run_worker(worker, out)
+        elif w.waiting:
+            w.waiting = False
+            w.blocked_streak = 0
+            out.append(ev.WakeWorkers(workers=(worker,)))
+
+    # -- transfer worker ---------------------------------------------------------------------
+    def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:
+        w = self.workers[e.worker]
+        w.waiting = False
+        if w.busy is None:
+            self._run_worker(e.worker, out)
+
+    def _run_worker(self, index: int, out: list[ev.Effect]) -> None:
+        """Pop chunks until one is posted, one defers, or the queue is empty."""
+        w = self.workers[index]
+        while w.queue:
+            chunk = w.queue.popleft()
+            room = self.rooms.get(chunk.room)
+            if room is None:
+                out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
+                                           reason="room state torn down"))
+                continue
+            if not chunk.counted:
+                room.outstanding += 1
+                chunk.counted = True
+            if room.status == "Failed":
+                room.outstanding = 0
+                out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
+                                           reason="room failed"))
+                if not self._queued(room.room):
+                    del self.rooms[room.room]
+                    out.append(ev.RoomTornDown(room=room.room))
+                continue
+            room.status = "Transferring"
+            if self._step_chunk(index, room, chunk, out):
+                return
+        out.append(ev.WorkerIdle(worker=index))
+
+    def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
+                    out: list[ev.Effect]) -> bool:
+        """Post the next target's write; True when the worker is now busy or waiting."""
+        w = self.workers[index]
+        cfg = self.cfg
+        chunk_idx = chunk_index(chunk.page_start, cfg.full_chunk_pages)
+        while chunk.next_target < len(room.targets):
+            target = room.targets[chunk.next_target]
+            if chunk.num_pages == 0:
+                chunk.next_target += 1
+                continue
+            info = target.staging.get(chunk_idx)
+            if info is not None and info[0] == ALLOC_OVERSIZED:
+                self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds the "
+                                 "ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
+                return False
+            wm = self.watermarks.get(target.session, (0, 0))
+            if info is None or info[0] < 0 or not is_watermark_ready(wm, info[1], info[2]):
+                reason = "allocation pending" if info is None or info[0] < 0 else (
+                    f"watermark {wm} behind round {info[1]} end {info[2]}")
+                chunk.next_target = 0  # the retry re-processes every target of the chunk
+                w.queue.append(chunk)
+                w.blocked_streak += 1
+                all_blocked = w.blocked_streak >= len(w.queue)
+                w.waiting = True
+                out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
+                                       session=target.session, reason=reason,
+                                       all_blocked=all_blocked))
+                return True
+            offset, rnd, _end = info
+            post = self._post(index, room, chunk, target, chunk_idx, offset, rnd, out)
+            if post is None:
+                return False
+            out.append(post)
+            w.busy = chunk
+            chunk.staged = post.staged
+            w.blocked_streak = 0
+            return True
+        self._finish_chunk(index, room, chunk, out)
+        return False
+
+    def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
+              chunk_idx: int, offset: int, rnd: int,
+              out: list[ev.Effect]) -> ev.StartTransfer | None:
+        """The write for one target, or None after failing the room (chunk cannot fit)."""
+        cfg = self.cfg
+        p_tp, d_tp = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
+        _, writer_bytes, _total = compute_staging_layout(
+            p_tp, d_tp, target.decode_rank, cfg.model.num_kv_heads,
+            chunk.num_pages * cfg.page_size, cfg.bytes_per_head_token, cfg.model.num_layers)
+        wi = writer_index(p_tp, d_tp, self.rank)
+        nbytes = writer_bytes[wi]
+        dst_offset = offset + sum(writer_bytes[:wi])
+        fits = nbytes <= self.buffer_bytes and cfg.ring_bytes - offset >= sum(writer_bytes)
+        staged = True
+        if not fits:
+            if not self.defects.on(SILENT_SLICE_FALLBACK):
+                self._fail_chunk(room, chunk, f"staged transfer cannot fit chunk {chunk_idx} "
+                                 f"({chunk.num_pages} pages, {nbytes} bytes)", out)
+                return None
+            staged = False
+        return ev.StartTransfer(
+            worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
+            page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
+            dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd, staged=staged,
+            is_last=chunk.is_last)
+
+    def _on_transfer_done(self, e: ev.TransferDone, out: list[ev.Effect]) -> None:
+        w = self.workers[e.worker]
+        chunk = w.busy
+        assert chunk is not None, f"worker {e.worker} has no transfer in flight"
+        w.busy = None
+        room = self.rooms.get(chunk.room)
+        if room is None:
+            self._run_worker(e.worker, out)
+            return
+        if not e.ok:
+            self._fail_chunk(room, chunk, f"NIXL transfer failed: {e.error}", out)
+            self._run_worker(e.worker, out)
+            return
+        target = room.targets[chunk.next_target]
+        chunk_idx = chunk_index(chunk.page_start, self.cfg.full_chunk_pages)
+        skip_last = chunk.is_last and self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+        if chunk.staged and not skip_last:
+            out.append(ev.Send(dst=target.session, msg=wire.ChunkReady(
+                room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
+                num_pages=chunk.num_pages, writer_id=target.session,
+                prefill_rank=self.unique_rank)))
+        chunk.next_target += 1
+        if self._step_chunk(e.worker, room, chunk, out):
+            return
+        self._run_worker(e.worker, out)
+
+    def _finish_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
+                      out: list[ev.Effect]) -> None:
+        chunk.counted = False
+        room.outstanding -= 1
+        if chunk.is_last:
+            self._conclude(room, "Success", "", out)
+        self._maybe_teardown(room, chunk, out)
+
+    def _maybe_teardown(self, room: PrefillRoom, chunk: TransferChunk,
+                        out: list[ev.Effect]) -> None:
+        gate = room.outstanding <= 0 or self.defects.on(TEARDOWN_DROPS_DEFERRED)
+        concluded = room.status == "Success" or (chunk.is_last and room.status == "Failed")
+        if gate and concluded:
+            del self.rooms[room.room]
+            self.prefetch_requested = {k for k in self.prefetch_requested if k[0] != room.room}
+            out.append(ev.RoomTornDown(room=room.room))
+
+    def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
+                    out: list[ev.Effect]) -> None:
+        if chunk.counted:
+            chunk.counted = False
+            room.outstanding -= 1
+        self._conclude(room, "Failed", reason, out)
+        self._maybe_teardown(room, chunk, out)
+
+    def _conclude(self, room: PrefillRoom, status: str, reason: str,
+                  out: list[ev.Effect]) -> None:
+        if room.status == "Failed":
+            return
+        room.status = status
+        room.fail_reason = reason
+        poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
+        out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
+        for target in room.targets:
+            out.append(ev.Send(dst=target.session, msg=wire.TransferStatus(
+                room=room.room, status=poll, prefill_rank=self.unique_rank,
+                failure_reason=reason)))
+
+    def _on_send_failed(self, e: ev.SendFailed, out: list[ev.Effect]) -> None:
+        msg = e.msg
+        if not isinstance(msg, wire.ChunkReady) or self.defects.on(SWALLOWED_CHUNK_READY_ERROR):
+            out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                                  reason="send failed (ignored)"))
+            return
+        room = self.rooms.get(msg.room)
+        if room is not None:
+            self._conclude(room, "Failed", f"CHUNK_READY send to {e.dst} failed", out)
+
+    def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
+        room = self.rooms.get(e.room)
+        if room is None or room.status in ("Failed",):
+            return
+        room.status = "Failed"
+        room.fail_reason = e.reason
+        out.append(ev.RoomConcluded(room=e.room, status="Failed", reason=e.reason))
+        if room.outstanding <= 0 and not self._queued(e.room):
+            del self.rooms[e.room]
+            out.append(ev.RoomTornDown(room=e.room))
+        self._wake(out)
+
+    def _queued(self, room: int) -> bool:
+        return any(c.room == room for w in self.workers for c in w.queue) or any(
+            w.busy is not None and w.busy.room == room for w in self.workers)
+
+    def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
+        del e, out
+
+    _DISPATCH = {
+        ev.MessageArrived: _on_message,
+        ev.RoomBootstrapped: _on_bootstrapped,
+        ev.Prefetch: _on_prefetch,
+        ev.SendKV: _on_send_kv,
+        ev.WorkerPoll: _on_poll,
+        ev.TransferDone: _on_transfer_done,
+        ev.SendFailed: _on_send_failed,
+        ev.RoomAborted: _on_abort,
+        ev.Tick: _on_tick,
+    }
+
+
+def _find(targets: list[PrefillTarget], session: str) -> PrefillTarget | None:
+    for t in targets:
+        if t.session == session:
+            return t
+    return None
+

@@ -1,0 +1,155 @@
+"""SGLang's staging control frames: message dataclasses and a byte-exact codec.
+
+Frames are ZMQ multipart messages with ASCII decimal fields (sglang 0.5.23)::
+
+    [b"STAGING_REQ", room, chunk_idx, chunk_pages, session_id(, pp_rank)]
+    [b"STAGING_RSP", room, chunk_idx, offset, round, end, session_id]
+    [b"WATERMARK", round, tail, session_id]
+    [b"CHUNK_READY", room, chunk_idx, page_start, num_pages, writer_id, prefill_rank]
+    [b"KV_STATUS", room, status, prefill_rank, failure_reason]
+
+``decode`` raises ``ValueError`` naming the message kind and field on malformed input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
+
+
+class KVPoll(IntEnum):
+    """Per-room transfer status values (sglang ``KVPoll``)."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagingReq:
+    TAG: ClassVar[bytes] = b"STAGING_REQ"
+    room: int
+    chunk_idx: int
+    chunk_pages: int
+    session_id: str
+    pp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagingRsp:
+    TAG: ClassVar[bytes] = b"STAGING_RSP"
+    room: int
+    chunk_idx: int
+    offset: int
+    round: int
+    end: int
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Watermark:
+    TAG: ClassVar[bytes] = b"WATERMARK"
+    round: int
+    tail: int
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkReady:
+    TAG: ClassVar[bytes] = b"CHUNK_READY"
+    room: int
+    chunk_idx: int
+    page_start: int
+    num_pages: int
+    writer_id: str
+    prefill_rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferStatus:
+    """A prefill rank's per-room transfer result (nixl ``KV_STATUS``)."""
+
+    TAG: ClassVar[bytes] = b"KV_STATUS"
+    room: int
+    status: KVPoll
+    prefill_rank: int
+    failure_reason: str = ""
+
+
+Message = StagingReq | StagingRsp | Watermark | ChunkReady | TransferStatus
+MESSAGE_TYPES: dict[bytes, type] = {
+    t.TAG: t for t in (StagingReq, StagingRsp, Watermark, ChunkReady, TransferStatus)
+}
+_STR_FIELDS = {"session_id", "writer_id"}
+
+
+def _enc(value: object) -> bytes:
+    if isinstance(value, IntEnum):
+        return str(int(value)).encode("ascii")
+    return str(value).encode("ascii")
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Frames of ``msg`` exactly as SGLang sends them."""
+    if isinstance(msg, TransferStatus):
+        return [msg.TAG, _enc(msg.room), _enc(msg.status), _enc(msg.prefill_rank),
+                msg.failure_reason.encode("utf-8")]
+    parts = [msg.TAG]
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if f.name == "pp_rank" and value is None:
+            continue
+        parts.append(_enc(value))
+    return parts
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Parse one multipart message; ``ValueError`` names the kind and field on bad input."""
+    if not frames:
+        raise ValueError("empty message: no frames")
+    tag = bytes(frames[0])
+    cls = MESSAGE_TYPES.get(tag)
+    if cls is None:
+        raise ValueError(f"unknown message kind {tag[:32]!r}")
+    kind = tag.decode("ascii")
+    names = _field_names(cls)
+    optional = {"pp_rank", "failure_reason"}
+    required = [n for n in names if n not in optional]
+    body = frames[1:]
+    if len(body) < len(required):
+        missing = required[len(body)]
+        raise ValueError(f"{kind}: missing field {missing!r} ({len(body)} of {len(required)} fields)")
+    if len(body) > len(names):
+        raise ValueError(f"{kind}: {len(body)} fields, at most {len(names)} expected")
+    values: dict[str, object] = {}
+    for name, raw in zip(names, body, strict=False):
+        values[name] = _decode_field(kind, name, bytes(raw))
+    if cls is TransferStatus:
+        try:
+            values["status"] = KVPoll(values["status"])
+        except ValueError:
+            raise ValueError(f"{kind}: field 'status': unknown status {values['status']}") from None
+    return cls(**values)
+
+
+def _decode_field(kind: str, name: str, raw: bytes) -> object:
+    if name == "failure_reason":
+        return raw.decode("utf-8", errors="replace")
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"{kind}: field {name!r}: not ASCII: {raw[:32]!r}") from None
+    if name in _STR_FIELDS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{kind}: field {name!r}: expected a decimal integer, got {text[:32]!r}") from None

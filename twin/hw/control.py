@@ -1,0 +1,291 @@
+"""ZeroMQ control plane for twin ranks: multipart messages over loopback TCP.
+
+Each rank owns one :class:`ControlSocket`: a PULL socket bound on loopback (its
+``endpoint`` is what peers send to) plus lazily connected PUSH sockets, one per peer
+endpoint. Frames are raw ``bytes``; interpreting them is the caller's job, so the receive
+path (:meth:`ControlSocket.recv_frames`) never raises because of message content.
+
+The twin's own bootstrap (agent metadata and registered regions) travels as
+``[b"TWIN_BOOTSTRAP", name, json, metadata]``: the first three frames follow the documented
+``[tag, name, json]`` shape and the opaque NIXL metadata rides as a trailing binary frame
+instead of being base64-encoded into the JSON. SGLang's staging frames are a separate
+protocol and are not decoded here.
+
+Delivery notes: PUSH sockets use ``ZMQ_IMMEDIATE`` so :meth:`ControlSocket.send` blocks (up
+to its timeout) until the peer's PULL socket is reachable instead of queueing silently.
+A send returns once the message is queued; ``close()`` defaults to linger 0, which drops
+anything still queued, so a process that sends a last message and exits should close with
+``linger_ms > 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from twin.hw.netutil import LOOPBACK_HOST
+from twin.hw.nixl_transport import RegionDesc
+
+BOOTSTRAP_TAG = b"TWIN_BOOTSTRAP"
+
+
+class ControlError(RuntimeError):
+    """The control socket is closed, or a send could not be queued in time."""
+
+
+class ControlSocket:
+    """A bound PULL socket plus per-peer PUSH sockets; see the module docstring.
+
+    ``bind``: a zmq endpoint to bind (``tcp://127.0.0.1:5555``); by default a random port on
+    ``host``. ``context``: a shared zmq context (not terminated by :meth:`close`); by default
+    the socket owns a private context and terminates it on close. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        bind: str | None = None,
+        *,
+        host: str = LOOPBACK_HOST,
+        context: zmq.Context[Any] | None = None,
+        send_timeout_ms: int = 5000,
+    ) -> None:
+        self._owns_ctx = context is None
+        self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
+        self._send_timeout_ms = send_timeout_ms
+        self._push: dict[str, zmq.Socket[Any]] = {}
+        self._backlog: deque[list[bytes]] = deque()
+        self._closed = False
+        self._pull: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        try:
+            if bind is None:
+                port = self._pull.bind_to_random_port(f"tcp://{host}")
+                self.endpoint = f"tcp://{host}:{port}"
+            else:
+                self._pull.bind(bind)
+                last = self._pull.getsockopt(zmq.LAST_ENDPOINT)
+                self.endpoint = last.decode() if isinstance(last, bytes) else str(last)
+        except Exception:
+            self._pull.close(0)
+            if self._owns_ctx:
+                self._ctx.term()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def context(self) -> zmq.Context[Any]:
+        return self._ctx
+
+    def __enter__(self) -> ControlSocket:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close all sockets (and the private context). Idempotent.
+
+        ``linger_ms`` bounds how long already-queued outgoing messages may still be sent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._push.values():
+            sock.close(linger_ms)
+        self._push.clear()
+        self._pull.close(0)
+        self._backlog.clear()
+        if self._owns_ctx:
+            self._ctx.term()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ControlError("control socket is closed")
+
+    # ------------------------------------------------------------------ send
+    def _push_for(self, endpoint: str) -> zmq.Socket[Any]:
+        sock = self._push.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as e:
+                sock.close(0)
+                raise ControlError(f"cannot connect to {endpoint!r}: {e}") from e
+            self._push[endpoint] = sock
+        return sock
+
+    def send(
+        self, endpoint: str, frames: Sequence[bytes], *, timeout_ms: int | None = None
+    ) -> None:
+        """Queue one multipart message for ``endpoint``.
+
+        Blocks at most ``timeout_ms`` (default: the socket's ``send_timeout_ms``) while the
+        peer is unreachable or its queue is full, then raises :class:`ControlError`.
+        """
+        self._check_open()
+        if not frames:
+            raise ValueError("a message needs at least one frame")
+        parts = [bytes(f) for f in frames]
+        sock = self._push_for(endpoint)
+        sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms if timeout_ms is None else timeout_ms)
+        try:
+            sock.send_multipart(parts, copy=True)
+        except zmq.Again as e:
+            raise ControlError(f"send to {endpoint!r} timed out (peer unreachable?)") from e
+
+    # ------------------------------------------------------------------ receive
+    def recv_frames(self, timeout_ms: int | None = None) -> list[bytes] | None:
+        """Return the next multipart message as raw frames, or ``None`` on timeout.
+
+        ``timeout_ms=None`` blocks; ``0`` does not block. Tolerant: the content is not
+        inspected, so malformed messages never raise here. Raises :class:`ControlError` only
+        if the socket is (or gets) closed.
+        """
+        self._check_open()
+        if self._backlog:
+            return self._backlog.popleft()
+        try:
+            if timeout_ms is None or timeout_ms > 0:
+                if not self._pull.poll(timeout_ms, zmq.POLLIN):
+                    return None
+                return list(self._pull.recv_multipart(copy=True))
+            return list(self._pull.recv_multipart(zmq.NOBLOCK, copy=True))
+        except zmq.Again:
+            return None
+        except zmq.ContextTerminated as e:
+            raise ControlError("control socket context terminated") from e
+
+    recv = recv_frames
+
+    def unread(self, messages: Iterable[list[bytes]]) -> None:
+        """Put messages back so the next receives return them first, in the given order."""
+        self._check_open()
+        self._backlog.extendleft(reversed(list(messages)))
+
+
+# ---------------------------------------------------------------------- bootstrap
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """What one rank tells another before transfers: who it is and where to write."""
+
+    name: str
+    endpoint: str
+    metadata: bytes
+    regions: tuple[RegionDesc, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def encode_bootstrap(info: BootstrapInfo) -> list[bytes]:
+    """Frames ``[TWIN_BOOTSTRAP, name, json, metadata]`` for ``info``."""
+    body = {
+        "endpoint": info.endpoint,
+        "regions": [r.to_dict() for r in info.regions],
+        "extra": dict(info.extra),
+    }
+    return [
+        BOOTSTRAP_TAG,
+        info.name.encode(),
+        json.dumps(body, separators=(",", ":")).encode(),
+        bytes(info.metadata),
+    ]
+
+
+def decode_bootstrap(frames: Sequence[bytes]) -> BootstrapInfo | None:
+    """Parse bootstrap frames; return ``None`` (never raise) for anything malformed."""
+    try:
+        if len(frames) != 4 or frames[0] != BOOTSTRAP_TAG:
+            return None
+        name = bytes(frames[1]).decode()
+        body = json.loads(bytes(frames[2]))
+        if not name or not isinstance(body, dict):
+            return None
+        endpoint = body["endpoint"]
+        regions_raw = body.get("regions", [])
+        extra = body.get("extra", {})
+        if not isinstance(endpoint, str) or not isinstance(regions_raw, list):
+            return None
+        if not isinstance(extra, dict):
+            return None
+        regions = tuple(RegionDesc.from_dict(r) for r in regions_raw)
+        return BootstrapInfo(name, endpoint, bytes(frames[3]), regions, extra)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
+def send_bootstrap(sock: ControlSocket, endpoint: str, info: BootstrapInfo) -> None:
+    """Send ``info`` to the control socket at ``endpoint``."""
+    sock.send(endpoint, encode_bootstrap(info))
+
+
+def recv_bootstrap(
+    sock: ControlSocket, timeout_s: float, *, name: str | None = None
+) -> BootstrapInfo | None:
+    """Wait for a valid bootstrap message (from ``name`` if given); ``None`` on timeout.
+
+    Malformed bootstrap messages are dropped; other messages (different first frame, or a
+    bootstrap from another rank) are put back on ``sock`` in arrival order.
+    """
+    deadline = time.monotonic() + timeout_s
+    others: list[list[bytes]] = []
+    try:
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return None
+            frames = sock.recv_frames(left_ms)
+            if frames is None:
+                return None
+            if not frames or frames[0] != BOOTSTRAP_TAG:
+                others.append(frames)
+                continue
+            info = decode_bootstrap(frames)
+            if info is None:
+                continue
+            if name is not None and info.name != name:
+                others.append(frames)
+                continue
+            return info
+    finally:
+        if others and not sock.closed:
+            sock.unread(others)
+
+
+def exchange_bootstrap(
+    sock: ControlSocket,
+    peer_endpoint: str | None,
+    info: BootstrapInfo,
+    timeout_s: float = 30.0,
+) -> BootstrapInfo:
+    """Swap bootstrap info with one peer and return the peer's.
+
+    With ``peer_endpoint`` the caller speaks first, then waits for the reply; with ``None``
+    it waits for the peer's message and replies to the endpoint that message names. Raises
+    ``TimeoutError`` if the peer's message does not arrive within ``timeout_s``.
+    """
+    if peer_endpoint is not None:
+        send_bootstrap(sock, peer_endpoint, info)
+    peer = recv_bootstrap(sock, timeout_s)
+    if peer is None:
+        raise TimeoutError(f"no bootstrap message within {timeout_s:.3g} s on {sock.endpoint}")
+    if peer_endpoint is None:
+        send_bootstrap(sock, peer.endpoint, info)
+    return peer
