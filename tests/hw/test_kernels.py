@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -139,8 +144,9 @@ def test_size_and_shape_errors() -> None:
         gather_to_staging(k, v[:1], [0, 1], 4, 0, 2, torch.empty(4096, dtype=torch.uint8))
     # 2 writers of 2 heads each: a region of one writer block is too small
     with pytest.raises(ValueError, match="need"):
-        scatter_from_staging(torch.empty(staging_bytes(k, 8, 2), dtype=torch.uint8),
-                             k, v, [0, 1], 4, 4, 2, 0, 8)
+        scatter_from_staging(
+            torch.empty(staging_bytes(k, 8, 2), dtype=torch.uint8), k, v, [0, 1], 4, 4, 2, 0, 8
+        )
 
 
 def test_get_kernels_selection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,6 +160,24 @@ def test_get_kernels_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TWIN_KERNELS", "cutlass")
     with pytest.raises(ValueError, match="TWIN_KERNELS"):
         get_kernels("cpu")
+
+
+def test_without_triton_falls_back_to_torch() -> None:
+    """With triton unimportable the Triton module still imports and selection picks torch."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from twin.hw import triton_kernels as tk\n"
+        "from twin.hw.kernels import get_kernels, triton_available\n"
+        "assert not tk.HAS_TRITON and not triton_available()\n"
+        "assert get_kernels('cuda').name == 'torch'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TWIN_KERNELS"}
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 @needs_cuda

@@ -40,9 +40,7 @@ def test_head_slices_connect_matching_global_heads(heads: int) -> None:
             dst_heads = rank_head_range(dst_tp, d, heads)
             covered: set[int] = set()
             for r in writer_ranks(src_tp, dst_tp, d):
-                src_start, nh, dst_start, _ = compute_head_slice_params(
-                    src_tp, dst_tp, r, d, heads
-                )
+                src_start, nh, dst_start, _ = compute_head_slice_params(src_tp, dst_tp, r, d, heads)
                 sent = rank_head_range(src_tp, r, heads)[src_start : src_start + nh]
                 assert list(sent) == list(dst_heads[dst_start : dst_start + nh]), (src_tp, dst_tp)
                 covered |= set(sent)
@@ -95,7 +93,12 @@ def test_corrupt_decode_pool_byte_is_located() -> None:
     found = verify_decode_pool(res.decode_k[0], res.decode_v[0], 7, positions, tokens, range(8))
     assert isinstance(found, Mismatch)
     assert (found.request, found.layer, found.kv, found.token, found.head, found.dim) == (
-        7, 2, "v", 32 + 16 + 5, 6, 3
+        7,
+        2,
+        "v",
+        32 + 16 + 5,
+        6,
+        3,
     )
     assert found.count == 1 and found.expected != found.got
     assert "layer 2 V token 53 head 6 dim 3" in str(found)

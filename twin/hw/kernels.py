@@ -315,7 +315,10 @@ TORCH_BACKEND = KernelBackend("torch", gather_to_staging, scatter_from_staging)
 
 def triton_available() -> bool:
     """Whether the ``triton`` package can be imported (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # blocked or half-imported module
+        return False
 
 
 def _triton_backend() -> KernelBackend:
@@ -343,5 +346,8 @@ def get_kernels(device: torch.device | str, prefer_triton: bool = True) -> Kerne
     if forced:
         raise ValueError(f"TWIN_KERNELS must be 'torch' or 'triton', got {forced!r}")
     if prefer_triton and torch.device(device).type == "cuda" and triton_available():
-        return _triton_backend()
+        from twin.hw import triton_kernels
+
+        if triton_kernels.HAS_TRITON:
+            return _triton_backend()
     return TORCH_BACKEND

@@ -418,10 +418,12 @@ class NixlEndpoint:
     def wait(self, handle: TransferHandle, timeout_s: float = 30.0) -> None:
         """Block until ``DONE``; raise :class:`TransferError` on ``ERR``, :class:`TransferTimeout`.
 
-        Spins briefly, then backs off to sub-millisecond sleeps.
+        Busy-polls for the first millisecond (so short transfers are timed accurately), then
+        backs off to sleeps of at most 1 ms.
         """
-        deadline = time.perf_counter() + timeout_s
-        spins = 0
+        start = time.perf_counter()
+        deadline = start + timeout_s
+        nap = 0.0
         while True:
             state = self.poll(handle)
             if state == "DONE":
@@ -436,9 +438,9 @@ class NixlEndpoint:
                     f"WRITE #{handle.xfer_id} of {handle.nbytes} B to {handle.peer!r} still in "
                     f"progress after {timeout_s:.3g} s"
                 )
-            spins += 1
-            if spins > 200:
-                time.sleep(min(1e-4 * (spins - 200), 1e-3))
+            if now - start > 1e-3:
+                nap = min(nap + 5e-5, 1e-3, deadline - now)
+                time.sleep(nap)
 
     def release(self, handle: TransferHandle) -> None:
         """Free the NIXL request. Idempotent. Releasing an in-flight transfer asks NIXL to

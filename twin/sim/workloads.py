@@ -152,6 +152,8 @@ def _validate_requests(requests: tuple[Request, ...]) -> None:
             raise WorkloadError(
                 f"request {i}: shared_prefix_len {r.shared_prefix_len!r} is not in [0, input_len]"
             )
+        if r.prefix_group is not None and not _is_int(r.prefix_group):
+            raise WorkloadError(f"request {i}: prefix_group {r.prefix_group!r} is not None or int")
         if type(r.prefix_hashes) is not tuple:
             raise WorkloadError(f"request {i}: prefix_hashes must be a tuple of ints")
 
@@ -168,7 +170,8 @@ class Workload:
         name: short human-readable name (file stem or generator name).
         requests: the requests, in arrival order.
         source: where it came from: a file path, or a spec that :func:`parse_workload_spec`
-            accepts and that reproduces the same digest.
+            accepts and that reproduces the same digest (``fixed:n=N`` for :func:`fixed`, which
+            is descriptive only).
         digest: sha256 hex of the canonical serialisation of ``requests`` (name and source are
             not part of it), stable across runs, machines and file compression.
     """
@@ -459,7 +462,8 @@ def load_trace(
     file = os.fspath(path)
     _check_first_n(first_n)
     slowdown = _check_slowdown(slowdown)
-    lines = _read_text(file).splitlines()
+    # Physical lines only ("\n", optional "\r"), so reported line numbers match editors.
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in _read_text(file).split("\n")]
     first = next((i for i, t in enumerate(lines) if t.strip()), None)
     if first is None:
         raise WorkloadError(f"{file}: empty trace; {_EXPECTED_FORMATS}")

@@ -1,0 +1,197 @@
+"""Raw NIXL WRITE throughput between two processes versus an in-process memcpy.
+
+Run: ``python benchmarks/bench_transfer.py [--sizes-mib 1 4 16 64] [--repeat 20]
+[--modes shm tcp] [--json out.json]``.
+
+:func:`measure_raw_write` is the baseline the staged-chunk benchmark reuses: one WRITE of
+``n`` contiguous bytes from a registered source in this process into a registered buffer
+of a spawned target process, timed from posting (descriptor creation included) until the
+initiator observes ``DONE``. :func:`measure_memcpy` times ``dst.copy_(src)`` of the same
+bytes within one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from twin.hw.control import BootstrapInfo, ControlSocket, exchange_bootstrap
+from twin.hw.nixl_transport import NixlEndpoint
+
+MIB = 1 << 20
+DEFAULT_SIZES = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+
+
+def _stats(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
+    med = statistics.median(seconds)
+    best = min(seconds)
+    return {
+        "seconds_median": med,
+        "seconds_best": best,
+        "gbps_median": nbytes / med / 1e9,
+        "gbps_best": nbytes / best / 1e9,
+    }
+
+
+def _bench_target(parent_ep: str, name: str, shm: bool, device: str, nbytes: int) -> None:
+    """Target rank: expose one buffer, answer CHECK (value fill test) until STOP."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    with ControlSocket() as cs, NixlEndpoint(name, shm=shm) as ep:
+        region = ep.register(buf)
+        info = BootstrapInfo(name, cs.endpoint, ep.metadata(), (region,))
+        peer = exchange_bootstrap(cs, parent_ep, info, timeout_s=60)
+        ep.add_peer(peer.metadata)
+        while True:
+            frames = cs.recv_frames(60_000)
+            if frames is None or frames[0] == b"STOP":
+                break
+            if frames[0] == b"CHECK":
+                n, value = int(frames[1]), int(frames[2])
+                ok = bool(torch.all(buf[:n] == value).item())
+                cs.send(peer.endpoint, [b"CHECKED", b"1" if ok else b"0"])
+        cs.close(linger_ms=1000)
+
+
+def measure_raw_write(
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeat: int = 20,
+    *,
+    shm: bool = True,
+    device: str = "cpu",
+    warmup: int = 3,
+) -> dict[int, dict[str, float]]:
+    """Time single NIXL WRITEs of each size into a spawned target process.
+
+    Returns ``{nbytes: {"seconds_median", "seconds_best", "gbps_median", "gbps_best"}}``
+    (GB/s = 1e9 bytes/s). Each size gets ``warmup`` untimed writes, then ``repeat`` timed
+    ones; the target verifies the last write's bytes and a mismatch raises
+    ``RuntimeError``. The target process is always stopped before returning.
+    """
+    if not sizes or repeat < 1:
+        raise ValueError("need at least one size and repeat >= 1")
+    max_bytes = max(sizes)
+    tag = f"{'shm' if shm else 'tcp'}-{os.getpid()}-{time.monotonic_ns()}"
+    ctx = mp.get_context("spawn")
+    results: dict[int, dict[str, float]] = {}
+    with ControlSocket() as cs, NixlEndpoint(f"bench-init-{tag}", shm=shm) as ep:
+        src = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
+        ep.register(src)
+        proc = ctx.Process(
+            target=_bench_target,
+            args=(cs.endpoint, f"bench-target-{tag}", shm, device, max_bytes),
+            daemon=True,
+        )
+        proc.start()
+        try:
+            me = BootstrapInfo(ep.name, cs.endpoint, ep.metadata())
+            peer_info = exchange_bootstrap(cs, None, me, timeout_s=60)
+            peer = ep.add_peer(peer_info.metadata)
+            region = peer_info.regions[0]
+            ep.connect(peer)
+            for i, n in enumerate(sizes):
+                value = 1 + i % 250
+                src[:n].fill_(value)
+                samples: list[float] = []
+                for k in range(warmup + repeat):
+                    t0 = time.perf_counter()
+                    h = ep.write(src, peer, region, 0, n)
+                    ep.wait(h, timeout_s=60)
+                    dt = time.perf_counter() - t0
+                    ep.release(h)
+                    if k >= warmup:
+                        samples.append(dt)
+                cs.send(peer_info.endpoint, [b"CHECK", str(n).encode(), str(value).encode()])
+                reply = None
+                deadline = time.monotonic() + 30
+                while reply is None and time.monotonic() < deadline:
+                    frames = cs.recv_frames(1000)
+                    if frames and frames[0] == b"CHECKED":
+                        reply = frames[1]
+                if reply != b"1":
+                    raise RuntimeError(f"target saw wrong bytes after {n} B writes")
+                results[n] = _stats(n, samples)
+            cs.send(peer_info.endpoint, [b"STOP"], timeout_ms=1000)
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    return results
+
+
+def measure_memcpy(
+    sizes: Sequence[int] = DEFAULT_SIZES, repeat: int = 20, *, device: str = "cpu", warmup: int = 3
+) -> dict[int, dict[str, float]]:
+    """Time ``dst[:n].copy_(src[:n])`` within this process; same result shape as above."""
+    max_bytes = max(sizes)
+    src = torch.ones(max_bytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
+    results: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        samples: list[float] = []
+        for k in range(warmup + repeat):
+            sync()
+            t0 = time.perf_counter()
+            dst[:n].copy_(src[:n])
+            sync()
+            dt = time.perf_counter() - t0
+            if k >= warmup:
+                samples.append(dt)
+        results[n] = _stats(n, samples)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--modes", nargs="+", choices=["shm", "tcp"], default=["shm", "tcp"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path, help="also write the raw numbers here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    sizes = [int(s * MIB) for s in args.sizes_mib]
+
+    copy = measure_memcpy(sizes, args.repeat, device=args.device)
+    report: dict[str, Any] = {"memcpy": copy, "repeat": args.repeat, "device": args.device}
+    print(f"repeat={args.repeat} device={args.device} cpus={os.cpu_count()}")
+    header = (
+        f"{'mode':<5} {'size':>8} {'nixl med':>9} {'nixl best':>9} "
+        f"{'memcpy med':>10} {'nixl/memcpy':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode in args.modes:
+        raw = measure_raw_write(sizes, args.repeat, shm=mode == "shm", device=args.device)
+        report[mode] = raw
+        for n in sizes:
+            r, c = raw[n], copy[n]
+            print(
+                f"{mode:<5} {n / MIB:>5.0f}MiB {r['gbps_median']:>9.2f} {r['gbps_best']:>9.2f} "
+                f"{c['gbps_median']:>10.2f} {r['gbps_median'] / c['gbps_median']:>11.2f}"
+            )
+    print("(GB/s = 1e9 B/s, medians unless marked best)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Symbolic data-integrity model: content tags for every staging byte range and KV page.
+
+Fed the effects of the ranks, it detects the three ways staged KV goes wrong, naming request,
+chunk and pages: a write over data not yet scattered, a scatter that reads the wrong bytes (or
+writes them to the wrong pages), and a room completing before all of its pages landed. Pure
+bookkeeping; no I/O. Byte ranges are kept as sorted, disjoint intervals per ring.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from twin.core import events as ev
+
+Tag = tuple[int, int, int, int]  # (room, page_start, num_pages, writer)
+
+
+@dataclass(slots=True)
+class Ring:
+    """Tagged byte intervals of one decode staging ring."""
+
+    starts: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, Tag, bool]] = field(default_factory=list)  # start, end, tag, live
+
+    def overlapping(self, a: int, b: int) -> list[int]:
+        i = bisect.bisect_right(self.starts, a) - 1
+        i = max(i, 0)
+        hits = []
+        while i < len(self.spans) and self.spans[i][0] < b:
+            if self.spans[i][1] > a:
+                hits.append(i)
+            i += 1
+        return hits
+
+    def put(self, a: int, b: int, tag: Tag) -> None:
+        hits = self.overlapping(a, b)
+        pieces: list[tuple[int, int, Tag, bool]] = []
+        for i in hits:
+            s, e, t, live = self.spans[i]
+            if s < a:
+                pieces.append((s, a, t, live))
+            if e > b:
+                pieces.append((b, e, t, live))
+        for i in reversed(hits):
+            del self.spans[i]
+            del self.starts[i]
+        pieces.append((a, b, tag, True))
+        for p in pieces:
+            j = bisect.bisect_left(self.starts, p[0])
+            self.starts.insert(j, p[0])
+            self.spans.insert(j, p)
+
+    def consume(self, a: int, b: int) -> None:
+        """Mark ``[a, b)`` scattered: its bytes may be overwritten from now on."""
+        for i in self.overlapping(a, b):
+            s, e, t, _ = self.spans[i]
+            self.spans[i] = (s, e, t, False)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    kind: str  # "overwrite" | "misplaced" | "incomplete"
+    node: str
+    room: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.node} room {self.room}: {self.detail}"
+
+
+class IntegrityModel:
+    """Feed it ``on_transfer`` (prefill writes), ``on_effects`` (decode effects) and it collects
+    ``violations``. ``writer_bytes(node, room, num_pages)`` must give per-writer block bytes."""
+
+    def __init__(self, ring_bytes: int) -> None:
+        self.ring_bytes = ring_bytes
+        self.rings: dict[str, Ring] = {}
+        self.pages: dict[tuple[str, int], dict[int, bool]] = {}
+        self.violations: list[Violation] = []
+        self._seen: set[tuple[str, int, str]] = set()
+
+    def _flag(self, kind: str, node: str, room: int, detail: str) -> None:
+        key = (kind, room, node)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.violations.append(Violation(kind, node, room, detail))
+
+    def on_transfer(self, node: str, t: ev.StartTransfer) -> None:
+        """A prefill writer's bytes land in ``node``'s ring (called when the WRITE completes)."""
+        if not t.staged:
+            for p in range(t.page_start, t.page_start + t.num_pages):
+                self.pages.setdefault((node, t.room), {})[p] = True
+            return
+        ring = self.rings.setdefault(node, Ring())
+        a, b = t.dst_offset, t.dst_offset + t.nbytes
+        if b > self.ring_bytes:
+            self._flag("overwrite", node, t.room,
+                       f"chunk {t.chunk_idx} write [{a}, {b}) runs past the ring end "
+                       f"{self.ring_bytes}")
+            b = self.ring_bytes
+        for i in ring.overlapping(a, b):
+            s, e, tag, live = ring.spans[i]
+            if live and (tag[0], tag[1]) != (t.room, t.page_start):
+                self._flag("overwrite", node, tag[0],
+                           f"write of room {t.room} pages [{t.page_start}, "
+                           f"{t.page_start + t.num_pages}) landed on unscattered data of room "
+                           f"{tag[0]} pages [{tag[1]}, {tag[1] + tag[2]}) at bytes "
+                           f"[{max(s, a)}, {min(e, b)})")
+        ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer))
+
+    def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
+        """A scatter reads the region and writes pages of ``s.room``."""
+        ring = self.rings.setdefault(node, Ring())
+        pos = s.offset
+        ok = True
+        for w, nb in enumerate(writer_bytes):
+            a, b = pos, pos + nb
+            pos = b
+            hits = ring.overlapping(a, b)
+            want = (s.room, s.page_start, s.num_pages, w)
+            good = (len(hits) == 1 and ring.spans[hits[0]][2] == want
+                    and ring.spans[hits[0]][0] <= a and ring.spans[hits[0]][1] >= b)
+            if not good:
+                ok = False
+                found = sorted({(ring.spans[i][2][0], ring.spans[i][2][1]) for i in hits})
+                what = ", ".join(f"room {r} page {p}" for r, p in found) or "never-written bytes"
+                self._flag("misplaced", node, s.room,
+                           f"scatter of chunk {s.chunk_idx} (pages [{s.page_start}, "
+                           f"{s.page_start + s.num_pages}), writer {w}) read bytes [{a}, {b}) "
+                           f"holding {what}" + (" (blind tail scatter)" if s.blind else ""))
+            ring.consume(a, b)
+        pages = self.pages.setdefault((node, s.room), {})
+        for p in range(s.page_start, s.page_start + s.num_pages):
+            pages[p] = ok and pages.get(p, True)
+
+    def on_freed(self, node: str, offset: int, size: int) -> None:
+        self.rings.setdefault(node, Ring()).consume(offset, offset + size)
+
+    def on_concluded(self, node: str, room: int, status: str, total_pages: int) -> None:
+        """A decode room ended; on Success every page must hold the right data."""
+        pages = self.pages.pop((node, room), {})
+        if status != "Success":
+            return
+        missing = [p for p in range(total_pages) if not pages.get(p, False)]
+        if missing:
+            self._flag("incomplete", node, room,
+                       f"completed with {len(missing)} of {total_pages} pages not landed "
+                       f"(first: page {missing[0]})")

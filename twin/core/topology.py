@@ -1,0 +1,72 @@
+"""Who talks to whom: node names, prefill and decode groups, and per-room writer sets.
+
+A *group* is one attention-TP group: a whole instance without DP attention, or one DP rank of
+it with DP attention. A room is served by one prefill group and one decode group. Node ids are
+``p{instance}g{dp}r{rank}`` and ``d{instance}g{dp}r{rank}``; a decode node id is also the
+session id prefill ranks use for its watermark (SGLang's agent name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twin.core.config import TwinConfig
+from twin.core.layout import target_decode_ranks
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: str
+    role: str  # "prefill" | "decode"
+    instance: int
+    dp: int
+    rank: int
+    unique_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    role: str
+    instance: int
+    dp: int
+    nodes: tuple[Node, ...]
+
+
+def node_id(role: str, instance: int, dp: int, rank: int) -> str:
+    return f"{role[0]}{instance}g{dp}r{rank}"
+
+
+class Topology:
+    """Groups of a deployment and the writer fan-in/fan-out between them."""
+
+    def __init__(self, cfg: TwinConfig) -> None:
+        self.cfg = cfg
+        self.prefill_groups = self._groups("prefill")
+        self.decode_groups = self._groups("decode")
+        self.nodes: dict[str, Node] = {
+            n.id: n for g in (*self.prefill_groups, *self.decode_groups) for n in g.nodes
+        }
+
+    def _groups(self, role: str) -> list[Group]:
+        side = getattr(self.cfg, role)
+        groups = []
+        for inst in range(side.instances):
+            for dp in range(side.attn_dp_size):
+                nodes = tuple(
+                    Node(node_id(role, inst, dp, r), role, inst, dp, r,
+                         unique_rank=(inst * side.attn_dp_size + dp) * side.attn_tp_size + r)
+                    for r in range(side.attn_tp_size)
+                )
+                groups.append(Group(role, inst, dp, nodes))
+        return groups
+
+    def targets_of(self, prefill: Node, decode_group: Group) -> list[Node]:
+        """Decode nodes of ``decode_group`` that prefill rank ``prefill`` writes to."""
+        p, d = self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size
+        return [decode_group.nodes[i] for i in target_decode_ranks(p, d, prefill.rank)]
+
+    def writers_of(self, decode: Node, prefill_group: Group) -> tuple[str, ...]:
+        """Prefill node ids of ``prefill_group`` writing into decode rank ``decode``."""
+        p, d = self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size
+        return tuple(n.id for n in prefill_group.nodes
+                     if decode.rank in target_decode_ranks(p, d, n.rank))

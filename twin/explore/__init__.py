@@ -1,0 +1,1 @@
+"""Logical-time exploration of the protocol core: any delivery order, no clocks."""
