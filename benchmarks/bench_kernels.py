@@ -6,7 +6,9 @@ Example::
 
 Each row moves one staging block (all layers, K and V) and reports GB/s of staged bytes; the
 baseline copies a contiguous uint8 tensor of the same size in the same run, and ``ratio`` is
-kernel GB/s over copy GB/s.
+kernel GB/s over copy GB/s. By default a buffer larger than the last-level cache is written before
+every timed call (kernel and copy alike); ``--warm`` skips that, which lets a copy of a few tens of
+MiB run from cache while the kernels still read a pool four times the chunk.
 """
 
 from __future__ import annotations
@@ -26,12 +28,24 @@ except ImportError:  # run from a checkout without the package installed
     from twin.hw.kernels import KernelBackend, get_kernels, staging_bytes
 
 
-def _timeit(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+_FLUSH: dict[torch.device, torch.Tensor] = {}
+
+
+def _flush_caches(device: torch.device) -> None:
+    """Write a buffer larger than the last-level cache so every timed call starts cold."""
+    if device not in _FLUSH:
+        _FLUSH[device] = torch.zeros(256 * 2**20, dtype=torch.uint8, device=device)
+    _FLUSH[device].add_(1)
+
+
+def _timeit(fn: Callable[[], object], device: torch.device, repeat: int, cold: bool) -> float:
     """Median seconds per call after two warm-up calls."""
     for _ in range(2):
         fn()
     times = []
     for _ in range(repeat):
+        if cold:
+            _flush_caches(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -68,7 +82,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, int, float, float]]:
     def copy_gbps(nbytes: int) -> float:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
         dst = torch.empty_like(src)
-        return nbytes / _timeit(lambda: dst.copy_(src), device, args.repeat) / 1e9
+        return nbytes / _timeit(lambda: dst.copy_(src), device, args.repeat, args.cold) / 1e9
 
     # gather: all heads (prefill TP == decode TP) and half the heads (decode TP = 2 * prefill TP)
     for label, start, nh in (
@@ -81,6 +95,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, int, float, float]]:
             lambda s=start, n=nh, o=out: backend.gather_to_staging(k, v, pages, page_size, s, n, o),
             device,
             args.repeat,
+            args.cold,
         )
         rows.append((label, nbytes, nbytes / t / 1e9, copy_gbps(nbytes)))
 
@@ -94,6 +109,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, int, float, float]]:
             ),
             device,
             args.repeat,
+            args.cold,
         )
         rows.append((label, nbytes, nbytes / t / 1e9, copy_gbps(nbytes)))
     return rows
@@ -109,13 +125,19 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--warm",
+        dest="cold",
+        action="store_false",
+        help="skip the cache flush before each timed call (the copy baseline then runs in cache)",
+    )
     args = parser.parse_args()
 
     backend = get_kernels(args.device).name
     print(
         f"backend={backend} device={args.device} layers={args.layers} heads={args.heads} "
         f"head_dim={args.head_dim} dtype={args.dtype} tokens={args.tokens} "
-        f"page_size={args.page_size} repeat={args.repeat}"
+        f"page_size={args.page_size} repeat={args.repeat} caches={'cold' if args.cold else 'warm'}"
     )
     print(f"{'op':<20}{'MiB':>8}{'kernel GB/s':>13}{'copy GB/s':>11}{'ratio':>8}")
     for label, nbytes, gbps, copy in run(args):

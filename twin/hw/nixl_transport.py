@@ -14,18 +14,29 @@ Memory kinds: CPU tensors are registered as ``"DRAM"`` with dev id 0; CUDA tenso
 
 Behaviour of NIXL 1.5.1 (UCX backend) observed on a CPU-only host, relied on here:
 
-* UCX's default ``ucx_error_handling_mode=peer`` disables the shared-memory transports,
-  so two processes on one host talk over TCP loopback. ``shm=True`` creates the UCX
-  backend with ``ucx_error_handling_mode=none`` (agent built with no default backends,
-  then ``create_backend``), which enables shared memory and is several times faster,
-  but then a dead peer is not reported as ``ERR``: a transfer towards it may stay
-  ``PROC`` forever, so always ``wait`` with a timeout.
+* ``shm=True`` creates the UCX backend with ``ucx_error_handling_mode=none`` (agent built
+  with no default backends, then ``create_backend``); ``shm=False`` keeps UCX's default
+  ``peer`` mode. ``peer`` mode disables the shared-memory *active-message* transports
+  (sysv/posix), so wire-up and notifications go over TCP loopback, but same-host bulk
+  WRITEs still use the CMA zero-copy transport (``process_vm_writev``) in both modes, so
+  bulk throughput is about the same. To really push data through TCP set ``UCX_TLS=tcp``
+  in the environment before the agent is created (UCX then stripes over all TCP
+  interfaces, loopback included).
+* With ``shm=False`` the first WRITE to a peer needs the peer's progress thread (TCP
+  wire-up): while the peer is stopped it stays ``PROC``. With ``shm=True`` writes complete
+  without any help from the target process.
+* Once a peer process has died, the next post fails in both modes (``transfer`` raises
+  ``NIXL_ERR_REMOTE_DISCONNECT`` rather than returning ``"ERR"``; mapped to
+  :class:`TransferError`). A write in flight when the peer dies ends in ``ERR`` in ``peer``
+  mode; UCX gives no such guarantee in ``none`` mode, so always ``wait`` with a timeout.
+* ``add_peer`` with refreshed metadata for an already-known agent is accepted and returns
+  the same name.
 * ``get_backend_params("UCX")`` after creation echoes only the parameters that were
   passed in, not the effective configuration.
 * The full agent metadata snapshot includes the memory registered *so far*; regions
   registered later are unknown to peers that loaded an older snapshot, and NIXL then
-  refuses transfers into them. Register everything before calling :meth:`metadata`, or
-  send a fresh snapshot (``add_peer`` with new metadata for a known agent updates it).
+  refuses transfers into them (``nixlNotFoundError``). Register everything before calling
+  :meth:`metadata`, or send a fresh snapshot and ``add_peer`` it again.
 * A remote range that is not inside a region known from the peer's metadata (for example
   past the registered length) is rejected by ``initialize_xfer`` with
   ``nixlNotFoundError`` ("no specified or potential backend had the required
@@ -36,7 +47,8 @@ Behaviour of NIXL 1.5.1 (UCX backend) observed on a CPU-only host, relied on her
   message is non-empty, so ``notif=b""`` is rejected here to avoid a silent no-op.
 * Deregistering a region twice raises ``nixlNotFoundError``; :meth:`close` is idempotent
   because it tracks what it registered.
-* Small transfers may complete inside the posting call (``transfer`` returns ``DONE``).
+* Writes often complete inside the posting call (``transfer`` returns ``DONE``); with the
+  CMA transport this holds even for 64 MiB, so the post itself can take milliseconds.
 """
 
 from __future__ import annotations

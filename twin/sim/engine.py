@@ -1,0 +1,478 @@
+"""The SimPy model of a disaggregated deployment, driving the protocol core unchanged.
+
+``Simulation`` owns one core rank per prefill and decode attention-TP rank and carries out their
+effects with modelled costs (``SimParams``): control frames over ZMQ with latency and jitter
+(FIFO per link), staged WRITEs over NICs shared by ranks, gather and scatter kernels, the prefill
+scheduler's chunked forwards, and the decode scheduler's polling of scatter events. Randomness
+comes from streams seeded from one root seed, so a seed reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import simpy
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.core.config import TwinConfig
+from twin.core.decode import DecodeRank
+from twin.core.defects import Defects
+from twin.core.integrity import IntegrityModel
+from twin.core.layout import compute_staging_layout
+from twin.core.prefill import PrefillRank
+from twin.core.topology import Topology
+from twin.sim.faults import FaultInjector, FaultSpec
+from twin.sim.metrics import Metrics
+from twin.sim.params import SimParams
+from twin.sim.requests import SimRequest
+from twin.sim.scheduler import PrefillScheduler
+from twin.sim.workloads import PrefixCache, Request, Workload
+
+
+class Recorder(Protocol):
+    """Where the simulation writes its trace (``twin.trace.format.TraceWriter`` fits)."""
+
+    def write_input(self, t: float, node: str, event: Any) -> None: ...
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None: ...
+    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None: ...
+
+
+PROGRESS_EFFECTS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
+                    ev.ChunkQueued)
+
+
+class Simulation:
+    """One simulated run: ``run()`` returns when every request ended, a wedge is found, or
+    ``until`` is reached."""
+
+    def __init__(self, cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
+                 faults: list[FaultSpec] | None = None, seed: int = 0,
+                 params: SimParams | None = None, recorder: Recorder | None = None,
+                 request_overrides: dict[int, dict[str, int]] | None = None) -> None:
+        self.cfg = cfg
+        self.workload = workload
+        self.defects = defects or Defects()
+        self.params = params or SimParams()
+        self.seed = seed
+        self.recorder = recorder
+        self.overrides = request_overrides or {}
+        self.env = simpy.Environment()
+        self.topo = Topology(cfg)
+        self.ranks: dict[str, PrefillRank | DecodeRank] = {}
+        for n in self.topo.nodes.values():
+            if n.role == "prefill":
+                self.ranks[n.id] = PrefillRank(cfg, n.id, n.rank, n.unique_rank, self.defects)
+            else:
+                self.ranks[n.id] = DecodeRank(cfg, n.id, n.rank, self.defects)
+        self.rng_net = random.Random(f"{seed}:net")
+        self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
+        self.integrity = IntegrityModel(cfg.ring_bytes)
+        self.metrics = Metrics(self.topo)
+        self.requests: dict[int, SimRequest] = {}
+        self.schedulers = [PrefillScheduler(self, i) for i in range(len(self.topo.prefill_groups))]
+        self.prefill_cache = PrefixCache.from_tokens(self.params.prefill_radix_tokens) \
+            if self.params.prefill_radix_tokens else None
+        self.decode_cache = PrefixCache.from_tokens(self.params.decode_radix_tokens) \
+            if self.params.decode_radix_tokens else None
+        self.crashed: dict[str, str] = {}
+        self.link_last: dict[tuple[str, str], float] = {}
+        self.nic_free: dict[str, float] = {}
+        self.stream_free: dict[str, float] = {}
+        self.poll_token: dict[tuple[str, int], int] = {}
+        self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
+        self.last_dropped: dict[int, list[str]] = {}
+        self.last_progress = 0.0
+        self.unfinished = len(workload.requests)
+        self.arrived = 0
+        self.inputs = 0
+        self.done = self.env.event()
+        self.stop_reason = ""
+        self._rr = 0
+        self.progress_cb: Callable[[float], None] | None = None
+
+    # -- scheduling helpers ------------------------------------------------------------------
+    def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
+        """Call ``fn(*args)`` ``delay`` seconds from now."""
+        t = self.env.timeout(max(0.0, delay))
+        t.callbacks.append(lambda _e: fn(*args))
+
+    @property
+    def now(self) -> float:
+        return self.env.now
+
+    def sys(self, node: str, record: dict[str, Any]) -> None:
+        if self.recorder is not None:
+            self.recorder.write_sys(self.env.now, node, record)
+
+    # -- feeding the core --------------------------------------------------------------------
+    def feed(self, node: str, event: ev.Input) -> None:
+        """Hand ``event`` to ``node``'s core now and carry out its effects."""
+        if node in self.crashed:
+            return
+        now = self.env.now
+        self.inputs += 1
+        effects = self.ranks[node].handle(event, now)
+        if self.recorder is not None:
+            self.recorder.write_input(now, node, event)
+            self.recorder.write_effects(now, node, effects)
+        for e in effects:
+            self._EFFECTS[type(e)](self, node, e)
+
+    # -- control plane -----------------------------------------------------------------------
+    def send(self, src: str, dst: str, msg: wire.Message) -> None:
+        p = self.params
+        fate = self.injector.message(src, dst, msg) if self.injector.specs else None
+        if fate is not None and fate.applied:
+            self.sys(src, {"type": "FaultInjected", "fault": ";".join(fate.applied),
+                           "detail": f"{msg.TAG.decode()} {src}->{dst}"})
+            if fate.send_failed:
+                self.feed(src, ev.SendFailed(dst=dst, msg=msg))
+                return
+        delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
+                                   if p.zmq_jitter_s > 0 else 0.0)
+        link = (src, dst)
+        t = max(self.env.now + delay, self.link_last.get(link, 0.0))
+        self.link_last[link] = t
+        copies, extra = (1, 0.0) if fate is None else (fate.copies, fate.extra_s)
+        arrived = ev.MessageArrived(src=src, msg=msg)
+        for i in range(copies):
+            self.at(t + extra + i * 1e-6 - self.env.now, self.feed, dst, arrived)
+
+    def _on_send(self, node: str, e: ev.Send) -> None:
+        self.send(node, e.dst, e.msg)
+
+    def _control(self, src: str, dst: str, fn: Callable[..., None], *args: Any) -> None:
+        """A non-frame control event (metadata, abort) with the same latency and link order."""
+        p = self.params
+        link = (src, dst)
+        t = max(self.env.now + p.zmq_latency_s, self.link_last.get(link, 0.0))
+        self.link_last[link] = t
+        self.at(t - self.env.now, fn, *args)
+
+    # -- prefill effects ---------------------------------------------------------------------
+    def _on_start_transfer(self, node: str, e: ev.StartTransfer) -> None:
+        p = self.params
+        self.last_progress = self.env.now
+        req = self.requests.get(e.room)
+        if req is not None and req.first_transfer_s < 0:
+            req.first_transfer_s = self.env.now
+        gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
+        nic = self.metrics.nic_of(node, p.ranks_per_nic)
+        start = max(self.env.now + gather, self.nic_free.get(nic, 0.0))
+        wire_s = e.nbytes / p.nic_bandwidth_Bps
+        self.nic_free[nic] = start + wire_s
+        self.metrics.nic_busy(nic, wire_s, e.nbytes)
+        done = start + wire_s + p.rdma_latency_s
+        self.at(done - self.env.now, self._transfer_done, node, e, self.env.now)
+
+    def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
+        failed = self.injector.transfer_fails(node) if self.injector.specs else None
+        if failed:
+            self.sys(node, {"type": "FaultInjected", "fault": failed,
+                            "detail": f"room {e.room} chunk {e.chunk_idx} write to {e.session}"})
+            self.feed(node, ev.TransferDone(worker=e.worker, ok=False, error=failed))
+            return
+        self.integrity.on_transfer(e.session, e)
+        req = self.requests.get(e.room)
+        if req is not None:
+            req.last_transfer_s = self.env.now
+        self.metrics.transfer(self.env.now - t0, e.nbytes)
+        self.feed(node, ev.TransferDone(worker=e.worker))
+
+    def _on_deferred(self, node: str, e: ev.Deferred) -> None:
+        req = self.requests.get(e.room)
+        if req is not None:
+            req.deferrals += 1
+        self.metrics.deferral(node)
+        if not e.all_blocked:
+            self._poll_later(node, e.worker, self.params.deferral_wait_s)
+
+    def _poll_later(self, node: str, worker: int, delay: float) -> None:
+        key = (node, worker)
+        token = self.poll_token.get(key, 0) + 1
+        self.poll_token[key] = token
+        self.at(delay, self._poll, node, worker, token)
+
+    def _poll(self, node: str, worker: int, token: int) -> None:
+        if self.poll_token.get((node, worker)) == token:
+            self.feed(node, ev.WorkerPoll(worker=worker))
+
+    def _on_wake(self, node: str, e: ev.WakeWorkers) -> None:
+        for w in e.workers:
+            self._poll_later(node, w, 0.0)
+
+    def _on_abort_notice(self, node: str, e: ev.AbortNotice) -> None:
+        for dst in e.dsts:
+            self._control(node, dst, self.feed, dst, ev.RoomAborted(room=e.room, reason=e.reason))
+
+    def _on_timer(self, node: str, e: ev.SetTimer) -> None:
+        self.at(e.at - self.env.now, self.feed, node, ev.Tick())
+
+    def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
+        self.last_progress = self.env.now
+        req = self.requests.get(e.room)
+        if req is None or self.topo.nodes[node].role != "decode":
+            return
+        req.decode_status[node] = e.status
+        self.integrity.on_concluded(node, e.room, e.status, self._total_pages(req))
+        if e.status == "Failed" and not req.reason:
+            req.reason = e.reason
+        group = self.topo.decode_groups[req.decode_group]
+        if len(req.decode_status) == len(group.nodes) and not req.finished:
+            ok = all(s == "Success" for s in req.decode_status.values())
+            self.finish(req, "Success" if ok else "Failed", req.reason)
+
+    def _on_crashed(self, node: str, e: ev.RankCrashed) -> None:
+        self.crashed[node] = e.reason
+
+    def _on_dropped(self, node: str, e: ev.Dropped) -> None:
+        if e.room >= 0:
+            notes = self.last_dropped.setdefault(e.room, [])
+            if len(notes) < 8:
+                notes.append(f"{node} dropped {e.what}: {e.reason}")
+
+    def _on_progress(self, node: str, e: ev.Effect) -> None:
+        self.last_progress = self.env.now
+
+    def _ignore(self, node: str, e: ev.Effect) -> None:
+        pass
+
+    # -- decode effects ----------------------------------------------------------------------
+    def _on_metadata(self, node: str, e: ev.SendMetadata) -> None:
+        target = ev.Target(session=e.session, decode_rank=e.decode_rank,
+                           total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len)
+        boot = ev.RoomBootstrapped(room=e.room, targets=(target,))
+        for p in e.prefill_ranks:
+            self._control(node, p, self._bootstrap, p, boot)
+        rank = self.ranks[node]
+        assert isinstance(rank, DecodeRank)
+        room = rank.rooms.get(e.room)
+        if room is not None and not room.registered:
+            self.at(self.params.late_register_delay_s, self.feed, node,
+                    ev.DecodeRoomRegister(room=e.room))
+
+    def _bootstrap(self, node: str, boot: ev.RoomBootstrapped) -> None:
+        self.feed(node, boot)
+        req = self.requests.get(boot.room)
+        rank = self.ranks[node]
+        if req is None or req.finished or not isinstance(rank, PrefillRank):
+            return
+        room = rank.rooms.get(boot.room)
+        group = self.topo.decode_groups[req.decode_group]
+        want = len(self.topo.targets_of(self.topo.nodes[node], group))
+        if room is not None and len(room.targets) == want:
+            req.bootstrapped.add(node)
+        pg = self.topo.prefill_groups[req.prefill_group]
+        if len(req.bootstrapped) == len(pg.nodes) and req.bootstrap_done_s < 0:
+            req.bootstrap_done_s = self.env.now
+            self.schedulers[req.prefill_group].admit(req)
+
+    def _on_allocated(self, node: str, e: ev.Allocated) -> None:
+        self.last_progress = self.env.now
+        self.alloc_span[(node, e.alloc_id)] = (e.offset, e.size)
+        self.metrics.occupancy(node, self.env.now, e.size)
+
+    def _on_freed(self, node: str, e: ev.Freed) -> None:
+        span = self.alloc_span.pop((node, e.alloc_id), None)
+        if span is not None:
+            self.integrity.on_freed(node, span[0], span[1])
+            self.metrics.occupancy(node, self.env.now, -span[1])
+
+    def _on_watermark(self, node: str, e: ev.WatermarkMoved) -> None:
+        rank = self.ranks[node]
+        assert isinstance(rank, DecodeRank)
+        a = rank.allocator
+        lag = (a.round - e.round) * a.total_size + a.head - e.tail
+        self.metrics.watermark_lag(node, self.env.now, max(0, lag))
+
+    def _on_start_scatter(self, node: str, e: ev.StartScatter) -> None:
+        p = self.params
+        self.last_progress = self.env.now
+        start = max(self.env.now, self.stream_free.get(node, 0.0))
+        finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
+        self.stream_free[node] = finish
+        self.at(start - self.env.now, self._scatter_runs, node, e)
+        poll = p.decode_poll_interval_s
+        observed = math.ceil(finish / poll) * poll if poll > 0 else finish
+        self.at(observed - self.env.now, self.feed, node,
+                ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+
+    def _scatter_runs(self, node: str, e: ev.StartScatter) -> None:
+        """The scatter kernel reads its region now: check what it finds there."""
+        _, writer_bytes, _ = compute_staging_layout(
+            self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size,
+            self.topo.nodes[node].rank, self.cfg.model.num_kv_heads,
+            e.num_pages * self.cfg.page_size, self.cfg.bytes_per_head_token,
+            self.cfg.model.num_layers)
+        self.integrity.on_scatter(node, e, writer_bytes)
+
+    def _total_pages(self, req: SimRequest) -> int:
+        suffix = req.input_len - req.decode_prefix_len
+        return (suffix + self.cfg.page_size - 1) // self.cfg.page_size
+
+    _EFFECTS: dict[type, Callable[[Simulation, str, Any], None]] = {
+        ev.Send: _on_send,
+        ev.SendMetadata: _on_metadata,
+        ev.AbortNotice: _on_abort_notice,
+        ev.Allocated: _on_allocated,
+        ev.Freed: _on_freed,
+        ev.WatermarkMoved: _on_watermark,
+        ev.StartScatter: _on_start_scatter,
+        ev.StartTransfer: _on_start_transfer,
+        ev.Deferred: _on_deferred,
+        ev.WorkerIdle: _ignore,
+        ev.WakeWorkers: _on_wake,
+        ev.ChunkQueued: _on_progress,
+        ev.ChunkSkipped: _ignore,
+        ev.RoomConcluded: _on_concluded,
+        ev.RoomTornDown: _ignore,
+        ev.Dropped: _on_dropped,
+        ev.SetTimer: _on_timer,
+        ev.RankCrashed: _on_crashed,
+    }
+
+    # -- requests ----------------------------------------------------------------------------
+    def _arrive(self, r: Request) -> None:
+        cfg, p = self.cfg, self.params
+        self.arrived += 1
+        self.last_progress = self.env.now
+        room = r.rid
+        n_pg, n_dg = len(self.topo.prefill_groups), len(self.topo.decode_groups)
+        page = cfg.page_size
+        decode_prefix = self.decode_cache.match(r) if self.decode_cache else 0
+        decode_prefix -= decode_prefix % page
+        prefill_prefix = self.prefill_cache.match(r) if self.prefill_cache else 0
+        prefill_prefix -= prefill_prefix % page
+        o = self.overrides.get(r.rid, {})
+        req = SimRequest(
+            room=room, rid=r.rid, arrival_s=self.env.now, input_len=r.input_len,
+            output_len=r.output_len, prefill_group=o.get("prefill_group", r.rid % n_pg),
+            decode_group=o.get("decode_group", r.rid % n_dg),
+            decode_prefix_len=o.get("decode_prefix_len", decode_prefix),
+            prefill_prefix_len=o.get("prefill_prefix_len", prefill_prefix),
+        )
+        req.extend_end = min(req.prefill_prefix_len, r.input_len - 1)
+        self.requests[room] = req
+        pg = self.topo.prefill_groups[req.prefill_group]
+        dg = self.topo.decode_groups[req.decode_group]
+        self.sys("driver", {
+            "type": "RequestArrived", "room": room, "rid": r.rid, "input_len": r.input_len,
+            "output_len": r.output_len, "decode_prefix_len": req.decode_prefix_len,
+            "prefill_prefix_len": req.prefill_prefix_len,
+            "prefill_nodes": [n.id for n in pg.nodes], "decode_nodes": [n.id for n in dg.nodes],
+        })
+        self.at(p.decode_prealloc_s, self._decode_init, req)
+        self.at(cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)
+
+    def _decode_init(self, req: SimRequest) -> None:
+        pg = self.topo.prefill_groups[req.prefill_group]
+        dg = self.topo.decode_groups[req.decode_group]
+        init_pages = self._total_pages(req)
+        for d in dg.nodes:
+            self.feed(d.id, ev.DecodeRoomInit(
+                room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
+                prefill_attn_tp=self.cfg.prefill.attn_tp_size,
+                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages))
+
+    def _bootstrap_deadline(self, req: SimRequest) -> None:
+        if req.bootstrap_done_s >= 0 or req.finished:
+            return
+        self.abort(req.room, "bootstrap timeout: decode metadata never reached every rank")
+
+    def abort(self, room: int, reason: str) -> None:
+        """Abort a request everywhere (client abort, bootstrap timeout)."""
+        req = self.requests.get(room)
+        if req is None or req.finished:
+            return
+        nodes = [n.id for n in self.topo.prefill_groups[req.prefill_group].nodes]
+        nodes += [n.id for n in self.topo.decode_groups[req.decode_group].nodes]
+        for n in nodes:
+            self.feed(n, ev.RoomAborted(room=room, reason=reason))
+
+    def finish(self, req: SimRequest, status: str, reason: str = "") -> None:
+        req.status = status
+        req.reason = reason
+        req.kv_done_s = self.env.now + (self.params.decode_step_s if status == "Success" else 0)
+        self.unfinished -= 1
+        self.metrics.request_done(req)
+        if status == "Success":
+            if self.decode_cache is not None:
+                self.decode_cache.insert(self.workload.requests[req.rid])
+        if self.unfinished == 0 and not self.done.triggered:
+            self.stop_reason = "all requests ended"
+            self.done.succeed()
+
+    def prefill_finished(self, req: SimRequest) -> None:
+        if self.prefill_cache is not None:
+            self.prefill_cache.insert(self.workload.requests[req.rid])
+
+    # -- timed faults and the run loop -------------------------------------------------------
+    def _timed_fault(self, spec: FaultSpec) -> None:
+        self.sys("driver", {"type": "FaultInjected", "fault": spec.text, "detail": ""})
+        if spec.action == "abort":
+            req = self.requests.get(spec.room or 0)
+            if req is not None:
+                self.abort(req.room, f"aborted by fault {spec.text}")
+            return
+        node = spec.target
+        if node not in self.ranks:
+            return
+        self.crashed[node] = f"crashed by fault {spec.text}"
+        if spec.action == "restart":
+            self.at(spec.down or 0.0, self._restart, node)
+
+    def _restart(self, node: str) -> None:
+        n = self.topo.nodes[node]
+        if n.role == "prefill":
+            self.ranks[node] = PrefillRank(self.cfg, n.id, n.rank, n.unique_rank, self.defects)
+        else:
+            self.ranks[node] = DecodeRank(self.cfg, n.id, n.rank, self.defects)
+        self.crashed.pop(node, None)
+        self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
+
+    def _arrivals(self):  # type: ignore[no-untyped-def]
+        env = self.env
+        for r in self.workload.requests:
+            if r.arrival_s > env.now:
+                yield env.timeout(r.arrival_s - env.now)
+            self._arrive(r)
+
+    def _monitor(self, window: float):  # type: ignore[no-untyped-def]
+        env = self.env
+        step = max(window / 4, 1e-3)
+        while not self.done.triggered:
+            yield env.timeout(step)
+            if self.progress_cb is not None:
+                self.progress_cb(env.now)
+            pending = self.unfinished > 0 and self.arrived > 0
+            idle = env.now - self.last_progress
+            if pending and idle >= window:
+                self.stop_reason = "wedge"
+                if not self.done.triggered:
+                    self.done.succeed()
+                return
+
+    def run(self, until: float | None = None) -> str:
+        """Run to the end; returns the stop reason: ``all requests ended``, ``wedge``,
+        ``event queue empty`` or ``until``."""
+        env = self.env
+        if not self.workload.requests:
+            return "all requests ended"
+        env.process(self._arrivals())
+        for spec in self.injector.timed():
+            self.at(spec.at or 0.0, self._timed_fault, spec)
+        env.process(self._monitor(self.params.wedge_window_s))
+        stop = self.done if until is None else (self.done | env.timeout(until))
+        try:
+            env.run(until=stop)
+        except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
+            if "No scheduled events left" not in str(exc):
+                raise
+            self.stop_reason = "event queue empty"
+        if not self.stop_reason:
+            self.stop_reason = "until"
+        return self.stop_reason

@@ -1,0 +1,124 @@
+"""Run metrics: latency distributions, ring occupancy and watermark lag, deferrals, NIC use."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from twin.core.topology import Topology
+from twin.sim.requests import SimRequest
+
+
+class Metrics:
+    """Collects time series and per-request results while a simulation runs."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self.done: list[SimRequest] = []
+        self.occ: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self._occ_now: dict[str, int] = defaultdict(int)
+        self.lag: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.deferrals: dict[str, int] = defaultdict(int)
+        self.nic_busy_s: dict[str, float] = defaultdict(float)
+        self.nic_bytes: dict[str, int] = defaultdict(int)
+        self.transfer_s: list[float] = []
+        self.bytes_moved = 0
+        self._nic_cache: dict[str, str] = {}
+
+    def nic_of(self, node: str, ranks_per_nic: int) -> str:
+        nic = self._nic_cache.get(node)
+        if nic is None:
+            n = self.topo.nodes[node]
+            nic = f"{node[0]}{n.instance}nic{n.unique_rank // ranks_per_nic}"
+            self._nic_cache[node] = nic
+        return nic
+
+    def nic_busy(self, nic: str, seconds: float, nbytes: int) -> None:
+        self.nic_busy_s[nic] += seconds
+        self.nic_bytes[nic] += nbytes
+
+    def transfer(self, seconds: float, nbytes: int) -> None:
+        self.transfer_s.append(seconds)
+        self.bytes_moved += nbytes
+
+    def deferral(self, node: str) -> None:
+        self.deferrals[node] += 1
+
+    def occupancy(self, node: str, t: float, delta: int) -> None:
+        self._occ_now[node] += delta
+        self.occ[node].append((t, self._occ_now[node]))
+
+    def watermark_lag(self, node: str, t: float, lag: int) -> None:
+        self.lag[node].append((t, lag))
+
+    def request_done(self, req: SimRequest) -> None:
+        self.done.append(req)
+
+    # -- summaries ---------------------------------------------------------------------------
+    def latency_percentiles(self) -> dict[str, dict[str, float]]:
+        ok = [r for r in self.done if r.status == "Success"]
+        out: dict[str, dict[str, float]] = {}
+        series = {
+            "ttft_s": [r.ttft_s for r in ok],
+            "transfer_s": [r.last_transfer_s - r.first_transfer_s for r in ok
+                           if r.first_transfer_s >= 0],
+            "kv_wait_s": [r.kv_done_s - r.prefill_done_s for r in ok if r.prefill_done_s >= 0],
+        }
+        for name, values in series.items():
+            if values:
+                a = np.asarray(values)
+                out[name] = {f"p{q}": round(float(np.percentile(a, q)), 6) for q in (50, 90, 99)}
+                out[name]["mean"] = round(float(a.mean()), 6)
+            else:
+                out[name] = {}
+        return out
+
+    def nic_utilisation(self, sim_seconds: float) -> dict[str, float]:
+        if sim_seconds <= 0:
+            return {}
+        return {nic: round(b / sim_seconds, 4) for nic, b in sorted(self.nic_busy_s.items())}
+
+    def write(self, out_dir: Path) -> list[Path]:
+        """Write ``requests.csv``, ``occupancy.csv``, ``watermark_lag.csv`` and
+        ``metrics.json`` into ``out_dir``; return the paths."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        p = out_dir / "requests.csv"
+        with p.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["rid", "status", "arrival_s", "input_len", "decode_prefix_len",
+                        "prefill_prefix_len", "prefill_done_s", "kv_done_s", "ttft_s",
+                        "deferrals", "reason"])
+            for r in sorted(self.done, key=lambda r: r.rid):
+                w.writerow([r.rid, r.status, f"{r.arrival_s:.6f}", r.input_len,
+                            r.decode_prefix_len, r.prefill_prefix_len, f"{r.prefill_done_s:.6f}",
+                            f"{r.kv_done_s:.6f}", f"{r.ttft_s:.6f}", r.deferrals, r.reason])
+        paths.append(p)
+        for name, series in (("occupancy.csv", self.occ), ("watermark_lag.csv", self.lag)):
+            p = out_dir / name
+            with p.open("w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["node", "t_s", "bytes"])
+                for node in sorted(series):
+                    for t, v in series[node]:
+                        w.writerow([node, f"{t:.6f}", v])
+            paths.append(p)
+        p = out_dir / "metrics.json"
+        p.write_text(json.dumps(self.summary(), indent=2, sort_keys=True) + "\n")
+        paths.append(p)
+        return paths
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "latency": self.latency_percentiles(),
+            "deferrals": dict(sorted(self.deferrals.items())),
+            "nic_bytes": dict(sorted(self.nic_bytes.items())),
+            "peak_ring_bytes": {n: max((v for _, v in s), default=0)
+                                for n, s in sorted(self.occ.items())},
+            "bytes_moved": self.bytes_moved,
+        }

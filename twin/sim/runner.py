@@ -1,0 +1,142 @@
+"""Run one simulation end to end and summarise it: outcome, diagnosis, metrics, exit code."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from twin.core.config import TwinConfig
+from twin.core.defects import Defects
+from twin.sim.diagnosis import diagnose
+from twin.sim.engine import Recorder, Simulation
+from twin.sim.faults import FaultSpec
+from twin.sim.params import SimParams
+from twin.sim.workloads import Workload
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION = 0, 2, 3, 4
+
+
+@dataclass
+class SimResult:
+    """What a run found; ``summary()`` is the ``--json`` object."""
+
+    sim: Simulation
+    stop_reason: str
+    wall_seconds: float
+    diagnosis: list[str] = field(default_factory=list)
+
+    @property
+    def wedged(self) -> bool:
+        return self.stop_reason in ("wedge", "event queue empty") and self.sim.unfinished > 0
+
+    @property
+    def corruption(self) -> list[str]:
+        return [str(v) for v in self.sim.integrity.violations]
+
+    @property
+    def exit_code(self) -> int:
+        if self.corruption:
+            return EXIT_CORRUPTION
+        if self.wedged:
+            return EXIT_WEDGE
+        return EXIT_OK
+
+    @property
+    def status(self) -> str:
+        if self.corruption:
+            return "corrupted"
+        if self.wedged:
+            return "wedged"
+        return "completed" if self.sim.unfinished == 0 else "until"
+
+    def summary(self) -> dict[str, Any]:
+        sim = self.sim
+        done = sim.metrics.done
+        return {
+            "status": self.status,
+            "requests": len(sim.workload.requests),
+            "arrived": sim.arrived,
+            "completed": sum(r.status == "Success" for r in done),
+            "failed": sum(r.status == "Failed" for r in done),
+            "unfinished": sim.unfinished,
+            "wedged": self.wedged,
+            "corrupted": bool(self.corruption),
+            "diagnosis": self.diagnosis,
+            "corruption": self.corruption[:50],
+            "stop_reason": self.stop_reason,
+            "sim_seconds": round(sim.env.now, 6),
+            "wall_seconds": round(self.wall_seconds, 3),
+            "events": sim.inputs,
+            "seed": sim.seed,
+            "defects": sim.defects.sorted(),
+            "faults": [f.text for f in sim.injector.specs],
+            "failures": _failure_reasons(sim),
+            **sim.metrics.summary(),
+            "nic_utilisation": sim.metrics.nic_utilisation(sim.env.now),
+        }
+
+
+def _failure_reasons(sim: Simulation) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in sim.metrics.done:
+        if r.status == "Failed":
+            key = r.reason.split(":")[0][:80] or "failed"
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
+            faults: list[FaultSpec] | None = None, seed: int = 0,
+            params: SimParams | None = None, until: float | None = None,
+            recorder: Recorder | None = None, progress: bool = False,
+            request_overrides: dict[int, dict[str, int]] | None = None) -> SimResult:
+    """Build and run a simulation; ``recorder`` receives the trace as it happens."""
+    sim = Simulation(cfg, workload, defects=defects, faults=faults, seed=seed, params=params,
+                     recorder=recorder, request_overrides=request_overrides)
+    bar = None
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        total = until if until is not None else max(workload.duration_s, 1.0)
+        bar = tqdm(total=round(total, 1), unit="sim s", leave=False, file=sys.stderr)
+
+        def tick(now: float) -> None:
+            bar.n = round(min(now, total), 1)
+            bar.set_postfix(done=len(sim.metrics.done), refresh=False)
+            bar.refresh()
+
+        sim.progress_cb = tick
+    t0 = time.perf_counter()
+    try:
+        reason = sim.run(until=until)
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - t0
+    result = SimResult(sim, reason, wall)
+    if result.wedged:
+        unfinished = {r.room for r in sim.requests.values() if not r.finished}
+        result.diagnosis = diagnose(sim.ranks, sim.crashed, unfinished, sim.last_dropped)
+        waiting = sorted(unfinished)
+        head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
+                f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else
+                f"wedge: the event queue emptied with {len(waiting)} request(s) unfinished")
+        result.diagnosis.insert(0, head + f" (rooms {_abbrev(waiting)})")
+    return result
+
+
+def _abbrev(rooms: list[int], limit: int = 12) -> str:
+    text = ", ".join(str(r) for r in rooms[:limit])
+    return text + (f", ... ({len(rooms) - limit} more)" if len(rooms) > limit else "")
+
+
+def load_params(cfg: TwinConfig, source: str = "<config>") -> SimParams:
+    """The ``[sim]`` table of a config as ``SimParams``."""
+    return SimParams.from_dict(cfg.extra.get("sim", {}), source)
+
+
+def write_outputs(result: SimResult, out_dir: Path) -> list[Path]:
+    return result.sim.metrics.write(out_dir)

@@ -1,0 +1,279 @@
+"""JSON codec of the core's events: ``event_to_json`` and its exact inverse ``event_from_json``.
+
+Every class in ``twin.core.events.EVENT_TYPES`` encodes as ``{"type": ClassName, **fields}``.
+Nested values are plain JSON:
+
+* a control message (``msg`` fields) is ``{"kind": "STAGING_REQ", **fields}``; the kind is the
+  frame tag as ASCII, and ``TransferStatus.status`` is the ``KVPoll`` member name (``"Success"``);
+* tuples are lists; ``RoomBootstrapped.targets`` is a list of ``Target`` objects
+  (``{"type": "Target", ...}``).
+
+``event_from_json(event_to_json(e), where=...) == e`` for every event. Decoding is strict: an
+unknown type, a missing required field, an unknown field or a value of the wrong JSON type
+raises ``TraceError`` naming ``where`` (for example ``"run.trace.jsonl:17"``) and the field.
+Encoders are generated once per class, so encoding costs about one dict literal per event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Union
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.core.wire import KVPoll
+
+__all__ = [
+    "EFFECT_NAMES",
+    "INPUT_NAMES",
+    "MESSAGE_KINDS",
+    "TraceError",
+    "event_from_json",
+    "event_to_json",
+    "field_specs",
+    "message_from_json",
+    "message_to_json",
+]
+
+
+class TraceError(ValueError):
+    """A trace (or one value in it) is malformed: names the place and, when known, the field."""
+
+    def __init__(self, where: str, detail: str, field: str | None = None) -> None:
+        self.where = where
+        self.field = field
+        self.detail = detail
+        text = f"{where}: field {field!r}: {detail}" if field else f"{where}: {detail}"
+        super().__init__(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field specifications, derived once from the dataclass annotations
+# ---------------------------------------------------------------------------------------------
+Spec = tuple[Any, ...]
+"""``("int",)``, ``("str",)``, ``("bool",)``, ``("float",)``, ``("opt", spec)``,
+``("list", spec)``, ``("enum", EnumCls)``, ``("msg",)`` or ``("event", cls)``."""
+
+MESSAGE_KINDS: dict[str, type] = {tag.decode("ascii"): cls for tag, cls in wire.MESSAGE_TYPES.items()}
+_KIND_OF: dict[type, str] = {cls: kind for kind, cls in MESSAGE_KINDS.items()}
+INPUT_NAMES: frozenset[str] = frozenset(c.__name__ for c in ev.INPUT_TYPES)
+EFFECT_NAMES: frozenset[str] = frozenset(c.__name__ for c in ev.EFFECT_TYPES)
+_MESSAGE_UNION_MEMBERS = frozenset(MESSAGE_KINDS.values())
+
+
+def _spec_of(hint: Any, owner: str, name: str) -> Spec:
+    if hint is bool:
+        return ("bool",)
+    if hint is int:
+        return ("int",)
+    if hint is float:
+        return ("float",)
+    if hint is str:
+        return ("str",)
+    if isinstance(hint, type) and issubclass(hint, KVPoll):
+        return ("enum", hint)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and hint in ev.EVENT_TYPES.values():
+        return ("event", hint)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return ("list", _spec_of(args[0], owner, name))
+    if origin in (Union, types.UnionType):
+        members = set(args)
+        if members == _MESSAGE_UNION_MEMBERS:
+            return ("msg",)
+        if type(None) in members and len(members) == 2:
+            (inner,) = members - {type(None)}
+            return ("opt", _spec_of(inner, owner, name))
+    raise TypeError(f"trace codec: unsupported annotation {hint!r} of {owner}.{name}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """One dataclass field as the trace sees it."""
+
+    name: str
+    spec: Spec
+    required: bool
+    default: Any
+
+
+def _field_specs(cls: type) -> tuple[FieldSpec, ...]:
+    hints = typing.get_type_hints(cls, vars(ev) | vars(wire))
+    out = []
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if f.default is dataclasses.MISSING else f.default
+        out.append(FieldSpec(f.name, _spec_of(hints[f.name], cls.__name__, f.name), required,
+                             default))
+    return tuple(out)
+
+
+_SPECS: dict[type, tuple[FieldSpec, ...]] = {
+    cls: _field_specs(cls) for cls in (*ev.EVENT_TYPES.values(), *MESSAGE_KINDS.values())
+}
+_RESERVED = frozenset({"type", "kind", "seq", "t", "node", "dir"})
+for _cls, _fs in _SPECS.items():  # the envelope and tag keys must never collide with a field
+    assert not _RESERVED & {f.name for f in _fs}, _cls
+
+
+def field_specs(cls: type) -> tuple[FieldSpec, ...]:
+    """The fields of an event or message class, in declaration order."""
+    return _SPECS[cls]
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding: one generated function per class
+# ---------------------------------------------------------------------------------------------
+def _enc_expr(spec: Spec, value: str) -> str:
+    kind = spec[0]
+    if kind in ("int", "str", "bool", "float"):
+        return value
+    if kind == "opt":
+        inner = _enc_expr(spec[1], value)
+        return value if inner == value else f"(None if {value} is None else {inner})"
+    if kind == "enum":
+        return f"{spec[1].__name__}({value}).name"
+    if kind == "msg":
+        return f"_MSG_ENC[type({value})]({value})"
+    if kind == "event":
+        return f"_ENC[{spec[1].__name__!r}]({value})"
+    if kind == "list":
+        inner = _enc_expr(spec[1], "x")
+        return f"list({value})" if inner == "x" else f"[{inner} for x in {value}]"
+    raise AssertionError(spec)
+
+
+def _make_encoder(cls: type, tag_key: str, tag: str) -> Callable[[Any], dict[str, Any]]:
+    items = [f"{tag_key!r}: {tag!r}"]
+    items += [f"{f.name!r}: {_enc_expr(f.spec, 'o.' + f.name)}" for f in _SPECS[cls]]
+    src = f"def enc(o):\n    return {{{', '.join(items)}}}\n"
+    scope: dict[str, Any] = {"_MSG_ENC": _MSG_ENC, "_ENC": _ENC_BY_NAME, "KVPoll": KVPoll}
+    exec(compile(src, f"<trace encoder {cls.__name__}>", "exec"), scope)  # noqa: S102
+    return scope["enc"]
+
+
+_MSG_ENC: dict[type, Callable[[Any], dict[str, Any]]] = {}
+_ENC_BY_NAME: dict[str, Callable[[Any], dict[str, Any]]] = {}
+for _kind, _mcls in MESSAGE_KINDS.items():
+    _MSG_ENC[_mcls] = _make_encoder(_mcls, "kind", _kind)
+for _name, _ecls in ev.EVENT_TYPES.items():
+    _ENC_BY_NAME[_name] = _make_encoder(_ecls, "type", _name)
+ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    ev.EVENT_TYPES[n]: f for n, f in _ENC_BY_NAME.items()
+}
+"""Event class -> encoder; the writer's hot path looks classes up here directly."""
+
+
+def event_to_json(obj: Any) -> dict[str, Any]:
+    """``{"type": ClassName, **fields}`` of a core event (a fresh dict of JSON values)."""
+    try:
+        enc = ENCODERS[type(obj)]
+    except KeyError:
+        raise TypeError(f"not a core event: {type(obj).__name__}") from None
+    return enc(obj)
+
+
+def message_to_json(msg: Any) -> dict[str, Any]:
+    """``{"kind": "STAGING_REQ", **fields}`` of a control message."""
+    try:
+        return _MSG_ENC[type(msg)](msg)
+    except KeyError:
+        raise TypeError(f"not a control message: {type(msg).__name__}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _decode_value(spec: Spec, value: Any, where: str, path: str) -> Any:
+    kind = spec[0]
+    if kind == "int":
+        if type(value) is not int:
+            raise TraceError(where, f"expected an integer, got {_describe(value)}", path)
+        return value
+    if kind == "str":
+        if type(value) is not str:
+            raise TraceError(where, f"expected a string, got {_describe(value)}", path)
+        return value
+    if kind == "bool":
+        if type(value) is not bool:
+            raise TraceError(where, f"expected true/false, got {_describe(value)}", path)
+        return value
+    if kind == "float":
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise TraceError(where, f"expected a finite number, got {_describe(value)}", path)
+        return float(value)
+    if kind == "opt":
+        return None if value is None else _decode_value(spec[1], value, where, path)
+    if kind == "list":
+        if type(value) is not list:
+            raise TraceError(where, f"expected a list, got {_describe(value)}", path)
+        return tuple(_decode_value(spec[1], x, where, f"{path}[{i}]") for i, x in enumerate(value))
+    if kind == "enum":
+        enum_cls = spec[1]
+        if type(value) is not str or value not in enum_cls.__members__:
+            names = ", ".join(enum_cls.__members__)
+            raise TraceError(where, f"expected one of {names}, got {_describe(value)}", path)
+        return enum_cls[value]
+    if kind == "msg":
+        return message_from_json(value, where=where, path=path)
+    if kind == "event":
+        return _decode_object(spec[1], value, where, path, "type", spec[1].__name__)
+    raise AssertionError(spec)
+
+
+def _decode_object(cls: type, d: Any, where: str, path: str, tag_key: str, tag: str) -> Any:
+    if type(d) is not dict:
+        raise TraceError(where, f"expected an object, got {_describe(d)}", path or None)
+    prefix = f"{path}." if path else ""
+    kwargs: dict[str, Any] = {}
+    seen = 1
+    for f in _SPECS[cls]:
+        if f.name in d:
+            seen += 1
+            kwargs[f.name] = _decode_value(f.spec, d[f.name], where, prefix + f.name)
+        elif f.required:
+            raise TraceError(where, f"missing (required by {tag})", prefix + f.name)
+    if len(d) != seen or d.get(tag_key) != tag:
+        known = {f.name for f in _SPECS[cls]} | {tag_key}
+        extra = sorted(k for k in d if k not in known)
+        if extra:
+            raise TraceError(where, f"unknown field of {tag}", prefix + extra[0])
+        raise TraceError(where, f"expected {tag!r}, got {_describe(d.get(tag_key))}",
+                         prefix + tag_key)
+    return cls(**kwargs)
+
+
+def message_from_json(d: Any, *, where: str, path: str = "msg") -> Any:
+    """Inverse of ``message_to_json``; ``path`` names the field in errors."""
+    if type(d) is not dict:
+        raise TraceError(where, f"expected a message object, got {_describe(d)}", path)
+    kind = d.get("kind")
+    cls = MESSAGE_KINDS.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise TraceError(where, f"unknown message kind {_describe(kind)}; known: "
+                         f"{', '.join(MESSAGE_KINDS)}", f"{path}.kind")
+    return _decode_object(cls, d, where, path, "kind", kind)
+
+
+def event_from_json(d: Any, *, where: str) -> Any:
+    """Inverse of ``event_to_json``: the event object, or ``TraceError`` naming where and field.
+
+    ``d`` must hold exactly ``type`` and the class's fields (fields with defaults may be absent).
+    """
+    if type(d) is not dict:
+        raise TraceError(where, f"expected an event object, got {_describe(d)}")
+    name = d.get("type")
+    cls = ev.EVENT_TYPES.get(name) if type(name) is str else None
+    if cls is None:
+        raise TraceError(where, f"unknown event type {_describe(name)}", "type")
+    return _decode_object(cls, d, where, "", "type", name)

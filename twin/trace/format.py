@@ -1,0 +1,868 @@
+"""The staging-twin trace: versioned JSON Lines (plain, or gzip), one writer, one reader.
+
+Line 1 is the header; every later line is one event::
+
+    {"format": "staging-twin-trace", "version": 1, "mode": "sim", "config": {...}, ...}
+    {"seq": 0, "t": 0.0, "node": "driver", "dir": "sys", "type": "RequestArrived", ...}
+    {"seq": 1, "t": 0.0, "node": "d0g0r0", "dir": "in", "type": "DecodeRoomInit", ...}
+    {"seq": 2, "t": 0.0, "node": "d0g0r0", "dir": "out", "type": "SetTimer", "at": 300.0}
+    ...
+    {"seq": 93, "t": 0.41, "node": "driver", "dir": "sys", "type": "Outcome", ...}
+
+``dir`` is ``"in"`` (an input a rank handled), ``"out"`` (an effect it returned) or ``"sys"`` (a
+driver record, ``SYS_TYPES``). A complete trace ends with an ``Outcome`` record. ``TraceWriter``
+streams and flushes so that a killed run leaves a readable prefix; ``read_trace`` /
+``iter_trace`` validate everything and name ``file:line`` and the field on error. The rules are
+documented in ``docs/trace-format.md`` (whose tables ``markdown_event_tables`` generates).
+
+Run ``python -m twin.trace.format schema`` to regenerate ``schema.json`` and
+``python -m twin.trace.format tables`` to print the documentation tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+import os
+import platform
+import re
+import sys
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+from twin.core import events as ev
+from twin.core.config import ConfigError, TwinConfig
+from twin.core.defects import CATALOG
+from twin.trace.codec import (
+    EFFECT_NAMES,
+    ENCODERS,
+    INPUT_NAMES,
+    MESSAGE_KINDS,
+    TraceError,
+    event_from_json,
+    field_specs,
+)
+
+__all__ = [
+    "DRIVER",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "OUTCOME_STATUSES",
+    "SYS_TYPES",
+    "Record",
+    "Trace",
+    "TraceError",
+    "TraceReader",
+    "TraceWriter",
+    "build_schema",
+    "iter_trace",
+    "make_header",
+    "markdown_event_tables",
+    "node_id",
+    "read_trace",
+    "software_versions",
+]
+
+FORMAT_NAME = "staging-twin-trace"
+FORMAT_VERSION = 1
+DRIVER = "driver"
+"""The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
+MODES = ("sim", "hw")
+ROLES = ("prefill", "decode")
+DIRS = ("in", "out", "sys")
+OUTCOME_STATUSES = ("completed", "wedged", "corrupted", "interrupted", "crashed")
+GZIP_MAGIC = b"\x1f\x8b"
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
+
+SYS_TYPES: dict[str, dict[str, str]] = {
+    "RequestArrived": {
+        "room": "int", "rid": "str", "input_len": "int", "output_len": "int",
+        "decode_prefix_len": "int", "prefill_prefix_len": "int",
+        "prefill_node": "list[str]", "decode_node": "list[str]",
+    },
+    "ForwardStart": {"room": "int", "tokens": "int"},
+    "ForwardEnd": {"room": "int", "tokens": "int"},
+    "FaultInjected": {"fault": "str", "detail": "str"},
+    "Note": {"text": "str"},
+    "Metric": {"name": "str", "value": "number"},
+    "Outcome": {
+        "status": "str", "completed": "int", "failed": "int", "requests": "int",
+        "diagnosis": "list[str]", "corruption": "list[str]",
+    },
+}
+"""Driver records (``dir: "sys"``): type -> required field -> JSON type. Extra keys are kept."""
+
+SYS_DOCS: dict[str, str] = {
+    "RequestArrived": "A request entered the system; introduces ``room`` (its bootstrap room). "
+                      "``prefill_node``/``decode_node`` list the nodes that serve it.",
+    "ForwardStart": "A prefill node started the forward pass that computes ``tokens`` tokens "
+                    "of ``room``.",
+    "ForwardEnd": "That forward pass finished (the matching ``ForwardStart`` has the same room).",
+    "FaultInjected": "The driver injected fault ``fault`` (a fault spec string); ``detail`` "
+                     "says what it hit.",
+    "Note": "Free text from the driver.",
+    "Metric": "A named number measured by the driver.",
+    "Outcome": "The run's verdict; the last line of a complete trace. ``status`` is one of "
+               + ", ".join(f"``{s}``" for s in OUTCOME_STATUSES) + ".",
+}
+
+_SYS_CHECK = {
+    "int": lambda v: type(v) is int,
+    "str": lambda v: type(v) is str,
+    "number": lambda v: type(v) in (int, float) and math.isfinite(v),
+    "list[str]": lambda v: type(v) is list and all(type(x) is str for x in v),
+}
+_SYS_WANT = {"int": "an integer", "str": "a string", "number": "a finite number",
+             "list[str]": "a list of strings"}
+_NODE_RE = re.compile(r"^[pd]\d+g\d+r\d+$")
+_ENVELOPE = ("seq", "t", "node", "dir")
+
+
+def node_id(role: str, instance: int, dp: int, rank: int) -> str:
+    """Canonical node id, e.g. ``node_id("prefill", 0, 1, 2) == "p0g1r2"``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return f"{role[0]}{instance}g{dp}r{rank}"
+
+
+def software_versions() -> dict[str, str]:
+    """Versions of the twin, Python and (when installed) simpy, torch and nixl; imports nothing."""
+    from twin import __version__
+
+    out = {"twin": __version__, "python": platform.python_version()}
+    for dist in ("simpy", "torch", "nixl"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    return out
+
+
+def make_header(mode: str, config: TwinConfig, nodes: Sequence[Mapping[str, Any]], *,
+                defects: Iterable[str] = (), faults: Iterable[str] = (), seed: int | None = None,
+                workload: Mapping[str, Any] | None = None, created: str | None = None
+                ) -> dict[str, Any]:
+    """A complete header dict for ``TraceWriter`` (software versions filled in)."""
+    header: dict[str, Any] = {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "mode": mode,
+        "config": config.to_dict(), "defects": sorted(defects), "faults": list(faults),
+        "seed": seed, "workload": dict(workload or {}), "nodes": [dict(n) for n in nodes],
+        "software": software_versions(),
+    }
+    if created is not None:
+        header["created"] = created
+    return header
+
+
+# ---------------------------------------------------------------------------------------------
+# Header validation (shared by writer and reader)
+# ---------------------------------------------------------------------------------------------
+_HEADER_KEYS = ("format", "version", "mode", "config", "defects", "faults", "seed", "workload",
+                "nodes", "software", "created")
+
+
+def _check_header(h: Any, where: str, warnings: list[str] | None = None
+                  ) -> tuple[TwinConfig, dict[str, dict[str, Any]]]:
+    """Validate a header; return its config and nodes by id. Raises ``TraceError``."""
+    if type(h) is not dict or h.get("format") != FORMAT_NAME:
+        raise TraceError(where, f"not a staging-twin trace (line 1 has no "
+                         f'"format": "{FORMAT_NAME}")')
+    version = h.get("version")
+    if type(version) is not int or version < 1:
+        raise TraceError(where, f"expected a positive integer, got {version!r}", "version")
+    if version > FORMAT_VERSION:
+        raise TraceError(where, f"written by a newer staging-twin (version {version}); "
+                         f"this reader supports {FORMAT_VERSION}")
+    if h.get("mode") not in MODES:
+        raise TraceError(where, f"expected one of {MODES}, got {h.get('mode')!r}", "mode")
+    cfg_data = h.get("config")
+    if type(cfg_data) is not dict:
+        raise TraceError(where, "expected an object", "config")
+    try:
+        config = TwinConfig.from_dict(cfg_data, source="config")
+    except ConfigError as exc:
+        raise TraceError(where, f"invalid config: {exc}", "config") from None
+    for key in ("defects", "faults"):
+        value = h.get(key)
+        if type(value) is not list or not all(type(x) is str for x in value):
+            raise TraceError(where, "expected a list of strings", key)
+    unknown = [d for d in h["defects"] if d not in CATALOG]
+    if unknown and warnings is not None:
+        warnings.append(f"{where}: unknown defect switch(es): {', '.join(unknown)}")
+    if "seed" not in h or (h["seed"] is not None and type(h["seed"]) is not int):
+        raise TraceError(where, "expected an integer or null", "seed")
+    if type(h.get("workload")) is not dict:
+        raise TraceError(where, "expected an object", "workload")
+    software = h.get("software")
+    if type(software) is not dict or not all(type(v) is str for v in software.values()):
+        raise TraceError(where, "expected an object of version strings", "software")
+    if "created" in h and type(h["created"]) is not str:
+        raise TraceError(where, "expected a string", "created")
+    nodes_data = h.get("nodes")
+    if type(nodes_data) is not list:
+        raise TraceError(where, "expected a list of node objects", "nodes")
+    nodes: dict[str, dict[str, Any]] = {}
+    for i, n in enumerate(nodes_data):
+        path = f"nodes[{i}]"
+        if type(n) is not dict:
+            raise TraceError(where, "expected an object", path)
+        nid = n.get("id")
+        if type(nid) is not str or not _NODE_RE.match(nid):
+            raise TraceError(where, f"expected an id like 'p0g0r0', got {nid!r}", f"{path}.id")
+        if nid in nodes:
+            raise TraceError(where, f"duplicate node id {nid!r}", f"{path}.id")
+        if n.get("role") not in ROLES:
+            raise TraceError(where, f"expected one of {ROLES}, got {n.get('role')!r}",
+                             f"{path}.role")
+        for key in ("instance", "dp", "rank"):
+            if type(n.get(key)) is not int or n[key] < 0:
+                raise TraceError(where, f"expected a non-negative integer, got {n.get(key)!r}",
+                                 f"{path}.{key}")
+        nodes[nid] = n
+    extra = [k for k in h if k not in _HEADER_KEYS]
+    if extra and warnings is not None:
+        warnings.append(f"{where}: unknown header key(s) ignored: {', '.join(extra)}")
+    return config, nodes
+
+
+def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
+    """Validate a driver record; return its type."""
+    if type(record) is not dict:
+        raise TraceError(where, "expected a record object")
+    rtype = record.get("type")
+    fields = SYS_TYPES.get(rtype) if type(rtype) is str else None
+    if fields is None:
+        raise TraceError(where, f"unknown sys record type {rtype!r}; known: "
+                         f"{', '.join(SYS_TYPES)}", "type")
+    for name, kind in fields.items():
+        if name not in record:
+            raise TraceError(where, f"missing (required by {rtype})", name)
+        if not _SYS_CHECK[kind](record[name]):
+            raise TraceError(where, f"expected {_SYS_WANT[kind]}, got {record[name]!r:.40}", name)
+    if rtype == "Outcome" and record["status"] not in OUTCOME_STATUSES:
+        raise TraceError(where, f"expected one of {OUTCOME_STATUSES}, got {record['status']!r}",
+                         "status")
+    if rtype == "RequestArrived":
+        for key in ("prefill_node", "decode_node"):
+            for nid in record[key]:
+                if nid not in nodes:
+                    raise TraceError(where, f"unknown node {nid!r}", key)
+    return rtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------
+class _GzipSink:
+    """A gzip member whose ``flush`` is a Z_SYNC_FLUSH: everything written so far is readable."""
+
+    def __init__(self, path: Path) -> None:
+        self._raw = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, compresslevel=6,
+                                 mtime=0)
+
+    def write(self, text: str) -> None:
+        self._gz.write(text.encode("utf-8"))
+
+    def flush(self) -> None:
+        self._gz.flush(zlib.Z_SYNC_FLUSH)
+        self._raw.flush()
+
+    def close(self) -> None:
+        try:
+            self._gz.close()
+        finally:
+            self._raw.close()
+
+
+class TraceWriter:
+    """Streams one trace to ``path`` (gzip when the name ends in ``.gz``).
+
+    The header is validated and written at once. Lines are buffered and written and flushed
+    every ``flush_every`` lines and on ``close``, so a killed process leaves a readable trace
+    that ends at most ``flush_every`` lines early (a partial last line is tolerated by the
+    reader). Used as a context manager, an exception inside the block writes an ``Outcome``
+    with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is re-raised.
+    Times must be finite and non-decreasing; nodes must be declared in the header.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any], *,
+                 flush_every: int = 1000) -> None:
+        self.path = Path(path)
+        self.header = dict(header)
+        self.config, nodes = _check_header(self.header, f"{self.path}: header")
+        self.flush_every = max(1, flush_every)
+        self._encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False,
+                                        check_circular=False).encode
+        self._prefix: dict[tuple[str, str], str] = {}
+        for nid in nodes:
+            for d in DIRS:
+                self._prefix[(nid, d)] = f'"node":{json.dumps(nid)},"dir":"{d}",'
+        self._prefix[(DRIVER, "sys")] = f'"node":"{DRIVER}","dir":"sys",'
+        self._decode_nodes = frozenset(n for n, v in nodes.items() if v["role"] == "decode")
+        self._nodes = nodes
+        self._seq = 0
+        self._t = 0.0
+        self._t_text = "0.0"
+        self._buf: list[str] = []
+        self._closed = False
+        self.requests = 0
+        self.succeeded: set[int] = set()
+        self.failed: set[int] = set()
+        if self.path.name.endswith(".gz"):
+            self._sink: Any = _GzipSink(self.path)
+        else:
+            self._sink = open(self.path, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
+        self._sink.write(self._encode(self.header) + "\n")
+        self._sink.flush()
+
+    # -- hot path ----------------------------------------------------------------------------
+    def _time(self, t: float) -> str:
+        if t != self._t:
+            t = float(t)
+            if not t >= self._t or not math.isfinite(t):
+                raise TraceError(f"{self.path}:{self._seq + 2}",
+                                 f"time {t!r} is before {self._t!r} or not finite", "t")
+            self._t = t
+            self._t_text = repr(t)
+        return self._t_text
+
+    def _line_prefix(self, node: str, d: str) -> str:
+        try:
+            return self._prefix[(node, d)]
+        except KeyError:
+            raise TraceError(f"{self.path}:{self._seq + 2}",
+                             f"unknown node {node!r} for dir {d!r}", "node") from None
+
+    def _push(self) -> None:
+        if len(self._buf) >= self.flush_every:
+            if self._closed:
+                raise ValueError(f"{self.path}: trace writer is closed")
+            self._drain()
+
+    def write_input(self, t: float, node: str, event: Any) -> None:
+        """Record that ``node`` handled input ``event`` at time ``t``."""
+        ts = self._time(t)
+        head = self._line_prefix(node, "in")
+        body = self._encode(ENCODERS[type(event)](event))
+        self._buf.append(f'{{"seq":{self._seq},"t":{ts},{head}{body[1:]}\n')
+        self._seq += 1
+        self._push()
+
+    def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
+        """Record the effects ``node`` returned for its last input, in order."""
+        ts = self._time(t)
+        head = self._line_prefix(node, "out")
+        encode, encoders, buf, seq = self._encode, ENCODERS, self._buf, self._seq
+        decode = node in self._decode_nodes
+        for e in effects:
+            buf.append(f'{{"seq":{seq},"t":{ts},{head}{encode(encoders[type(e)](e))[1:]}\n')
+            seq += 1
+            if decode and type(e) is ev.RoomConcluded:
+                (self.succeeded if e.status == "Success" else self.failed).add(e.room)
+        self._seq = seq
+        self._push()
+
+    def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
+        """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
+        ts = self._time(t)
+        head = self._line_prefix(node, "sys")
+        rec = dict(record)
+        rtype = _check_sys(rec, f"{self.path}:{self._seq + 2}", self._nodes)
+        if rtype == "RequestArrived":
+            self.requests += 1
+        rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
+        self._buf.append(f'{{"seq":{self._seq},"t":{ts},{head}{self._encode(rec)[1:]}\n')
+        self._seq += 1
+        self._push()
+
+    # -- closing -----------------------------------------------------------------------------
+    def _drain(self) -> None:
+        if self._buf:
+            self._sink.write("".join(self._buf))
+            self._buf.clear()
+        self._sink.flush()
+
+    def flush(self) -> None:
+        """Write and flush everything buffered."""
+        self._drain()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, outcome: Mapping[str, Any] | None = None) -> None:
+        """Write ``outcome`` (an ``Outcome`` record, ``type`` optional) if given, then close.
+
+        Without an outcome the trace stays "incomplete". Closing twice is a no-op.
+        """
+        if self._closed:
+            return
+        try:
+            if outcome is not None:
+                self.write_sys(self._t, DRIVER, {"type": "Outcome", **outcome})
+            self._drain()
+        finally:
+            self._closed = True
+            self._sink.close()
+
+    def abort_outcome(self, exc: BaseException) -> dict[str, Any]:
+        """The ``Outcome`` written when the run raised ``exc``."""
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed"
+        text = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        return {"status": status, "completed": len(self.succeeded - self.failed),
+                "failed": len(self.failed), "requests": self.requests, "diagnosis": [text],
+                "corruption": []}
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or self._closed:
+            self.close()
+            return
+        try:
+            self.close(self.abort_outcome(exc))
+        except Exception:  # the run's own exception matters more than a trace error
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._sink.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Record:
+    """One event line: the envelope, the payload dict (``type`` + fields) and, for ``in`` and
+    ``out`` lines, the decoded core event (``None`` for ``sys`` records)."""
+
+    seq: int
+    t: float
+    node: str
+    dir: str
+    type: str
+    data: dict[str, Any]
+    event: Any
+    line: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The line as written (envelope then payload)."""
+        return {"seq": self.seq, "t": self.t, "node": self.node, "dir": self.dir, **self.data}
+
+
+@dataclass
+class Trace:
+    """A whole trace in memory (see ``read_trace``)."""
+
+    path: str
+    header: dict[str, Any]
+    config: TwinConfig
+    nodes: dict[str, dict[str, Any]]
+    events: list[Record]
+    outcome: dict[str, Any] | None
+    truncated: bool
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """An ``Outcome`` was read and nothing was cut off."""
+        return self.outcome is not None and not self.truncated
+
+    @property
+    def status(self) -> str:
+        """The outcome status, or ``"incomplete"``."""
+        return self.outcome["status"] if self.outcome is not None else "incomplete"
+
+
+class _LineSource:
+    """``(line, ended)`` pairs of a plain or gzip file; ``ended`` is False for a last line
+    without a newline. A gzip stream cut short (or corrupt at its end) ends the lines and sets
+    ``cut``; the partial line before the cut then comes out with ``ended=False``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut = False
+
+    def __iter__(self) -> Iterator[tuple[bytes, bool]]:
+        with open(self.path, "rb") as raw:
+            gz = raw.read(2) == GZIP_MAGIC
+            raw.seek(0)
+            stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+            rest = b""
+            while True:
+                try:
+                    chunk = stream.read(1 << 20)
+                except (EOFError, zlib.error, gzip.BadGzipFile):
+                    self.cut = True
+                    chunk = b""
+                if not chunk:
+                    break
+                parts = (rest + chunk).split(b"\n")
+                rest = parts.pop()
+                for p in parts:
+                    yield p, True
+            if rest:
+                yield rest, False
+
+
+class TraceReader:
+    """Streams a trace: ``header``/``config``/``nodes`` at once, records by iterating.
+
+    After iteration ``outcome``, ``truncated`` and ``warnings`` are final. Every check
+    described in ``docs/trace-format.md`` is applied; the first violation raises ``TraceError``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.name = str(path)
+        self.warnings: list[str] = []
+        self.outcome: dict[str, Any] | None = None
+        self.truncated = False
+        self.rooms: set[int] = set()
+        self._source = _LineSource(self.path)
+        try:
+            self._it = iter(self._source)
+            first = next(self._it, None)
+        except FileNotFoundError:
+            raise TraceError(self.name, "no such file") from None
+        where = f"{self.name}:1"
+        if first is None or not first[0].strip():
+            raise TraceError(where, "not a staging-twin trace (empty file)")
+        try:
+            header = json.loads(first[0])
+        except ValueError:
+            raise TraceError(where, "not a staging-twin trace (line 1 is not JSON"
+                             + ("; truncated" if not first[1] else "") + ")") from None
+        self.config, self.nodes = _check_header(header, where, self.warnings)
+        self.header: dict[str, Any] = header
+        self._started = False
+
+    def __iter__(self) -> Iterator[Record]:
+        if self._started:
+            raise RuntimeError("a TraceReader can be iterated once")
+        self._started = True
+        return self._records()
+
+    def _records(self) -> Iterator[Record]:
+        name, nodes, rooms = self.name, self.nodes, self.rooms
+        loads = json.loads
+        last_t, lineno, last_ok = 0.0, 1, 1
+        for raw, ended in self._it:
+            lineno += 1
+            where = f"{name}:{lineno}"
+            expect_seq = lineno - 2
+            if self.outcome is not None:
+                if not ended and not raw.strip():
+                    break
+                raise TraceError(where, "line after the Outcome record")
+            try:
+                d = loads(raw)
+            except ValueError:
+                if not ended:
+                    self._truncate(f"line {lineno} truncated: trace ends at line {lineno - 1}")
+                    break
+                raise TraceError(where, "not valid JSON") from None
+            if type(d) is not dict:
+                raise TraceError(where, "expected a JSON object")
+            seq = d.pop("seq", None)
+            t = d.pop("t", None)
+            node = d.pop("node", None)
+            direction = d.pop("dir", None)
+            if seq != expect_seq or type(seq) is not int:
+                raise TraceError(where, f"expected {expect_seq}, got {seq!r} (seq must count "
+                                 f"0, 1, 2, ... without gaps)", "seq")
+            if type(t) not in (float, int) or not math.isfinite(t):
+                raise TraceError(where, f"expected a finite number, got {t!r}", "t")
+            if t < last_t:
+                raise TraceError(where, f"time goes backwards ({t!r} < {last_t!r})", "t")
+            if direction not in DIRS:
+                raise TraceError(where, f"expected one of {DIRS}, got {direction!r}", "dir")
+            if node not in nodes and not (node == DRIVER and direction == "sys"):
+                detail = (f"unknown node {node!r}" if node != DRIVER
+                          else '"driver" only writes sys records')
+                raise TraceError(where, detail, "node")
+            rtype = d.get("type")
+            if direction == "sys":
+                rtype = _check_sys(d, where, nodes)
+                event = None
+                room = d.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
+                if rtype == "RequestArrived":
+                    if d["room"] in rooms:
+                        raise TraceError(where, f"room {d['room']} introduced twice", "room")
+                    rooms.add(d["room"])
+                elif rtype == "Outcome":
+                    if node != DRIVER:
+                        raise TraceError(where, 'an Outcome belongs to node "driver"', "node")
+                    self.outcome = d
+            else:
+                allowed = INPUT_NAMES if direction == "in" else EFFECT_NAMES
+                if rtype not in allowed:
+                    kind = "input" if direction == "in" else "effect"
+                    raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
+                event = event_from_json(d, where=where)
+                room = _room_of(event)
+            if room is not None and room not in rooms:
+                raise TraceError(where, f"room {room} was never introduced by a RequestArrived "
+                                 "record", "room")
+            last_t = t
+            last_ok = lineno
+            yield Record(seq, float(t), node, direction, rtype, d, event, lineno)
+        if self._source.cut:
+            self._truncate(f"gzip stream ends early: trace ends at line {last_ok}")
+        if self.outcome is None:
+            self.warnings.append(f"{name}: no Outcome record: trace is incomplete")
+
+    def _truncate(self, message: str) -> None:
+        if not self.truncated:
+            self.truncated = True
+            self.warnings.append(f"{self.name}: {message}")
+
+    def read(self) -> Trace:
+        """Consume everything into a ``Trace``."""
+        events = list(self)
+        return Trace(self.name, self.header, self.config, self.nodes, events, self.outcome,
+                     self.truncated, self.warnings)
+
+
+_EXEMPT_ROOM_CHECK = (ev.Dropped, ev.MessageArrived, ev.SendFailed)
+_ROOM_FIELD = {cls for cls in ev.EVENT_TYPES.values()
+               if any(f.name == "room" for f in field_specs(cls))}
+_MSG_FIELD = {cls for cls in ev.EVENT_TYPES.values()
+              if any(f.name == "msg" for f in field_specs(cls))}
+
+
+def _room_of(event: Any) -> int | None:
+    """The room an event must have been introduced for, or None when it is not checked."""
+    cls = type(event)
+    if cls in _EXEMPT_ROOM_CHECK:
+        return None
+    if cls in _ROOM_FIELD:
+        return event.room
+    if cls in _MSG_FIELD:
+        return getattr(event.msg, "room", None)
+    return None
+
+
+def iter_trace(path: str | os.PathLike[str]) -> TraceReader:
+    """Open a trace for streaming: the header is checked now, records as you iterate."""
+    return TraceReader(path)
+
+
+def read_trace(path: str | os.PathLike[str]) -> Trace:
+    """Read and validate a whole trace (plain or gzip, detected by magic bytes).
+
+    Raises ``TraceError`` naming ``file:line`` and the field for anything malformed, except a
+    truncated last line (or a gzip stream cut short), which ends the trace with a warning and
+    ``truncated=True``. A trace without an ``Outcome`` record is returned with ``outcome=None``
+    and an "incomplete" warning.
+    """
+    return TraceReader(path).read()
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON Schema and documentation tables, generated from the dataclasses
+# ---------------------------------------------------------------------------------------------
+_JSON_OF_SYS = {"int": {"type": "integer"}, "str": {"type": "string"},
+                "number": {"type": "number"},
+                "list[str]": {"type": "array", "items": {"type": "string"}}}
+
+
+def _schema_of(spec: tuple[Any, ...]) -> dict[str, Any]:
+    kind = spec[0]
+    if kind == "int":
+        return {"type": "integer"}
+    if kind == "str":
+        return {"type": "string"}
+    if kind == "bool":
+        return {"type": "boolean"}
+    if kind == "float":
+        return {"type": "number"}
+    if kind == "opt":
+        inner = _schema_of(spec[1])
+        return {**inner, "type": [inner["type"], "null"]}
+    if kind == "list":
+        return {"type": "array", "items": _schema_of(spec[1])}
+    if kind == "enum":
+        return {"enum": list(spec[1].__members__)}
+    if kind == "msg":
+        return {"oneOf": [{"$ref": f"#/$defs/msg.{k}"} for k in MESSAGE_KINDS]}
+    if kind == "event":
+        return {"$ref": f"#/$defs/{spec[1].__name__}"}
+    raise AssertionError(spec)
+
+
+def _object_schema(tag_key: str, tag: str, cls: type, extra: dict[str, Any] | None = None,
+                   required_extra: Sequence[str] = ()) -> dict[str, Any]:
+    props: dict[str, Any] = dict(extra or {})
+    props[tag_key] = {"const": tag}
+    required = [*required_extra, tag_key]
+    for f in field_specs(cls):
+        props[f.name] = _schema_of(f.spec)
+        if f.required:
+            required.append(f.name)
+    out: dict[str, Any] = {"type": "object", "properties": props, "required": required,
+                           "additionalProperties": False}
+    doc = (cls.__doc__ or "").strip().split("\n")[0]
+    if doc and not doc.startswith(f"{cls.__name__}("):
+        out = {"description": doc, **out}
+    return out
+
+
+def _envelope(direction: str) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "string", "pattern": _NODE_RE.pattern}
+    if direction == "sys":
+        node = {"anyOf": [node, {"const": DRIVER}]}
+    return {"seq": {"type": "integer", "minimum": 0}, "t": {"type": "number", "minimum": 0},
+            "node": node, "dir": {"const": direction}}
+
+
+def build_schema() -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of one trace line: the header or any event line."""
+    defs: dict[str, Any] = {}
+    defs["node"] = {
+        "type": "object",
+        "properties": {"id": {"type": "string", "pattern": _NODE_RE.pattern},
+                       "role": {"enum": list(ROLES)},
+                       "instance": {"type": "integer", "minimum": 0},
+                       "dp": {"type": "integer", "minimum": 0},
+                       "rank": {"type": "integer", "minimum": 0}},
+        "required": ["id", "role", "instance", "dp", "rank"],
+    }
+    defs["header"] = {
+        "description": "Line 1 of a trace.",
+        "type": "object",
+        "properties": {
+            "format": {"const": FORMAT_NAME},
+            "version": {"const": FORMAT_VERSION},
+            "mode": {"enum": list(MODES)},
+            "config": {"type": "object", "description": "TwinConfig.to_dict()"},
+            "defects": {"type": "array", "items": {"type": "string"}},
+            "faults": {"type": "array", "items": {"type": "string"}},
+            "seed": {"type": ["integer", "null"]},
+            "workload": {"type": "object"},
+            "nodes": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+            "software": {"type": "object", "additionalProperties": {"type": "string"}},
+            "created": {"type": "string"},
+        },
+        "required": ["format", "version", "mode", "config", "defects", "faults", "seed",
+                     "workload", "nodes", "software"],
+    }
+    for kind, cls in MESSAGE_KINDS.items():
+        defs[f"msg.{kind}"] = _object_schema("kind", kind, cls)
+    defs["Target"] = _object_schema("type", "Target", ev.Target)
+    lines: list[dict[str, str]] = [{"$ref": "#/$defs/header"}]
+    envelope_keys = list(_ENVELOPE)
+    for direction, classes in (("in", ev.INPUT_TYPES), ("out", ev.EFFECT_TYPES)):
+        for cls in classes:
+            defs[f"{direction}.{cls.__name__}"] = _object_schema(
+                "type", cls.__name__, cls, _envelope(direction), envelope_keys)
+            lines.append({"$ref": f"#/$defs/{direction}.{cls.__name__}"})
+    for rtype, fields in SYS_TYPES.items():
+        props = {**_envelope("sys"), "type": {"const": rtype}}
+        props.update({name: dict(_JSON_OF_SYS[kind]) for name, kind in fields.items()})
+        if rtype == "Outcome":
+            props["status"] = {"enum": list(OUTCOME_STATUSES)}
+        defs[f"sys.{rtype}"] = {"description": SYS_DOCS[rtype].replace("``", "`"),
+                                "type": "object", "properties": props,
+                                "required": [*envelope_keys, "type", *fields]}
+        lines.append({"$ref": f"#/$defs/sys.{rtype}"})
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://staging-twin.invalid/trace/v{FORMAT_VERSION}/line.schema.json",
+        "title": f"staging-twin trace line (format version {FORMAT_VERSION})",
+        "description": "Generated by twin.trace.format.build_schema(); do not edit by hand.",
+        "oneOf": lines,
+        "$defs": defs,
+    }
+
+
+def schema_text() -> str:
+    """``build_schema()`` as written to ``schema.json``."""
+    return json.dumps(build_schema(), indent=2) + "\n"
+
+
+_MD_TYPE = {"int": "int", "str": "string", "bool": "bool", "float": "number",
+            "number": "number", "list[str]": "list of string"}
+
+
+def _md_type(spec: tuple[Any, ...]) -> str:
+    kind = spec[0]
+    if kind in _MD_TYPE:
+        return _MD_TYPE[kind]
+    if kind == "opt":
+        return f"{_md_type(spec[1])} or null"
+    if kind == "list":
+        return f"list of {_md_type(spec[1])}"
+    if kind == "enum":
+        return " \\| ".join(f'"{m}"' for m in spec[1].__members__)
+    if kind == "msg":
+        return "message"
+    if kind == "event":
+        return spec[1].__name__
+    raise AssertionError(spec)
+
+
+def _md_doc(cls: type) -> str:
+    doc = (cls.__doc__ or "").strip()
+    if not doc or doc.startswith(f"{cls.__name__}("):
+        return ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def _md_class(title: str, cls: type) -> list[str]:
+    out = [f"#### `{title}`", ""]
+    doc = _md_doc(cls)
+    if doc:
+        out += [doc, ""]
+    specs = field_specs(cls)
+    if not specs:
+        return [*out, "No fields.", ""]
+    out += ["| field | type | default |", "|---|---|---|"]
+    for f in specs:
+        default = "required" if f.required else json.dumps(f.default)
+        out.append(f"| `{f.name}` | {_md_type(f.spec)} | {default} |")
+    return [*out, ""]
+
+
+def markdown_event_tables() -> str:
+    """Markdown field tables of every input, effect, message and sys record type."""
+    out = ["### Inputs (`\"dir\": \"in\"`)", ""]
+    for cls in ev.INPUT_TYPES:
+        out += _md_class(cls.__name__, cls)
+    out += ["### Effects (`\"dir\": \"out\"`)", ""]
+    for cls in ev.EFFECT_TYPES:
+        out += _md_class(cls.__name__, cls)
+    out += ["### Nested objects", ""]
+    out += _md_class("Target", ev.Target)
+    for kind, cls in MESSAGE_KINDS.items():
+        out += _md_class(f"{kind}` (`{cls.__name__}`, `\"kind\": \"{kind}\"", cls)
+    out += ["### Driver records (`\"dir\": \"sys\"`)", ""]
+    for rtype, fields in SYS_TYPES.items():
+        out += [f"#### `{rtype}`", "", " ".join(SYS_DOCS[rtype].replace("``", "`").split()), "",
+                "| field | type |", "|---|---|"]
+        for name, kind in fields.items():
+            out.append(f"| `{name}` | {_MD_TYPE[kind]} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _main(argv: Sequence[str]) -> int:
+    if list(argv) == ["schema"]:
+        SCHEMA_PATH.write_text(schema_text(), encoding="utf-8")
+        print(f"wrote {SCHEMA_PATH.name}")
+        return 0
+    if list(argv) == ["tables"]:
+        sys.stdout.write(markdown_event_tables())
+        return 0
+    print("usage: python -m twin.trace.format schema|tables", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
+
