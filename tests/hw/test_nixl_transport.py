@@ -275,19 +275,15 @@ def test_stalled_peer_times_out_and_dead_peer_errors() -> None:
             assert rig.ep.poll(h) == "PROC"
         finally:
             os.kill(rig.pid, signal.SIGCONT)
-        t0 = time.monotonic()
         rig.ep.wait(h, timeout_s=10)
-        print("DBG cont", time.monotonic() - t0)
         rig.ep.release(h)
         assert rig.check({"off": 0, "n": 1 << 20, "seed": 11})["ok"]
 
         os.kill(rig.pid, signal.SIGKILL)
         rig.proc.join(JOIN_S)
-        t0 = time.monotonic()
-        with pytest.raises(TransferError) as ei:
+        with pytest.raises(TransferError):
             h2 = rig.ep.write(rig.src, rig.peer, rig.region, 0, 1 << 20)
             rig.ep.wait(h2, timeout_s=10)
-        print("DBG", time.monotonic() - t0, type(ei.value).__name__, ei.value)
 
 
 def test_close_is_idempotent_and_final() -> None:

@@ -207,7 +207,7 @@ class StartTransfer:
     """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
 
     The bytes land at ``dst_offset`` of ``session``'s ring (``region_offset`` plus this writer's
-    block). ``staged`` is False for the per-slice fallback, which writes KV pages directly.
+    block); ``region_end`` is the allocation's end from STAGING_RSP. ``staged`` is False for the per-slice fallback, which writes KV pages directly.
     """
 
     worker: int
@@ -217,6 +217,7 @@ class StartTransfer:
     page_start: int
     num_pages: int
     region_offset: int
+    region_end: int
     dst_offset: int
     nbytes: int
     writer: int

@@ -1,8 +1,9 @@
 """Symbolic data-integrity model: content tags for every staging byte range and KV page.
 
-Fed the effects of the ranks, it detects the three ways staged KV goes wrong, naming request,
-chunk and pages: a write over data not yet scattered, a scatter that reads the wrong bytes (or
-writes them to the wrong pages), and a room completing before all of its pages landed. Pure
+Fed the effects of the ranks, it detects the ways staged KV goes wrong, naming request, chunk
+and pages: a write over data not yet scattered, a write past its own allocation (ring overrun),
+a scatter that reads the wrong bytes (or writes them to the wrong pages), and a room completing
+before all of its pages landed. Pure
 bookkeeping; no I/O. Byte ranges are kept as sorted, disjoint intervals per ring.
 """
 
@@ -60,7 +61,7 @@ class Ring:
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    kind: str  # "overwrite" | "misplaced" | "incomplete"
+    kind: str  # "overwrite" | "overrun" | "misplaced" | "incomplete"
     node: str
     room: int
     detail: str
@@ -95,6 +96,11 @@ class IntegrityModel:
             return
         ring = self.rings.setdefault(node, Ring())
         a, b = t.dst_offset, t.dst_offset + t.nbytes
+        if b > t.region_end:
+            self._flag("overrun", node, t.room,
+                       f"chunk {t.chunk_idx} (pages [{t.page_start}, "
+                       f"{t.page_start + t.num_pages})) writes [{a}, {b}) past its allocation "
+                       f"[{t.region_offset}, {t.region_end})")
         if b > self.ring_bytes:
             self._flag("overwrite", node, t.room,
                        f"chunk {t.chunk_idx} write [{a}, {b}) runs past the ring end "

@@ -266,8 +266,7 @@ class PrefillRank:
                                        session=target.session, reason=reason,
                                        all_blocked=all_blocked))
                 return True
-            offset, rnd, _end = info
-            post = self._post(index, room, chunk, target, chunk_idx, offset, rnd, out)
+            post = self._post(index, room, chunk, target, chunk_idx, info, out)
             if post is None:
                 return False
             out.append(post)
@@ -279,10 +278,11 @@ class PrefillRank:
         return False
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
-              chunk_idx: int, offset: int, rnd: int,
+              chunk_idx: int, info: tuple[int, int, int],
               out: list[ev.Effect]) -> ev.StartTransfer | None:
         """The write for one target, or None after failing the room (chunk cannot fit)."""
         cfg = self.cfg
+        offset, rnd, end = info
         p_tp, d_tp = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
         _, writer_bytes, _total = compute_staging_layout(
             p_tp, d_tp, target.decode_rank, cfg.model.num_kv_heads,
@@ -301,7 +301,7 @@ class PrefillRank:
         return ev.StartTransfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
-            dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd, staged=staged,
+            region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd, staged=staged,
             is_last=chunk.is_last)
 
     def _on_transfer_done(self, e: ev.TransferDone, out: list[ev.Effect]) -> None:

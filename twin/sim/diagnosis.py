@@ -22,6 +22,10 @@ def _pinning(decode: DecodeRank) -> str:
         return (f"{decode.session} ring is empty at watermark {wm} (head {decode.allocator.head},"
                 f" round {decode.allocator.round})")
     alloc_id, off, size, rnd = live[0]
+    if (rnd, off) != wm:
+        return (f"{decode.session} watermark {wm} is stale: the oldest live allocation is alloc "
+                f"{alloc_id} at ({rnd}, {off}); the ring emptied and its watermark stayed at the "
+                f"old head instead of moving to (round + 1, 0)")
     owner = "an unregistered room (leaked)"
     for room in decode.rooms.values():
         for chunk_idx, info in room.chunks.items():

@@ -52,7 +52,8 @@ class Simulation:
     def __init__(self, cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
                  faults: list[FaultSpec] | None = None, seed: int = 0,
                  params: SimParams | None = None, recorder: Recorder | None = None,
-                 request_overrides: dict[int, dict[str, int]] | None = None) -> None:
+                 request_overrides: dict[int, dict[str, int]] | None = None,
+                 max_concurrency: int | None = None) -> None:
         self.cfg = cfg
         self.workload = workload
         self.defects = defects or Defects()
@@ -93,6 +94,10 @@ class Simulation:
         self.stop_reason = ""
         self._rr = 0
         self.progress_cb: Callable[[float], None] | None = None
+        # Closed-loop clients (like a benchmark's --max-concurrency): a request is sent at its
+        # arrival time or when one of the ``max_concurrency`` slots frees, whichever is later.
+        self.slots = simpy.Resource(self.env, max_concurrency) if max_concurrency else None
+        self._slot_req: dict[int, Any] = {}
 
     # -- scheduling helpers ------------------------------------------------------------------
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
@@ -399,9 +404,11 @@ class Simulation:
         req.kv_done_s = self.env.now + (self.params.decode_step_s if status == "Success" else 0)
         self.unfinished -= 1
         self.metrics.request_done(req)
-        if status == "Success":
-            if self.decode_cache is not None:
-                self.decode_cache.insert(self.workload.requests[req.rid])
+        slot = self._slot_req.pop(req.rid, None)
+        if slot is not None and self.slots is not None:
+            self.slots.release(slot)
+        if status == "Success" and self.decode_cache is not None:
+            self.decode_cache.insert(self.workload.requests[req.rid])
         if self.unfinished == 0 and not self.done.triggered:
             self.stop_reason = "all requests ended"
             self.done.succeed()
@@ -439,6 +446,10 @@ class Simulation:
         for r in self.workload.requests:
             if r.arrival_s > env.now:
                 yield env.timeout(r.arrival_s - env.now)
+            if self.slots is not None:
+                slot = self.slots.request()
+                yield slot
+                self._slot_req[r.rid] = slot
             self._arrive(r)
 
     def _monitor(self, window: float):  # type: ignore[no-untyped-def]

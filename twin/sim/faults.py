@@ -12,7 +12,8 @@ A spec is ``ACTION:TARGET[:key=value]...``::
     abort:room=3:at=1.5           the request is aborted everywhere at t=1.5 s
 
 Message kinds are the frame tags (STAGING_REQ, STAGING_RSP, WATERMARK, CHUNK_READY, KV_STATUS)
-or ``*``; ``src=``/``dst=`` restrict to a node.
+or ``*``; ``src=``/``dst=`` restrict to a node, ``room=``/``chunk=`` to one room or chunk
+(``delay:STAGING_RSP:room=0:chunk=0:ms=50`` holds back every answer for that chunk).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ MESSAGE_ACTIONS = ("drop", "delay", "dup", "reorder", "fail-send")
 ACTIONS = (*MESSAGE_ACTIONS, "fail-transfer", "crash", "restart", "abort")
 KINDS = tuple(t.decode() for t in wire.MESSAGE_TYPES) + ("*",)
 _FLOAT_KEYS = {"p", "ms", "at", "down"}
-_INT_KEYS = {"nth", "room"}
+_INT_KEYS = {"nth", "room", "chunk"}
 _STR_KEYS = {"src", "dst", "node"}
 
 
@@ -44,6 +45,7 @@ class FaultSpec:
     at: float | None = None
     down: float | None = None
     room: int | None = None
+    chunk: int | None = None
     src: str | None = None
     dst: str | None = None
     node: str | None = None
@@ -134,6 +136,10 @@ class FaultInjector:
             if spec.action not in MESSAGE_ACTIONS or spec.target not in (kind, "*"):
                 continue
             if (spec.src and spec.src != src) or (spec.dst and spec.dst != dst):
+                continue
+            if spec.room is not None and getattr(msg, "room", None) != spec.room:
+                continue
+            if spec.chunk is not None and getattr(msg, "chunk_idx", None) != spec.chunk:
                 continue
             if not self._fires(i, spec):
                 continue

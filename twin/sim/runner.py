@@ -92,10 +92,12 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
             faults: list[FaultSpec] | None = None, seed: int = 0,
             params: SimParams | None = None, until: float | None = None,
             recorder: Recorder | None = None, progress: bool = False,
-            request_overrides: dict[int, dict[str, int]] | None = None) -> SimResult:
+            request_overrides: dict[int, dict[str, int]] | None = None,
+            max_concurrency: int | None = None) -> SimResult:
     """Build and run a simulation; ``recorder`` receives the trace as it happens."""
     sim = Simulation(cfg, workload, defects=defects, faults=faults, seed=seed, params=params,
-                     recorder=recorder, request_overrides=request_overrides)
+                     recorder=recorder, request_overrides=request_overrides,
+                     max_concurrency=max_concurrency)
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -124,7 +126,9 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
         head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
                 f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else
                 f"wedge: the event queue emptied with {len(waiting)} request(s) unfinished")
-        result.diagnosis.insert(0, head + f" (rooms {_abbrev(waiting)})")
+        queued = len(workload.requests) - sim.arrived
+        tail = f"; {queued} more not yet sent" if queued else ""
+        result.diagnosis.insert(0, head + f" (rooms {_abbrev(waiting)}){tail}")
     return result
 
 

@@ -1,0 +1,162 @@
+"""Built-in scenarios: a clean default and one reproduction per upstream defect.
+
+Each defect scenario names the defects that make it fail (``defects``) and what that failure
+looks like (``symptom``: ``wedge`` or ``corruption``); with those switched off it runs clean
+(every request ends, no wedge, no corruption). ``twin scenarios --check`` runs them both ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from twin.core.config import ModelShape, ServerSide, TwinConfig
+from twin.core.defects import (
+    COMPLETION_BEFORE_LAST_SCATTER,
+    LATE_DECODE_REGISTRATION,
+    NO_GRID_ALIGNMENT,
+    NO_RELEASE_ROOM,
+    NO_SUBSCRIBER_SNAPSHOT,
+    RAISE_ON_UNALIGNED_PREFIX,
+    SILENT_SLICE_FALLBACK,
+    STALE_EMPTY_RING_WATERMARK,
+    SWALLOWED_CHUNK_READY_ERROR,
+    TEARDOWN_DROPS_DEFERRED,
+)
+from twin.sim.faults import FaultSpec, parse_fault
+from twin.sim.params import SimParams
+from twin.sim.workloads import Workload, fixed, shared_prefix
+
+# A small GQA model keeps scenario runs fast: 8 KV heads, 4 layers, head_dim 64, bf16.
+SMALL = ModelShape(num_layers=4, num_kv_heads=8, head_dim=64, dtype_bytes=2)
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    config: TwinConfig
+    workload: Callable[[], Workload]
+    defects: tuple[str, ...] = ()
+    base_defects: tuple[str, ...] = ()
+    symptom: str = "clean"
+    faults: tuple[str, ...] = ()
+    params: SimParams = field(default_factory=SimParams)
+    overrides: dict[int, dict[str, int]] = field(default_factory=dict)
+    max_concurrency: int | None = None
+    seed_note: str = ""
+
+    def fault_specs(self) -> list[FaultSpec]:
+        return [parse_fault(f) for f in self.faults]
+
+
+def _serial(n: int, input_len: int, gap_s: float, prefix: int = 0) -> Callable[[], Workload]:
+    return lambda: fixed([(i * gap_s, input_len, 8, prefix) for i in range(n)], name="serial")
+
+
+def _cfg(**kw: object) -> TwinConfig:
+    base: dict[str, object] = dict(model=SMALL, chunked_prefill_size=256, page_size=16)
+    base.update(kw)
+    return TwinConfig(**base)  # type: ignore[arg-type]
+
+
+TP4_TP2 = dict(prefill=ServerSide(tp_size=4), decode=ServerSide(tp_size=2))
+QUIET = SimParams(prefill_radix_tokens=0, wedge_window_s=5.0)
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(
+        "default", "prefill TP4 -> decode TP2, shared-prefix traffic (4 groups x 32 prompts, "
+        "4K system prompt), 64 MiB ring: the protocol as it is today",
+        _cfg(**TP4_TP2, chunked_prefill_size=2048, staging_pool_size_mb=64),
+        lambda: shared_prefix(4, 32, 4096, 512, 64, rate_per_s=40.0, seed=7),
+    ),
+    Scenario(
+        "warmup-stall", "seed 002: prefill TP4 DP4 with DP attention -> decode TP8, eleven "
+        "serial warmup requests on a small ring; wedges partway with the stale allocator and "
+        "no subscriber snapshot, still wedges with only the allocator fixed",
+        _cfg(prefill=ServerSide(tp_size=4, dp_size=4, enable_dp_attention=True),
+             decode=ServerSide(tp_size=8), staging_pool_size_mb=1),
+        _serial(11, 640, 0.0),
+        defects=(STALE_EMPTY_RING_WATERMARK, NO_SUBSCRIBER_SNAPSHOT), symptom="wedge",
+        params=QUIET, max_concurrency=1,
+    ),
+    Scenario(
+        "radix-grid", "seeds 000/003: prefill TP4 -> decode TP2, chunked_prefill_size 256, "
+        "decode radix cache, a shared prefix spanning several grid slots; the pre-fix "
+        "fixed-size prefill staging buffer lets inflated sends through",
+        _cfg(**TP4_TP2, staging_pool_size_mb=16, extra={"prefill_staging_buffer_pages": 4096}),
+        lambda: fixed([(i * 0.05, 1400 + 16 * i, 8, 1024) for i in range(12)], name="radix"),
+        defects=(NO_GRID_ALIGNMENT,), symptom="corruption",
+        params=SimParams(decode_radix_tokens=512, wedge_window_s=5.0),
+    ),
+    Scenario(
+        "stale-empty-ring", "the 100-byte-ring wedge at scale: serial requests of 60% then 70% "
+        "of the ring; the wrapping allocation waits on a stale watermark",
+        _cfg(**TP4_TP2, chunked_prefill_size=2048, staging_pool_size_mb=10),
+        lambda: fixed([(0.0, 1536, 8, 0), (0.5, 1792, 8, 0), (1.0, 512, 8, 0)], name="60-70"),
+        defects=(STALE_EMPTY_RING_WATERMARK,), symptom="wedge", params=QUIET,
+    ),
+    Scenario(
+        "subscriber-snapshot", "prefill DP attention (2 groups) -> decode TP2: after the ring "
+        "empties, a new prefill session waits from (0, 0) for a broadcast that never comes",
+        _cfg(prefill=ServerSide(tp_size=2, dp_size=2, enable_dp_attention=True),
+             decode=ServerSide(tp_size=2), staging_pool_size_mb=8),
+        _serial(4, 1024, 0.0),
+        defects=(NO_SUBSCRIBER_SNAPSHOT,), symptom="wedge", params=QUIET, max_concurrency=1,
+    ),
+    Scenario(
+        "late-registration", "decode registers the room 5 ms after its metadata went out; the "
+        "prefetched STAGING_REQ lands in that window and is dropped",
+        _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(3, 1024, 0.5),
+        defects=(LATE_DECODE_REGISTRATION,), symptom="wedge", params=QUIET,
+    ),
+    Scenario(
+        "release-room", "a long request is aborted while its prefetched allocations are "
+        "unscattered; without release_room they pin the watermark and later requests wedge",
+        _cfg(**TP4_TP2, staging_pool_size_bytes=24 * 256 * 1024),
+        lambda: fixed([(0.0, 16 * 1024, 8, 0)] + [(0.2 + 0.2 * i, 2048, 8, 0)
+                                                   for i in range(8)], name="abort-long"),
+        defects=(NO_RELEASE_ROOM,), symptom="wedge", faults=("abort:room=0:at=0.03",),
+        params=QUIET,
+    ),
+    Scenario(
+        "chunk-ready-error", "the first CHUNK_READY send fails; swallowed, decode never "
+        "scatters that chunk and its allocation pins the ring until the room times out",
+        _cfg(**TP4_TP2, staging_pool_size_bytes=12 * 256 * 1024),
+        _serial(8, 1024, 0.2), defects=(SWALLOWED_CHUNK_READY_ERROR,), symptom="wedge",
+        faults=("fail-send:CHUNK_READY:nth=1",), params=QUIET,
+    ),
+    Scenario(
+        "slice-fallback", "a prefill radix hit inflates the first send past the chunk-sized "
+        "prefill staging buffer (grid alignment off); the silent slice fallback leaks the "
+        "decode allocation, which pins the ring",
+        _cfg(**TP4_TP2, staging_pool_size_bytes=12 * 256 * 1024),
+        lambda: fixed([(0.0, 1024, 8, 0), (0.3, 1536, 8, 0)] + [(0.6 + 0.2 * i, 1024, 8, 0)
+                                                              for i in range(8)], name="fallback"),
+        defects=(SILENT_SLICE_FALLBACK,), base_defects=(NO_GRID_ALIGNMENT,), symptom="wedge",
+        params=QUIET, overrides={1: {"prefill_prefix_len": 1024}},
+    ),
+    Scenario(
+        "teardown-deferred", "the STAGING_RSP of a room's first chunk is late, so that chunk "
+        "is deferred behind the last one; tearing the room down on the last chunk drops it",
+        _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(3, 512, 0.5),
+        defects=(TEARDOWN_DROPS_DEFERRED,), symptom="wedge",
+        faults=("delay:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
+    ),
+    Scenario(
+        "unaligned-prefix", "one request arrives with a decode prefix that is not page-aligned; "
+        "raising kills the scheduler and every later room on that rank stalls",
+        _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(4, 1024, 0.3),
+        defects=(RAISE_ON_UNALIGNED_PREFIX,), symptom="wedge", params=QUIET,
+        overrides={1: {"decode_prefix_len": 100}},
+    ),
+    Scenario(
+        "completion-race", "a late STAGING_RSP defers a room's first chunk behind its last; "
+        "all-ranks Success arrives first and the blind last scatter completes the room before "
+        "the first chunk landed",
+        _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(3, 512, 0.5),
+        defects=(COMPLETION_BEFORE_LAST_SCATTER,), symptom="corruption",
+        faults=("delay:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
+    ),
+)}
