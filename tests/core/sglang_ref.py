@@ -188,10 +188,10 @@ class _NetworkAddress:
 
 
 def _namespace(name: str) -> dict[str, Any]:
-    from typing import List, Optional, Tuple  # noqa: UP035 - SGLang's code names these
-
     import dataclasses as dataclasses_mod
+    from typing import Optional
 
+    # SGLang's code names typing.List/Tuple; with postponed annotations the builtins serve.
     return {
         "__name__": name,
         "threading": threading,
@@ -199,8 +199,8 @@ def _namespace(name: str) -> dict[str, Any]:
         "logger": logging.getLogger(name),
         "dataclasses": dataclasses_mod,
         "Optional": Optional,
-        "List": List,
-        "Tuple": Tuple,
+        "List": list,
+        "Tuple": tuple,
         "NetworkAddress": _NetworkAddress,
     }
 

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 pytest.importorskip("zmq")
 
-from twin.hw.control import BootstrapInfo, ControlSocket, exchange_bootstrap  # noqa: E402
+from twin.hw.control import BootstrapInfo, ControlError, ControlSocket, exchange_bootstrap  # noqa: E402
 from twin.hw.nixl_transport import (  # noqa: E402
     NixlEndpoint,
     RegionDesc,
@@ -125,6 +125,7 @@ def spawn_target(shm: bool, device: str = "cpu", tag: str = "") -> Iterator[Rig]
         args=(cs.endpoint, f"target-{mode}", shm, device, TARGET_BYTES),
         daemon=True,
     )
+    peer: BootstrapInfo | None = None
     try:
         src = torch.zeros(SOURCE_BYTES, dtype=torch.uint8, device=device)
         ep.register(src)
@@ -134,10 +135,11 @@ def spawn_target(shm: bool, device: str = "cpu", tag: str = "") -> Iterator[Rig]
         assert name == peer.name
         rig = Rig(ep, cs, src, name, peer.endpoint, peer.regions[0], int(peer.extra["pid"]), proc)
         yield rig
-        if proc.is_alive():
-            cs.send(peer.endpoint, [b"STOP"], timeout_ms=1000)
     finally:
         if proc.pid is not None:
+            if proc.is_alive() and peer is not None:
+                with contextlib.suppress(ControlError):
+                    cs.send(peer.endpoint, [b"STOP"], timeout_ms=1000)
             _stop_process(proc)
         ep.close()
         cs.close()
@@ -152,15 +154,73 @@ def _devices() -> list[Any]:
     ]
 
 
-@pytest.fixture(scope="module", params=_devices())
-def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+class TargetPool:
+    """Live targets keyed by ``(shm, device)``, shared by the tests of this module.
+
+    A target whose process died is replaced on the next :meth:`get`; ``untouched=True``
+    replaces one that a test has already written to.
+    """
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._rigs: dict[tuple[bool, str], tuple[Rig, list[bool]]] = {}
+        self._spawned = 0
+
+    def get(self, shm: bool, device: str = "cpu", *, untouched: bool = False) -> Rig:
+        entry = self._rigs.get((shm, device))
+        if entry is None or not entry[0].proc.is_alive() or (untouched and entry[1][0]):
+            self._spawned += 1
+            rig = self._stack.enter_context(spawn_target(shm, device, tag=f"-{self._spawned}"))
+            entry = (rig, [False])
+            self._rigs[(shm, device)] = entry
+        entry[1][0] = True
+        return entry[0]
+
+
+@pytest.fixture(scope="module")
+def targets() -> Iterator[TargetPool]:
+    with contextlib.ExitStack() as stack:
+        yield TargetPool(stack)
+
+
+@pytest.fixture(params=_devices())
+def rig(request: pytest.FixtureRequest, targets: TargetPool) -> Rig:
     shm, device = request.param
-    with spawn_target(shm, device) as r:
-        yield r
+    return targets.get(shm, device)
 
 
 def _fill(rig: Rig, lo: int, n: int, seed: int) -> None:
     rig.src[lo : lo + n].copy_(_pattern(n, seed).to(rig.src.device))
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(1e-3)
+    raise TimeoutError(f"process {pid} did not stop")
+
+
+def test_stalled_peer_times_out(targets: TargetPool) -> None:
+    """Without shm the first write needs the target's progress thread (TCP wire-up), so a
+    SIGSTOPped fresh target keeps it in PROC until the target runs again."""
+    rig = targets.get(False, untouched=True)
+    os.kill(rig.pid, signal.SIGSTOP)
+    try:
+        _wait_stopped(rig.pid)
+        _fill(rig, 0, 1 << 20, seed=11)
+        h = rig.ep.write(rig.src, rig.peer, rig.region, 0, 1 << 20)
+        assert rig.ep.poll(h) == "PROC"
+        with pytest.raises(TransferTimeout, match="still in progress"):
+            rig.ep.wait(h, timeout_s=0.3)
+        assert rig.ep.poll(h) == "PROC"
+    finally:
+        os.kill(rig.pid, signal.SIGCONT)
+    rig.ep.wait(h, timeout_s=10)
+    rig.ep.release(h)
+    rig.reset()  # leave the shared target zeroed for the next tests
 
 
 def test_region_desc_matches_target_buffer(rig: Rig) -> None:
@@ -250,40 +310,14 @@ def test_forged_region_refused_by_nixl(rig: Rig) -> None:
     assert rig.ep.outstanding == 0
 
 
-def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(1e-3)
-    raise TimeoutError(f"process {pid} did not stop")
-
-
-def test_stalled_peer_times_out_and_dead_peer_errors() -> None:
-    """Without shm the first write needs the target's progress thread (TCP wire-up), so a
-    SIGSTOPped target keeps it in PROC; a killed target makes the next write fail."""
-    with spawn_target(shm=False, tag="-fail") as rig:
-        os.kill(rig.pid, signal.SIGSTOP)
-        try:
-            _wait_stopped(rig.pid)
-            _fill(rig, 0, 1 << 20, seed=11)
-            h = rig.ep.write(rig.src, rig.peer, rig.region, 0, 1 << 20)
-            assert rig.ep.poll(h) == "PROC"
-            with pytest.raises(TransferTimeout, match="still in progress"):
-                rig.ep.wait(h, timeout_s=0.3)
-            assert rig.ep.poll(h) == "PROC"
-        finally:
-            os.kill(rig.pid, signal.SIGCONT)
+def test_dead_peer_errors(targets: TargetPool) -> None:
+    """Writing to a killed target fails with TransferError (at posting, in practice)."""
+    rig = targets.get(False)
+    os.kill(rig.pid, signal.SIGKILL)
+    rig.proc.join(JOIN_S)
+    with pytest.raises(TransferError):
+        h = rig.ep.write(rig.src, rig.peer, rig.region, 0, 1 << 20)
         rig.ep.wait(h, timeout_s=10)
-        rig.ep.release(h)
-        assert rig.check({"off": 0, "n": 1 << 20, "seed": 11})["ok"]
-
-        os.kill(rig.pid, signal.SIGKILL)
-        rig.proc.join(JOIN_S)
-        with pytest.raises(TransferError):
-            h2 = rig.ep.write(rig.src, rig.peer, rig.region, 0, 1 << 20)
-            rig.ep.wait(h2, timeout_s=10)
 
 
 def test_close_is_idempotent_and_final() -> None:

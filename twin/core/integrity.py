@@ -34,7 +34,7 @@ class Ring:
             i += 1
         return hits
 
-    def put(self, a: int, b: int, tag: Tag) -> None:
+    def put(self, a: int, b: int, tag: Tag, live: bool = True) -> None:
         hits = self.overlapping(a, b)
         pieces: list[tuple[int, int, Tag, bool]] = []
         for i in hits:
@@ -46,7 +46,7 @@ class Ring:
         for i in reversed(hits):
             del self.spans[i]
             del self.starts[i]
-        pieces.append((a, b, tag, True))
+        pieces.append((a, b, tag, live))
         for p in pieces:
             j = bisect.bisect_left(self.starts, p[0])
             self.starts.insert(j, p[0])
@@ -57,6 +57,12 @@ class Ring:
         for i in self.overlapping(a, b):
             s, e, t, _ = self.spans[i]
             self.spans[i] = (s, e, t, False)
+
+    def retire(self, room: int) -> None:
+        """Mark every byte of ``room`` dead: the room ended and nothing will scatter it."""
+        for i, (s, e, t, live) in enumerate(self.spans):
+            if live and t[0] == room:
+                self.spans[i] = (s, e, t, False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,7 @@ class IntegrityModel:
         self.pages: dict[tuple[str, int], dict[int, bool]] = {}
         self.violations: list[Violation] = []
         self._seen: set[tuple[str, int, str]] = set()
+        self._ended: set[tuple[str, int]] = set()
 
     def _flag(self, kind: str, node: str, room: int, detail: str) -> None:
         key = (kind, room, node)
@@ -114,7 +121,10 @@ class IntegrityModel:
                            f"{t.page_start + t.num_pages}) landed on unscattered data of room "
                            f"{tag[0]} pages [{tag[1]}, {tag[1] + tag[2]}) at bytes "
                            f"[{max(s, a)}, {min(e, b)})")
-        ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer))
+        # A write for a room that already ended on ``node`` is garbage nobody scatters: it may
+        # clobber live data (flagged above) but is itself free to be overwritten.
+        ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer),
+                 live=(node, t.room) not in self._ended)
 
     def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
         """A scatter reads the region and writes pages of ``s.room``."""
@@ -147,6 +157,8 @@ class IntegrityModel:
     def on_concluded(self, node: str, room: int, status: str, total_pages: int) -> None:
         """A decode room ended; on Success every page must hold the right data."""
         pages = self.pages.pop((node, room), {})
+        self._ended.add((node, room))
+        self.rings.setdefault(node, Ring()).retire(room)
         if status != "Success":
             return
         missing = [p for p in range(total_pages) if not pages.get(p, False)]

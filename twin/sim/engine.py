@@ -365,10 +365,10 @@ class Simulation:
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
         self.sys("driver", {
-            "type": "RequestArrived", "room": room, "rid": r.rid, "input_len": r.input_len,
+            "type": "RequestArrived", "room": room, "rid": str(r.rid), "input_len": r.input_len,
             "output_len": r.output_len, "decode_prefix_len": req.decode_prefix_len,
             "prefill_prefix_len": req.prefill_prefix_len,
-            "prefill_nodes": [n.id for n in pg.nodes], "decode_nodes": [n.id for n in dg.nodes],
+            "prefill_node": [n.id for n in pg.nodes], "decode_node": [n.id for n in dg.nodes],
         })
         self.at(p.decode_prealloc_s, self._decode_init, req)
         self.at(cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)

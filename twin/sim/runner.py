@@ -88,13 +88,59 @@ def _failure_reasons(sim: Simulation) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def trace_header(cfg: TwinConfig, workload: Workload, *, defects: Defects, faults: list[FaultSpec],
+                 seed: int, params: SimParams, request_overrides: dict[int, dict[str, int]],
+                 max_concurrency: int | None, mode: str = "sim") -> dict[str, Any]:
+    """The trace header of a run: everything needed to run it again."""
+    from twin.core.topology import Topology
+    from twin.trace.format import make_header
+
+    run = {"max_concurrency": max_concurrency,
+           "request_overrides": {str(k): v for k, v in sorted(request_overrides.items())}}
+    full = cfg.replace(extra={**cfg.extra, "sim": params.to_dict(), "run": run})
+    nodes = [{"id": n.id, "role": n.role, "instance": n.instance, "dp": n.dp, "rank": n.rank}
+             for n in Topology(cfg).nodes.values()]
+    small = len(workload.requests) <= 50_000
+    wl = workload.to_jsonable(include_requests=small)
+    return make_header(mode, full, nodes, defects=defects.sorted(),
+                       faults=[f.text for f in faults], seed=seed, workload=wl)
+
+
+def outcome_record(result: SimResult) -> dict[str, Any]:
+    """The trace's closing ``Outcome`` record for ``result``."""
+    s = result.summary()
+    status = s["status"]
+    diagnosis = list(s["diagnosis"])
+    if status == "until":
+        status = "interrupted"
+        diagnosis.append(f"stopped at --until {s['sim_seconds']:g} s with "
+                         f"{s['unfinished']} request(s) in flight")
+    return {"status": status, "completed": s["completed"], "failed": s["failed"],
+            "requests": s["requests"], "diagnosis": diagnosis, "corruption": s["corruption"]}
+
+
 def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
             faults: list[FaultSpec] | None = None, seed: int = 0,
             params: SimParams | None = None, until: float | None = None,
             recorder: Recorder | None = None, progress: bool = False,
             request_overrides: dict[int, dict[str, int]] | None = None,
-            max_concurrency: int | None = None) -> SimResult:
-    """Build and run a simulation; ``recorder`` receives the trace as it happens."""
+            max_concurrency: int | None = None,
+            trace_out: str | Path | None = None) -> SimResult:
+    """Build and run a simulation; the trace streams to ``trace_out`` (or ``recorder``)."""
+    if trace_out is not None:
+        from twin.trace.format import TraceWriter
+
+        header = trace_header(cfg, workload, defects=defects or Defects(),
+                              faults=list(faults or []), seed=seed, params=params or SimParams(),
+                              request_overrides=request_overrides or {},
+                              max_concurrency=max_concurrency)
+        with TraceWriter(trace_out, header) as writer:
+            result = run_sim(cfg, workload, defects=defects, faults=faults, seed=seed,
+                             params=params, until=until, recorder=writer, progress=progress,
+                             request_overrides=request_overrides,
+                             max_concurrency=max_concurrency)
+            writer.close(outcome_record(result))
+        return result
     sim = Simulation(cfg, workload, defects=defects, faults=faults, seed=seed, params=params,
                      recorder=recorder, request_overrides=request_overrides,
                      max_concurrency=max_concurrency)

@@ -160,3 +160,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         faults=("delay:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
     ),
 )}
+
+
+def check_scenario(sc: Scenario) -> dict[str, object]:
+    """Run ``sc`` with its defects on and off; ``ok`` when on shows the symptom and off is
+    clean (for the clean default: both runs clean)."""
+    from twin.core.defects import Defects
+    from twin.sim.runner import run_sim
+
+    results = {}
+    for label, extra in (("on", sc.defects), ("off", ())):
+        r = run_sim(sc.config, sc.workload(), defects=Defects.of(sc.base_defects + extra),
+                    faults=sc.fault_specs(), params=sc.params, request_overrides=sc.overrides,
+                    max_concurrency=sc.max_concurrency)
+        results[label] = r.status
+    want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
+    ok = results["on"] == want_on and results["off"] == "completed"
+    return {"on": results["on"], "off": results["off"], "ok": ok}

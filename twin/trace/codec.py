@@ -47,8 +47,11 @@ class TraceError(ValueError):
         self.where = where
         self.field = field
         self.detail = detail
-        text = f"{where}: field {field!r}: {detail}" if field else f"{where}: {detail}"
-        super().__init__(text)
+        self.text = f"{where}: field {field!r}: {detail}" if field else f"{where}: {detail}"
+        super().__init__(where, detail, field)  # re-creatable from args (SimPy re-raises so)
+
+    def __str__(self) -> str:
+        return self.text
 
 
 # ---------------------------------------------------------------------------------------------

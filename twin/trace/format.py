@@ -15,8 +15,9 @@ streams and flushes so that a killed run leaves a readable prefix; ``read_trace`
 ``iter_trace`` validate everything and name ``file:line`` and the field on error. The rules are
 documented in ``docs/trace-format.md`` (whose tables ``markdown_event_tables`` generates).
 
-Run ``python -m twin.trace.format schema`` to regenerate ``schema.json`` and
-``python -m twin.trace.format tables`` to print the documentation tables.
+After changing an event class, run ``python -m twin.trace.format schema`` (regenerates
+``schema.json``) and ``python -m twin.trace.format docs`` (refreshes the field tables in
+``docs/trace-format.md``); tests fail until both are in sync.
 """
 
 from __future__ import annotations
@@ -492,11 +493,13 @@ class _LineSource:
         with open(self.path, "rb") as raw:
             gz = raw.read(2) == GZIP_MAGIC
             raw.seek(0)
+            # read1: a cut gzip stream raises EOFError on the read *after* its last data
             stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+            read = stream.read1 if gz else stream.read  # type: ignore[attr-defined]
             rest = b""
             while True:
                 try:
-                    chunk = stream.read(1 << 20)
+                    chunk = read(1 << 20)
                 except (EOFError, zlib.error, gzip.BadGzipFile):
                     self.cut = True
                     chunk = b""
@@ -811,11 +814,11 @@ def _md_doc(cls: type) -> str:
     doc = (cls.__doc__ or "").strip()
     if not doc or doc.startswith(f"{cls.__name__}("):
         return ""
-    return " ".join(doc.split("\n\n")[0].split())
+    return " ".join(doc.split("\n\n")[0].split()).replace("``", "`")
 
 
 def _md_class(title: str, cls: type) -> list[str]:
-    out = [f"#### `{title}`", ""]
+    out = [f"#### {title}", ""]
     doc = _md_doc(cls)
     if doc:
         out += [doc, ""]
@@ -833,14 +836,14 @@ def markdown_event_tables() -> str:
     """Markdown field tables of every input, effect, message and sys record type."""
     out = ["### Inputs (`\"dir\": \"in\"`)", ""]
     for cls in ev.INPUT_TYPES:
-        out += _md_class(cls.__name__, cls)
+        out += _md_class(f"`{cls.__name__}`", cls)
     out += ["### Effects (`\"dir\": \"out\"`)", ""]
     for cls in ev.EFFECT_TYPES:
-        out += _md_class(cls.__name__, cls)
+        out += _md_class(f"`{cls.__name__}`", cls)
     out += ["### Nested objects", ""]
-    out += _md_class("Target", ev.Target)
+    out += _md_class("`Target` (`\"type\": \"Target\"`)", ev.Target)
     for kind, cls in MESSAGE_KINDS.items():
-        out += _md_class(f"{kind}` (`{cls.__name__}`, `\"kind\": \"{kind}\"", cls)
+        out += _md_class(f"`{kind}` (`{cls.__name__}`, `\"kind\": \"{kind}\"`)", cls)
     out += ["### Driver records (`\"dir\": \"sys\"`)", ""]
     for rtype, fields in SYS_TYPES.items():
         out += [f"#### `{rtype}`", "", " ".join(SYS_DOCS[rtype].replace("``", "`").split()), "",
@@ -851,15 +854,31 @@ def markdown_event_tables() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+TABLES_BEGIN = "<!-- BEGIN GENERATED: python -m twin.trace.format docs -->"
+TABLES_END = "<!-- END GENERATED -->"
+
+
+def update_doc_tables(text: str) -> str:
+    """``text`` (the format document) with its generated section replaced by fresh tables."""
+    start, end = text.index(TABLES_BEGIN) + len(TABLES_BEGIN), text.index(TABLES_END)
+    return f"{text[:start]}\n\n{markdown_event_tables()}\n{text[end:]}"
+
+
 def _main(argv: Sequence[str]) -> int:
-    if list(argv) == ["schema"]:
+    args = list(argv)
+    if args == ["schema"]:
         SCHEMA_PATH.write_text(schema_text(), encoding="utf-8")
-        print(f"wrote {SCHEMA_PATH.name}")
+        print(f"wrote {SCHEMA_PATH}")
         return 0
-    if list(argv) == ["tables"]:
+    if args == ["tables"]:
         sys.stdout.write(markdown_event_tables())
         return 0
-    print("usage: python -m twin.trace.format schema|tables", file=sys.stderr)
+    if args[:1] == ["docs"] and len(args) <= 2:
+        doc = Path(args[1] if len(args) == 2 else "docs/trace-format.md")
+        doc.write_text(update_doc_tables(doc.read_text(encoding="utf-8")), encoding="utf-8")
+        print(f"updated {doc}")
+        return 0
+    print("usage: python -m twin.trace.format schema | tables | docs [PATH]", file=sys.stderr)
     return 2
 
 

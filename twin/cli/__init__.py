@@ -1,0 +1,40 @@
+"""The ``twin`` command: simulate, inspect traces, replay, and validate on hardware.
+
+Exit codes: 0 every request ended with no wedge and no corruption; 2 bad input; 3 wedge;
+4 corruption.
+"""
+
+from __future__ import annotations
+
+import click
+
+from twin import __version__
+from twin.cli.common import BadInput
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="twin")
+def cli() -> None:
+    """staging-twin: a digital twin of SGLang's staging-buffer KV transfer.
+
+    Start with `twin sim` (a built-in default run), `twin scenarios` (the upstream defects,
+    reproduced) and `twin defects`.
+    """
+
+
+def _register() -> None:
+    from twin.cli import info_cmd, sim_cmd, trace_cmd
+
+    for module in (sim_cmd, info_cmd, trace_cmd):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=True)
+    except BadInput as exc:  # pragma: no cover - click handles ClickException itself
+        raise SystemExit(exc.exit_code) from None

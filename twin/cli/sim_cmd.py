@@ -1,0 +1,198 @@
+"""``twin sim``, ``twin scenarios`` and ``twin config``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from twin.cli.common import (
+    BadInput,
+    defect_option,
+    emit_json,
+    fault_option,
+    load_config,
+    load_workload,
+    make_defects,
+    parse_faults,
+)
+from twin.core.config import ConfigError
+from twin.sim.runner import SimResult, load_params, run_sim
+from twin.sim.scenarios import SCENARIOS
+
+
+def _print_human(result: SimResult) -> None:
+    s = result.summary()
+    lat = s["latency"].get("ttft_s", {})
+    click.echo(f"status      {s['status']}  ({s['stop_reason']})")
+    click.echo(f"requests    {s['requests']}: {s['completed']} completed, {s['failed']} failed, "
+               f"{s['unfinished']} unfinished")
+    click.echo(f"simulated   {s['sim_seconds']:.3f} s in {s['wall_seconds']:.3f} s wall, "
+               f"{s['events']} core events")
+    if lat:
+        click.echo(f"TTFT        p50 {lat['p50'] * 1e3:.1f} ms  p90 {lat['p90'] * 1e3:.1f} ms  "
+                   f"p99 {lat['p99'] * 1e3:.1f} ms")
+    if s["deferrals"]:
+        click.echo(f"deferrals   {sum(s['deferrals'].values())} (backpressure waits)")
+    if s["defects"]:
+        click.echo(f"defects on  {', '.join(s['defects'])}")
+    for reason, n in s["failures"].items():
+        click.echo(f"failed      {n} x {reason}")
+    for line in s["diagnosis"]:
+        click.echo(f"wedge       {line}")
+    for line in s["corruption"][:20]:
+        click.echo(f"corruption  {line}")
+
+
+@click.command("sim")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML config (SGLang's names; a [sim] table sets cost parameters).")
+@click.option("--scenario", default=None, metavar="NAME",
+              help="Built-in scenario (see `twin scenarios`); default: 'default'.")
+@click.option("--scenario-defects", is_flag=True,
+              help="Switch on the defects the scenario reproduces.")
+@click.option("--workload", "workload_spec", default=None, metavar="FILE|SPEC",
+              help="Mooncake JSONL or Azure CSV trace (detected by content), or a generator "
+                   "spec such as poisson:n=200,rate=5,input=4096,output=64,seed=1.")
+@click.option("--first-n", type=int, default=None, help="Keep the first N requests.")
+@click.option("--slowdown", type=float, default=None, help="Stretch inter-arrival times.")
+@click.option("--prefill-args", default=None, metavar="ARGS",
+              help="Prefill server launch arguments, e.g. '--tp-size 4 --chunked-prefill-size 256'.")
+@click.option("--decode-args", default=None, metavar="ARGS",
+              help="Decode server launch arguments, e.g. '--tp-size 2'.")
+@click.option("--env", "env_items", multiple=True, metavar="KEY=VALUE",
+              help="Staging environment variable, e.g. SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64.")
+@defect_option
+@fault_option
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--until", type=float, default=None, metavar="SECONDS",
+              help="Stop after this much simulated time.")
+@click.option("--max-concurrency", type=int, default=None,
+              help="Closed-loop clients: at most N requests in flight.")
+@click.option("--trace-out", type=click.Path(dir_okay=False), default=None,
+              help="Write the trace (JSON Lines; .gz compresses).")
+@click.option("--metrics-out", type=click.Path(file_okay=False), default=None,
+              help="Write requests.csv, occupancy.csv, watermark_lag.csv, metrics.json here.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="Write latency.png, ring.png and deferrals.png here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
+def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n, slowdown,
+                prefill_args, decode_args, env_items, defects, faults, seed, until,
+                max_concurrency, trace_out, metrics_out, plot_dir, as_json) -> None:
+    """Simulate a staged PD deployment and report wedges, corruption and latency.
+
+    Exit status: 0 every request ended with no wedge and no corruption, 2 bad input,
+    3 wedge, 4 corruption.
+    """
+    name = scenario or "default"
+    if name not in SCENARIOS:
+        raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    sc = SCENARIOS[name]
+    cfg = load_config(config_path, sc.config)
+    params = sc.params
+    if config_path is not None:
+        try:
+            params = load_params(cfg, config_path)
+        except ConfigError as exc:
+            raise BadInput(str(exc)) from None
+    if prefill_args or decode_args or env_items:
+        from twin.launch_args import config_from_launch
+
+        env = {}
+        for item in env_items:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise BadInput(f"--env {item!r}: expected KEY=VALUE")
+            env[key] = value
+        try:
+            cfg = config_from_launch(prefill_args or "", decode_args or "", env, base=cfg)
+        except ConfigError as exc:
+            raise BadInput(str(exc)) from None
+    workload = load_workload(workload_spec) if workload_spec else sc.workload()
+    if first_n is not None or slowdown is not None:
+        workload = _cut(workload, first_n, slowdown)
+    names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
+    result = run_sim(
+        cfg, workload, defects=make_defects(names), faults=parse_faults([*sc.faults, *faults]),
+        seed=seed, params=params, until=until, progress=not as_json,
+        request_overrides=sc.overrides if not workload_spec else {},
+        max_concurrency=max_concurrency or sc.max_concurrency, trace_out=trace_out)
+    if metrics_out:
+        result.sim.metrics.write(Path(metrics_out))
+    if plot_dir:
+        from twin.sim.plots import write_plots
+
+        write_plots(result.sim.metrics, Path(plot_dir))
+    if as_json:
+        emit_json(result.summary())
+    else:
+        _print_human(result)
+        if trace_out:
+            click.echo(f"trace       {trace_out}")
+    sys.exit(result.exit_code)
+
+
+def _cut(workload, first_n, slowdown):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    reqs = workload.requests[:first_n] if first_n else workload.requests
+    if slowdown:
+        if slowdown <= 0:
+            raise BadInput("--slowdown must be positive")
+        reqs = tuple(replace(r, arrival_s=r.arrival_s * slowdown) for r in reqs)
+    from twin.sim.workloads import Workload
+
+    return Workload(name=workload.name, requests=tuple(reqs), source=workload.source)
+
+
+@click.command("scenarios")
+@click.option("--check", is_flag=True,
+              help="Run every scenario with its defects on and off and check the symptom.")
+@click.option("--json", "as_json", is_flag=True)
+def scenarios_command(check: bool, as_json: bool) -> None:
+    """List the built-in scenarios (one per upstream defect) or check them all."""
+    from twin.sim.scenarios import check_scenario
+
+    rows = []
+    for sc in SCENARIOS.values():
+        row = {"name": sc.name, "defects": list(sc.defects), "symptom": sc.symptom,
+               "summary": sc.summary}
+        if check:
+            row.update(check_scenario(sc))
+        rows.append(row)
+    if as_json:
+        emit_json(rows)
+    else:
+        for row in rows:
+            defects = ", ".join(row["defects"]) or "-"
+            click.echo(f"{row['name']:20s} {row['symptom']:10s} {defects}")
+            click.echo(f"{'':20s} {row['summary']}")
+            if check:
+                click.echo(f"{'':20s} defects on: {row['on']}; off: {row['off']} -> "
+                           f"{'OK' if row['ok'] else 'MISMATCH'}")
+        if not check:
+            click.echo("\nRun one: twin sim --scenario NAME [--scenario-defects]")
+    if check and not all(r["ok"] for r in rows):
+        sys.exit(1)
+
+
+@click.command("config")
+@click.option("--prefill-args", required=True, metavar="ARGS")
+@click.option("--decode-args", required=True, metavar="ARGS")
+@click.option("--env", "env_items", multiple=True, metavar="KEY=VALUE")
+def config_command(prefill_args: str, decode_args: str, env_items: tuple[str, ...]) -> None:
+    """Translate SGLang launch arguments into the twin's TOML config."""
+    import tomli_w
+
+    from twin.launch_args import config_from_launch
+
+    env = dict(item.partition("=")[::2] for item in env_items)
+    try:
+        cfg = config_from_launch(prefill_args, decode_args, env)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    click.echo(tomli_w.dumps(cfg.to_dict()), nl=False)
+
+
+COMMANDS = [sim_command, scenarios_command, config_command]
