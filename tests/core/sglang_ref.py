@@ -54,7 +54,7 @@ _WANTED: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
     ),
     STAGING_HANDLER: (
         ["is_watermark_ready", "handle_watermark_msg", "handle_staging_rsp",
-         "StagingTransferInfo"],
+         "StagingTransferInfo", "prefetch_staging_reqs"],
         [("DecodeStagingHandler", "_send_watermark")],
     ),
     CONN: (
@@ -67,6 +67,11 @@ _WANTED: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
         ],
     ),
 }
+
+
+# Functions whose body imports what the tests provide instead: the imports are dropped and the
+# names come from the namespace (staging_grid_tokens is SGLang's own, loaded above).
+_LOCAL_IMPORTS = {"prefetch_staging_reqs": {"zmq", "staging_grid_tokens", "NetworkAddress"}}
 
 
 class ReferenceUnavailable(RuntimeError):
@@ -88,7 +93,7 @@ def _download(directory: Path) -> Path:
             f"sglang=={SGLANG_VERSION}", "-d", str(directory)]
     attempts = [
         base,
-        # The release is a CPython 3.11 manylinux wheel; fetch that one on other interpreters.
+        # The release is a CPython 3.11 manylinux wheel; fetch that one from other interpreters.
         [*base, "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
          "--abi", "cp311", "--platform", "manylinux_2_34_x86_64"],
     ]
@@ -106,6 +111,10 @@ def _download(directory: Path) -> Path:
     )
 
 
+def offline() -> bool:
+    return os.environ.get("TWIN_OFFLINE") == "1"
+
+
 def wheel_path() -> Path:
     env = os.environ.get("TWIN_SGLANG_WHEEL")
     if env:
@@ -114,7 +123,12 @@ def wheel_path() -> Path:
             raise ReferenceUnavailable(f"TWIN_SGLANG_WHEEL={env}: no such file")
         return p
     directory = cache_dir()
-    return _cached_wheel(directory) or _download(directory)
+    wheel = _cached_wheel(directory)
+    if wheel is not None:
+        return wheel
+    if offline():
+        raise ReferenceUnavailable(f"no sglang-{SGLANG_VERSION}-*.whl in {directory}")
+    return _download(directory)
 
 
 # --- source extraction ------------------------------------------------------------------------
@@ -146,6 +160,14 @@ def _strip_device_buffer(cls: ast.ClassDef) -> None:
     init.body = kept
 
 
+def _strip_local_imports(fn: ast.FunctionDef, expected: set[str]) -> None:
+    imports = [s for s in fn.body if isinstance(s, (ast.Import, ast.ImportFrom))]
+    names = {(a.asname or a.name) for s in imports for a in s.names}
+    if names != expected:
+        raise ReferenceUnavailable(f"{fn.name} imports changed: {sorted(names)}")
+    fn.body = [s for s in fn.body if s not in imports]
+
+
 def _select(tree: ast.Module, path: str, top: list[str], methods: list[tuple[str, str]]):
     by_name: dict[str, ast.stmt] = {}
     classes: dict[str, ast.ClassDef] = {}
@@ -161,6 +183,8 @@ def _select(tree: ast.Module, path: str, top: list[str], methods: list[tuple[str
         node = by_name[name]
         if name == "StagingAllocator":
             _strip_device_buffer(node)  # type: ignore[arg-type]
+        if name in _LOCAL_IMPORTS:
+            _strip_local_imports(node, _LOCAL_IMPORTS[name])  # type: ignore[arg-type]
         chosen.append(node)
     for cls_name, meth in methods:
         cls = classes.get(cls_name)
@@ -223,6 +247,10 @@ def load() -> types.SimpleNamespace:
         module_name = "sglang_ref_" + Path(path).stem
         module = types.ModuleType(module_name)
         module.__dict__.update(_namespace(module_name))
+        module.__dict__.update(
+            staging_grid_tokens=out.get("staging_grid_tokens"),
+            zmq=types.SimpleNamespace(),  # sockets are handed in; nothing may create one
+        )
         sys.modules[module_name] = module  # dataclasses resolves string annotations through it
         filename = f"{wheel.name}/{path}"
         src = sources[path]
@@ -313,6 +341,22 @@ def watermark_frames(wm_round: int, wm_tail: int, session_id: str) -> list[bytes
     return frames
 
 
+def prefetch_frames(room: int, session_pages: dict[str, int], chunked_prefill_size: int | None,
+                    page_size: int, pp_rank: int | None = None) -> list[list[bytes]]:
+    """STAGING_REQ frames SGLang's prefill prefetch sends for sessions with these page counts."""
+    sock = _Socket()
+    infos = {
+        sid: types.SimpleNamespace(is_dummy=False, dst_kv_indices=range(pages), endpoint="h",
+                                   dst_port=1)
+        for sid, pages in session_pages.items()
+    }
+    load().prefetch_staging_reqs(
+        room, {room: infos}, {"page_size": page_size}, chunked_prefill_size, set(),
+        {"tcp://h:1": sock}, pp_rank,
+    )
+    return sock.sent
+
+
 def parse_watermark(frames: list[bytes]) -> dict[str, tuple[int, int]]:
     """``remote_watermarks`` after SGLang's prefill handles ``frames`` from a fresh state."""
     state = StagingState()
@@ -363,6 +407,7 @@ def require() -> types.SimpleNamespace:
     try:
         return load()
     except ReferenceUnavailable as exc:
-        if os.environ.get("TWIN_OFFLINE") == "1":
-            pytest.skip(f"TWIN_OFFLINE=1 and no sglang {SGLANG_VERSION} wheel: {exc}")
-        pytest.fail(str(exc), pytrace=False)
+        problem = str(exc)
+    if offline():
+        pytest.skip(f"TWIN_OFFLINE=1: SGLang reference unavailable: {problem}")
+    pytest.fail(problem, pytrace=False)

@@ -21,6 +21,8 @@ from twin.core import (
     staging_grid_tokens,
 )
 from twin.core.defects import STALE_EMPTY_RING_WATERMARK, Defects
+from twin.core.grid import prefetch_chunks
+from twin.core.wire import StagingReq, encode
 
 SETTINGS = settings(
     derandomize=True, database=None, deadline=None, max_examples=300,
@@ -215,6 +217,22 @@ def test_grid_segments_examples(ref):
     ]
     for args in cases:
         assert compute_grid_segments(*args) == ref.compute_grid_segments(*args), args
+
+
+@SETTINGS
+@given(
+    cps=cps_values, page_size=page_sizes, total_pages=st.integers(0, 3000),
+    pp_rank=st.one_of(st.none(), st.integers(0, 3)),
+)
+def test_prefetch_requests_match_sglang(cps, page_size, total_pages, pp_rank):
+    """The STAGING_REQs a prefill sends before its forward: chunk count, sizes and frames."""
+    grid_pages = staging_grid_tokens(cps, page_size) // page_size
+    twin_frames = [
+        encode(StagingReq(room=77, chunk_idx=i, chunk_pages=n, session_id="s", pp_rank=pp_rank))
+        for i, n in prefetch_chunks(total_pages, grid_pages)
+    ]
+    assert twin_frames == sglang_ref.prefetch_frames(77, {"s": total_pages}, cps, page_size,
+                                                     pp_rank)
 
 
 # --- head slicing and layout ------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The staging control frames: byte-exact against SGLang 0.5.23, round trips, malformed input.
 
-Where SGLang builds or parses a frame in a function that runs without a server, the expected
-frames come from that very function (``sglang_ref``); STAGING_REQ is built inline in a function
-that needs zmq, so its frames are spelled out from the source.
+Expected frames come from SGLang's own builders and parsers (``sglang_ref``) wherever they run
+without a server; STAGING_REQ's parser is inline in the decode allocation path, so its decoding
+side is spelled out from the source.
 """
 
 from __future__ import annotations
@@ -43,18 +43,21 @@ def test_watermark_frames(ref):
     assert sglang_ref.parse_watermark(frames) == {"session-new": (3, 0)}
 
 
-def test_staging_req_frames_without_pp_rank():
-    msg = StagingReq(room=12345, chunk_idx=2, chunk_pages=512, session_id="10.0.0.1:7000_3")
-    frames = [b"STAGING_REQ", b"12345", b"2", b"512", b"10.0.0.1:7000_3"]
+def test_staging_req_frames_without_pp_rank(ref):
+    msg = StagingReq(room=12345, chunk_idx=0, chunk_pages=3, session_id="10.0.0.1:7000_3")
+    frames = [b"STAGING_REQ", b"12345", b"0", b"3", b"10.0.0.1:7000_3"]
     assert encode(msg) == frames
+    assert sglang_ref.prefetch_frames(12345, {"10.0.0.1:7000_3": 3}, 8192, 16) == [frames]
     assert decode(frames) == msg
     assert decode(frames).pp_rank is None
 
 
-def test_staging_req_frames_with_pp_rank():
-    msg = StagingReq(room=7, chunk_idx=0, chunk_pages=3, session_id="s", pp_rank=1)
-    frames = [b"STAGING_REQ", b"7", b"0", b"3", b"s", b"1"]
+def test_staging_req_frames_with_pp_rank(ref):
+    msg = StagingReq(room=7, chunk_idx=1, chunk_pages=2, session_id="s", pp_rank=1)
+    frames = [b"STAGING_REQ", b"7", b"1", b"2", b"s", b"1"]
     assert encode(msg) == frames
+    # 8192-token grid of 16-token pages: 514 pages are a full chunk and a 2-page one
+    assert sglang_ref.prefetch_frames(7, {"s": 514}, 8192, 16, pp_rank=1)[1] == frames
     assert decode(frames) == msg
 
 
@@ -185,13 +188,17 @@ def test_sglang_reads_and_writes_the_same_frames(ref, msg):
         assert sglang_ref.parse_kv_status(frames) == (
             msg.room, int(msg.status), msg.prefill_rank, msg.failure_reason or None
         )
-    else:  # STAGING_REQ: spelled out from prefetch_staging_reqs / handle_staging_req
+    else:  # STAGING_REQ: built like prefetch_staging_reqs, parsed like handle_staging_req
         want = [b"STAGING_REQ", *(str(v).encode() for v in
                                   (msg.room, msg.chunk_idx, msg.chunk_pages)),
                 msg.session_id.encode("ascii")]
         if msg.pp_rank is not None:
             want.append(str(msg.pp_rank).encode())
         assert frames == want
+        parsed = (int(frames[1].decode("ascii")), int(frames[2].decode("ascii")),
+                  int(frames[3].decode("ascii")), frames[4].decode("ascii"),
+                  int(frames[5].decode("ascii")) if len(frames) > 5 else None)
+        assert parsed == (msg.room, msg.chunk_idx, msg.chunk_pages, msg.session_id, msg.pp_rank)
 
 
 # --- malformed frames -------------------------------------------------------------------------

@@ -362,3 +362,29 @@ def test_region_desc_json_round_trip() -> None:
     ):
         with pytest.raises(ValueError):
             RegionDesc.from_json(bad)
+
+
+def test_in_process_pair_and_wait_notif() -> None:
+    """Two endpoints in one process: notifications are matched by prefix and none is lost."""
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    src = _pattern(1 << 16, 5)
+    with NixlEndpoint("pair-a") as a, NixlEndpoint("pair-b") as b:
+        a.register(src)
+        region = b.register(dst)
+        assert a.add_peer(b.metadata()) == "pair-b"
+        assert b.add_peer(a.metadata()) == "pair-a"
+        for i, tag in enumerate((b"other-1", b"want", b"other-2")):
+            h = a.write(src[i * 1000 :], "pair-b", region, i * 1000, 1000, tag)
+            a.wait(h, timeout_s=10)
+            a.release(h)
+        assert b.wait_notif(b"want", timeout_s=10) == ("pair-a", b"want")
+        with pytest.raises(TimeoutError):
+            b.wait_notif(b"want", timeout_s=0.05)
+        others: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(others) < 2 and time.monotonic() < deadline:
+            others += [m for _, m in b.get_notifs()]
+        assert sorted(others) == [b"other-1", b"other-2"]
+        assert b.get_notifs() == []
+        assert torch.equal(dst[:3000], src[:3000])
+        assert a.outstanding == 0

@@ -83,7 +83,8 @@ class IntegrityModel:
     def __init__(self, ring_bytes: int) -> None:
         self.ring_bytes = ring_bytes
         self.rings: dict[str, Ring] = {}
-        self.pages: dict[tuple[str, int], dict[int, bool]] = {}
+        # (node, room) -> landed page ranges (start, end, correct)
+        self.pages: dict[tuple[str, int], list[tuple[int, int, bool]]] = {}
         self.violations: list[Violation] = []
         self._seen: set[tuple[str, int, str]] = set()
         self._ended: set[tuple[str, int]] = set()
@@ -98,8 +99,8 @@ class IntegrityModel:
     def on_transfer(self, node: str, t: ev.StartTransfer) -> None:
         """A prefill writer's bytes land in ``node``'s ring (called when the WRITE completes)."""
         if not t.staged:
-            for p in range(t.page_start, t.page_start + t.num_pages):
-                self.pages.setdefault((node, t.room), {})[p] = True
+            self.pages.setdefault((node, t.room), []).append(
+                (t.page_start, t.page_start + t.num_pages, True))
             return
         ring = self.rings.setdefault(node, Ring())
         a, b = t.dst_offset, t.dst_offset + t.nbytes
@@ -147,22 +148,42 @@ class IntegrityModel:
                            f"{s.page_start + s.num_pages}), writer {w}) read bytes [{a}, {b}) "
                            f"holding {what}" + (" (blind tail scatter)" if s.blind else ""))
             ring.consume(a, b)
-        pages = self.pages.setdefault((node, s.room), {})
-        for p in range(s.page_start, s.page_start + s.num_pages):
-            pages[p] = ok and pages.get(p, True)
+        self.pages.setdefault((node, s.room), []).append(
+            (s.page_start, s.page_start + s.num_pages, ok))
 
     def on_freed(self, node: str, offset: int, size: int) -> None:
         self.rings.setdefault(node, Ring()).consume(offset, offset + size)
 
     def on_concluded(self, node: str, room: int, status: str, total_pages: int) -> None:
         """A decode room ended; on Success every page must hold the right data."""
-        pages = self.pages.pop((node, room), {})
+        ranges = self.pages.pop((node, room), [])
         self._ended.add((node, room))
         self.rings.setdefault(node, Ring()).retire(room)
         if status != "Success":
             return
-        missing = [p for p in range(total_pages) if not pages.get(p, False)]
+        missing, first = _uncovered(ranges, total_pages)
         if missing:
             self._flag("incomplete", node, room,
-                       f"completed with {len(missing)} of {total_pages} pages not landed "
-                       f"(first: page {missing[0]})")
+                       f"completed with {missing} of {total_pages} pages not landed "
+                       f"(first: page {first})")
+
+
+def _uncovered(ranges: list[tuple[int, int, bool]], total: int) -> tuple[int, int]:
+    """Pages of ``[0, total)`` not covered by a correct range, or hit by a wrong scatter:
+    ``(count, first)``."""
+    bad: list[tuple[int, int]] = [(a, b) for a, b, ok in ranges if not ok]
+    pos = 0
+    for a, b in sorted((a, b) for a, b, ok in ranges if ok):
+        if a > pos:
+            bad.append((pos, a))
+        pos = max(pos, b)
+    if pos < total:
+        bad.append((pos, total))
+    missing, first, end = 0, -1, 0
+    for a, b in sorted(bad):
+        a, b = max(a, end, 0), min(b, total)
+        if b > a:
+            missing += b - a
+            first = a if first < 0 else first
+            end = b
+    return missing, first

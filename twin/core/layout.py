@@ -7,6 +7,8 @@ each layer ``[num_tokens, num_heads, head_dim]``.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 
 def compute_head_slice_params(
     src_attn_tp_size: int,
@@ -41,6 +43,24 @@ def num_tp_writers(src_attn_tp_size: int, dst_attn_tp_size: int) -> int:
     if src_attn_tp_size > dst_attn_tp_size:
         return src_attn_tp_size // max(1, dst_attn_tp_size)
     return 1
+
+
+@lru_cache(maxsize=4096)
+def _layout_cached(src_attn_tp_size: int, dst_attn_tp_size: int, dst_tp_rank: int,
+                   total_kv_heads: int, num_tokens: int, bytes_per_head_token: int,
+                   num_layers: int) -> tuple[int, tuple[int, ...], int]:
+    n, writer_bytes, total = compute_staging_layout(
+        src_attn_tp_size, dst_attn_tp_size, dst_tp_rank, total_kv_heads, num_tokens,
+        bytes_per_head_token, num_layers)
+    return n, tuple(writer_bytes), total
+
+
+def staging_layout(src_attn_tp_size: int, dst_attn_tp_size: int, dst_tp_rank: int,
+                   total_kv_heads: int, num_tokens: int, bytes_per_head_token: int,
+                   num_layers: int) -> tuple[int, tuple[int, ...], int]:
+    """``compute_staging_layout`` memoised, with the writer sizes as a tuple (hot paths)."""
+    return _layout_cached(src_attn_tp_size, dst_attn_tp_size, dst_tp_rank, total_kv_heads,
+                          num_tokens, bytes_per_head_token, num_layers)
 
 
 def compute_staging_layout(

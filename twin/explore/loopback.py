@@ -16,7 +16,7 @@ from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
-from twin.core.layout import compute_staging_layout
+from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
 from twin.core.sendplan import PlannedSend, plan_sends
 from twin.core.topology import Topology
@@ -205,7 +205,7 @@ class Cluster:
         rank = self.ranks[node]
         assert isinstance(rank, DecodeRank)
         plan = self.rooms[e.room]
-        _, writer_bytes, _ = compute_staging_layout(
+        _, writer_bytes, _ = staging_layout(
             self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size, rank.rank,
             self.cfg.model.num_kv_heads, e.num_pages * self.cfg.page_size,
             self.cfg.bytes_per_head_token, self.cfg.model.num_layers)

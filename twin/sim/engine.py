@@ -22,7 +22,7 @@ from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
-from twin.core.layout import compute_staging_layout
+from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology
 from twin.sim.faults import FaultInjector, FaultSpec
@@ -308,7 +308,7 @@ class Simulation:
 
     def _scatter_runs(self, node: str, e: ev.StartScatter) -> None:
         """The scatter kernel reads its region now: check what it finds there."""
-        _, writer_bytes, _ = compute_staging_layout(
+        _, writer_bytes, _ = staging_layout(
             self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size,
             self.topo.nodes[node].rank, self.cfg.model.num_kv_heads,
             e.num_pages * self.cfg.page_size, self.cfg.bytes_per_head_token,
