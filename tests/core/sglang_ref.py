@@ -3,15 +3,22 @@
 Importing ``sglang`` needs torch, triton and a GPU stack. The staging protocol's pure parts
 (ring allocator, grid, head slicing, readiness rule, frame encoders and parsers) do not, so this
 module reads their source out of the ``sglang==0.5.23`` wheel, keeps exactly the top-level
-definitions the conformance tests need, and executes that code. The only change made to SGLang's
-code is removing the device buffer from ``StagingAllocator.__init__`` (an AST transform that
-drops the statements touching ``StagingBuffer`` / ``self.buffer`` and the pointer log line).
+definitions the conformance tests need, and executes that code. Changes made to SGLang's code,
+all as AST transforms checked against the expected shape:
+
+* ``StagingAllocator.__init__`` loses its device buffer (the statements touching
+  ``StagingBuffer`` / ``self.buffer`` and the pointer log line); the ring logic is untouched.
+* ``prefetch_staging_reqs`` loses its function-local imports (zmq, NetworkAddress and SGLang's
+  own ``staging_grid_tokens``); the tests hand it sockets, so nothing else changes.
+* A few methods of server classes (frame builders and parsers) are lifted out of their class and
+  called with a stand-in ``self`` that carries only the attributes they read.
 
 Where the wheel comes from:
 
 * ``TWIN_SGLANG_WHEEL``: path of the wheel file, used as is.
 * otherwise ``$TWIN_CACHE_DIR`` (default ``~/.cache/staging-twin``)/``sglang-0.5.23-*.whl``,
-  downloaded there with ``pip download --no-deps sglang==0.5.23`` when missing.
+  downloaded there (about 40 MB, once) with ``pip download --no-deps sglang==0.5.23`` when
+  missing.
 
 When the wheel cannot be had, ``load()`` raises ``ReferenceUnavailable``; the tests turn that
 into a failure, or into a skip only when ``TWIN_OFFLINE=1`` is set.
@@ -99,11 +106,15 @@ def _download(directory: Path) -> Path:
     ]
     errors = []
     for cmd in attempts:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            output = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:
+            output = "timed out after 900 s"
         wheel = _cached_wheel(directory)
         if wheel is not None:
             return wheel
-        errors.append(f"$ {' '.join(cmd[2:])}\n{(proc.stdout + proc.stderr)[-1500:]}")
+        errors.append(f"$ {' '.join(cmd[2:])}\n{output[-1500:]}")
     raise ReferenceUnavailable(
         f"could not download sglang=={SGLANG_VERSION} into {directory}; the conformance tests "
         f"run SGLang's own code from that wheel. Provide it with TWIN_SGLANG_WHEEL=<path>, put "

@@ -127,7 +127,6 @@ class ClusterMachine(RuleBasedStateMachine):
         cs = self.c.choices()
         self.c.step(data.draw(st.sampled_from(cs), label="choice"))
 
-    @precondition(lambda self: self.cluster is not None and self.cluster.choices())
     @rule(n=st.integers(min_value=1, max_value=20))
     def take_oldest(self, n: int) -> None:
         for _ in range(n):
@@ -183,7 +182,7 @@ class ClusterMachine(RuleBasedStateMachine):
 
 
 ClusterMachine.TestCase.settings = settings(
-    max_examples=80, stateful_step_count=40, deadline=None,
+    max_examples=1500, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCluster = ClusterMachine.TestCase

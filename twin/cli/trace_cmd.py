@@ -71,3 +71,52 @@ def perfetto_command(trace_path: str, out_path: str) -> None:
 
 
 COMMANDS = [trace_group, perfetto_command]
+
+
+@click.command("replay")
+@click.argument("trace_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--mode", type=click.Choice(["sim", "hw"]), default="sim", show_default=True,
+              help="sim: fresh cores fed the recorded inputs at the recorded times; "
+                   "hw: real rank processes, NIXL and kernels.")
+@click.option("--json", "as_json", is_flag=True)
+def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
+    """Replay a trace and check that it reaches the same outcome.
+
+    Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
+    4 corruption (reproduced).
+    """
+    trace = _read(trace_path)
+    if mode == "hw":
+        from twin.hw.replay import replay_hw
+
+        result = replay_hw(trace)
+    else:
+        from twin.replay import replay_sim
+
+        result = replay_sim(trace)
+    if as_json:
+        from twin.cli.common import emit_json
+
+        emit_json({"inputs": result.inputs, "status": result.status,
+                   "completed": result.completed, "failed": result.failed,
+                   "same_outcome": result.same_outcome,
+                   "divergence": str(result.divergence) if result.divergence else None,
+                   "diagnosis": result.diagnosis, "corruption": result.corruption})
+    else:
+        click.echo(f"replayed {result.inputs} inputs ({mode}): {result.status}, "
+                   f"{result.completed} completed, {result.failed} failed")
+        if result.divergence is not None:
+            click.echo(str(result.divergence))
+        rec = result.recorded
+        if rec is not None:
+            verdict = "same outcome as recorded" if result.same_outcome else "DIFFERENT outcome"
+            click.echo(f"recorded: {rec['status']}, {rec['completed']} completed, "
+                       f"{rec['failed']} failed -> {verdict}")
+        for line in result.diagnosis:
+            click.echo(f"wedge       {line}")
+        for line in result.corruption[:20]:
+            click.echo(f"corruption  {line}")
+    sys.exit(result.exit_code if result.same_outcome or result.divergence else 1)
+
+
+COMMANDS.append(replay_command)

@@ -232,7 +232,8 @@ class PrefillRank:
                     del self.rooms[room.room]
                     out.append(ev.RoomTornDown(room=room.room))
                 continue
-            room.status = "Transferring"
+            if room.status != "Success":  # update_status takes the max: never demote Success
+                room.status = "Transferring"
             if self._step_chunk(index, room, chunk, out):
                 return
         out.append(ev.WorkerIdle(worker=index))

@@ -268,6 +268,80 @@ def message_from_json(d: Any, *, where: str, path: str = "msg") -> Any:
     return _decode_object(cls, d, where, path, "kind", kind)
 
 
+# Fast decoders: generated per class; they accept only complete, well-typed objects and return
+# None for anything else, which then takes the checking path above for a precise error.
+def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | None:
+    """Append checks of ``var`` to ``lines``; return the expression of its decoded value."""
+    kind = spec[0]
+    pad = "    "
+    if kind in ("int", "str", "bool"):
+        lines.append(f"{pad}if type({var}) is not {kind}: return None")
+        return var
+    if kind == "float":
+        lines.append(f"{pad}if type({var}) not in (int, float) or not _isfinite({var}): "
+                     "return None")
+        return f"float({var})"
+    if kind == "opt" and spec[1][0] in ("int", "str"):
+        lines.append(f"{pad}if {var} is not None and type({var}) is not {spec[1][0]}: "
+                     "return None")
+        return var
+    if kind == "list" and spec[1][0] in ("int", "str"):
+        item = spec[1][0]
+        lines.append(f"{pad}if type({var}) is not list or not all(type(y) is {item} "
+                     f"for y in {var}): return None")
+        return f"tuple({var})"
+    if kind == "enum":
+        lines.append(f"{pad}if type({var}) is not str or {var} not in _KVPOLL: return None")
+        return f"_KVPOLL[{var}]"
+    if kind == "msg":
+        tmp = f"m{depth}"
+        lines.append(f"{pad}{tmp} = _fast_msg({var})")
+        lines.append(f"{pad}if {tmp} is None: return None")
+        return tmp
+    return None
+
+
+def _make_fast(cls: type) -> Callable[[dict[str, Any]], Any] | None:
+    specs = _SPECS[cls]
+    lines = [f"    if len(d) != {len(specs) + 1}: return None"]
+    args = []
+    for i, f in enumerate(specs):
+        var = f"v{i}"
+        lines.append(f"    {var} = d.get({f.name!r}, _MISSING)")
+        expr = _fast_check(f.spec, var, lines, i)
+        if expr is None:
+            return None
+        args.append(f"{f.name}={expr}")
+    lines.append(f"    return _cls({', '.join(args)})")
+    src = "def dec(d):\n" + "\n".join(lines) + "\n"
+    scope: dict[str, Any] = {"_cls": cls, "_isfinite": math.isfinite, "_MISSING": object(),
+                             "_KVPOLL": KVPoll.__members__, "_fast_msg": _fast_msg}
+    exec(compile(src, f"<trace decoder {cls.__name__}>", "exec"), scope)  # noqa: S102
+    return scope["dec"]
+
+
+_FAST_MSG: dict[str, Callable[[dict[str, Any]], Any]] = {}
+
+
+def _fast_msg(x: Any) -> Any:
+    if type(x) is not dict:
+        return None
+    kind = x.get("kind")
+    dec = _FAST_MSG.get(kind) if type(kind) is str else None
+    return None if dec is None else dec(x)
+
+
+for _kind, _mcls in MESSAGE_KINDS.items():
+    _dec = _make_fast(_mcls)
+    if _dec is not None:
+        _FAST_MSG[_kind] = _dec
+_FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = {}
+for _name, _ecls in ev.EVENT_TYPES.items():
+    _dec = _make_fast(_ecls)
+    if _dec is not None:
+        _FAST_EVENT[_name] = _dec
+
+
 def event_from_json(d: Any, *, where: str) -> Any:
     """Inverse of ``event_to_json``: the event object, or ``TraceError`` naming where and field.
 
@@ -276,6 +350,11 @@ def event_from_json(d: Any, *, where: str) -> Any:
     if type(d) is not dict:
         raise TraceError(where, f"expected an event object, got {_describe(d)}")
     name = d.get("type")
+    fast = _FAST_EVENT.get(name) if type(name) is str else None
+    if fast is not None:
+        obj = fast(d)
+        if obj is not None:
+            return obj
     cls = ev.EVENT_TYPES.get(name) if type(name) is str else None
     if cls is None:
         raise TraceError(where, f"unknown event type {_describe(name)}", "type")

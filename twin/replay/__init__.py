@@ -1,0 +1,221 @@
+"""Replay a recorded trace (from the simulator or the hardware mode) through fresh cores.
+
+The replayer rebuilds every rank from the trace header (config, defects) and feeds each rank
+its recorded inputs in the recorded order at the recorded times, in a SimPy environment: the
+recorded durations are the latency model. After every input it compares the effects the core
+returns with the effects recorded after that input. The first difference stops the replay
+(``Divergence``). At the end it recomputes the outcome (completed rooms, wedge diagnosis from the
+cores' state, integrity violations) and compares it with the recorded ``Outcome``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from twin.core import events as ev
+from twin.core.decode import DecodeRank
+from twin.core.defects import Defects
+from twin.core.integrity import IntegrityModel
+from twin.core.layout import staging_layout
+from twin.core.prefill import PrefillRank
+from twin.core.topology import Topology
+from twin.sim.diagnosis import diagnose
+from twin.trace.codec import event_to_json
+from twin.trace.format import Record, Trace
+
+
+@dataclass
+class Divergence:
+    """Where a replay departed from its trace."""
+
+    line: int
+    node: str
+    t: float
+    expected: str
+    got: str
+
+    def __str__(self) -> str:
+        return (f"replay diverged at trace line {self.line} ({self.node}, t={self.t:.6f} s)\n"
+                f"  recorded: {self.expected}\n  replayed: {self.got}")
+
+
+@dataclass
+class ReplayResult:
+    """The replay's verdict and how it compares with the recorded outcome."""
+
+    inputs: int
+    divergence: Divergence | None
+    status: str
+    completed: int
+    failed: int
+    diagnosis: list[str] = field(default_factory=list)
+    corruption: list[str] = field(default_factory=list)
+    recorded: dict[str, Any] | None = None
+
+    @property
+    def same_outcome(self) -> bool:
+        """Status, counts and wedge diagnosis (beyond its headline) match the recording."""
+        rec = self.recorded
+        if rec is None or self.divergence is not None:
+            return False
+        same = (rec["status"] == self.status and rec["completed"] == self.completed
+                and rec["failed"] == self.failed)
+        if self.status == "wedged":
+            same = same and _body(rec.get("diagnosis", [])) == _body(self.diagnosis)
+        return same
+
+    @property
+    def exit_code(self) -> int:
+        if self.divergence is not None:
+            return 1
+        return {"corrupted": 4, "wedged": 3}.get(self.status, 0)
+
+
+def _body(lines: list[str]) -> list[str]:
+    return [x for x in lines if not x.startswith("wedge:")]
+
+
+def _text(e: Any) -> str:
+    d = event_to_json(e)
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+class Replayer:
+    """Feeds a trace's inputs to fresh cores and checks their effects."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        cfg = trace.config
+        self.cfg = cfg
+        self.defects = Defects.of(trace.header.get("defects", []))
+        self.topo = Topology(cfg)
+        self.ranks: dict[str, PrefillRank | DecodeRank] = {}
+        for n in self.topo.nodes.values():
+            if n.id not in trace.nodes:
+                continue
+            if n.role == "prefill":
+                self.ranks[n.id] = PrefillRank(cfg, n.id, n.rank, n.unique_rank, self.defects)
+            else:
+                self.ranks[n.id] = DecodeRank(cfg, n.id, n.rank, self.defects)
+        self.integrity = IntegrityModel(cfg.ring_bytes)
+        self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
+        self.rooms: dict[int, dict[str, Any]] = {}
+        self.concluded: dict[int, dict[str, str]] = {}
+        self.crashed: dict[str, str] = {}
+        self.divergence: Divergence | None = None
+        self.inputs = 0
+
+    def _groups(self) -> list[tuple[Record, list[Record]]]:
+        """Each input record with the effect records written right after it."""
+        out: list[tuple[Record, list[Record]]] = []
+        for rec in self.trace.events:
+            if rec.dir == "in":
+                out.append((rec, []))
+            elif rec.dir == "out" and out and out[-1][0].node == rec.node:
+                out[-1][1].append(rec)
+            elif rec.dir == "sys":
+                self._sys(rec)
+        return out
+
+    def _sys(self, rec: Record) -> None:
+        if rec.type == "RequestArrived":
+            self.rooms[rec.data["room"]] = rec.data
+        elif rec.type == "FaultInjected" and rec.data.get("fault", "").startswith(
+                ("crash:", "restart:")):
+            node = rec.data["fault"].split(":")[1]
+            self.crashed[node] = f"crashed by fault {rec.data['fault']}"
+
+    def run(self) -> ReplayResult:
+        env = simpy.Environment()
+        groups = self._groups()
+        env.process(self._feed_all(env, groups))
+        env.run()
+        return self._result()
+
+    def _feed_all(self, env: simpy.Environment, groups):  # type: ignore[no-untyped-def]
+        for rec, recorded in groups:
+            if rec.t > env.now:
+                yield env.timeout(rec.t - env.now)
+            if not self._feed(rec, recorded):
+                return
+
+    def _feed(self, rec: Record, recorded: list[Record]) -> bool:
+        rank = self.ranks.get(rec.node)
+        if rank is None:
+            return True
+        self.inputs += 1
+        event = rec.event
+        if type(event) is ev.TransferDone and event.ok:
+            t = self.in_flight.pop((rec.node, event.worker), None)
+            if t is not None:
+                self.integrity.on_transfer(t.session, t)
+        effects = rank.handle(event, rec.t)
+        got = [_text(e) for e in effects]
+        want = [_text(r.event) for r in recorded]
+        if got != want:
+            i = next((k for k in range(max(len(got), len(want)))
+                      if k >= len(got) or k >= len(want) or got[k] != want[k]), 0)
+            line = recorded[i].line if i < len(recorded) else rec.line
+            self.divergence = Divergence(line, rec.node, rec.t,
+                                         want[i] if i < len(want) else "(no further effect)",
+                                         got[i] if i < len(got) else "(no further effect)")
+            return False
+        for e in effects:
+            self._observe(rec.node, e)
+        return True
+
+    def _observe(self, node: str, e: ev.Effect) -> None:
+        t = type(e)
+        if t is ev.StartTransfer:
+            self.in_flight[(node, e.worker)] = e
+        elif t is ev.StartScatter:
+            _, wb, _ = staging_layout(
+                self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size,
+                self.topo.nodes[node].rank, self.cfg.model.num_kv_heads,
+                e.num_pages * self.cfg.page_size, self.cfg.bytes_per_head_token,
+                self.cfg.model.num_layers)
+            self.integrity.on_scatter(node, e, list(wb))
+        elif t is ev.RoomConcluded and self.topo.nodes[node].role == "decode":
+            self.concluded.setdefault(e.room, {})[node] = e.status
+            room = self.rooms.get(e.room)
+            if room is not None:
+                pages = room["input_len"] - room["decode_prefix_len"]
+                total = (pages + self.cfg.page_size - 1) // self.cfg.page_size
+                self.integrity.on_concluded(node, e.room, e.status, total)
+        elif t is ev.RankCrashed:
+            self.crashed[node] = e.reason
+
+    def _result(self) -> ReplayResult:
+        completed = failed = 0
+        unfinished: set[int] = set()
+        for room, data in self.rooms.items():
+            st = self.concluded.get(room, {})
+            if len(st) < len(data.get("decode_node", [])):
+                unfinished.add(room)
+            elif all(s == "Success" for s in st.values()):
+                completed += 1
+            else:
+                failed += 1
+        rec = self.trace.outcome
+        corruption = [str(v) for v in self.integrity.violations]
+        diagnosis: list[str] = []
+        if corruption:
+            status = "corrupted"
+        elif unfinished and rec is not None and rec["status"] in ("wedged", "corrupted"):
+            status = "wedged"
+        elif unfinished:
+            status = rec["status"] if rec is not None else "interrupted"
+        else:
+            status = "completed"
+        if unfinished:
+            diagnosis = diagnose(self.ranks, self.crashed, unfinished)
+        return ReplayResult(self.inputs, self.divergence, status, completed, failed, diagnosis,
+                            corruption, rec)
+
+
+def replay_sim(trace: Trace) -> ReplayResult:
+    """Replay ``trace`` in simulation (see the module docstring)."""
+    return Replayer(trace).run()
