@@ -175,6 +175,8 @@ def test_codec_round_trips_every_event_type(event: Any) -> None:
     back = event_from_json(json.loads(json.dumps(d)), where="t:1")
     assert back == event
     assert type(back) is type(event)
+    checked = codec._decode_object(type(event), d, "t:1", "", "type", d["type"])  # slow path
+    assert checked == event
 
 
 _PLAIN: dict[str, Any] = {"int": 1, "str": "s", "bool": True, "float": 1.5, "list": (),
@@ -243,10 +245,12 @@ def test_core_run_round_trips(tmp_path: Path, name: str) -> None:
     types = {r.type for r in trace.events}
     assert {"Deferred", "StartTransfer", "StartScatter", "WatermarkMoved"} <= types
     assert trace.outcome == {"type": "Outcome", **OUTCOME, "completed": 2, "requests": 2}
-    streamed = iter_trace(path)
-    assert streamed.header == trace.header
-    assert [r.seq for r in streamed] == [r.seq for r in trace.events]
-    assert streamed.outcome == trace.outcome
+    with iter_trace(path) as streamed:
+        assert streamed.header == trace.header
+        assert [r.seq for r in streamed] == [r.seq for r in trace.events]
+        assert streamed.outcome == trace.outcome
+    with iter_trace(path) as header_only:
+        assert header_only.config == cfg
 
 
 def write_lines(path: Path, lines: list[Any]) -> Path:
@@ -295,8 +299,10 @@ def _set(i: int, key: str, value: Any) -> Any:
      f"written by a newer staging-twin (version {FORMAT_VERSION + 1}); this reader supports "
      f"{FORMAT_VERSION}"),
     (_set(0, "mode", "lab"), 1, "mode", "expected one of"),
-    (lambda ls: ls[0]["config"].update(page_size=0), 1, "config", "page_size"),
-    (lambda ls: ls[0]["config"].update(bogus_knob=1), 1, "config", "bogus_knob"),
+    (lambda ls: ls[0]["config"].update(page_size=0), 1, "config.page_size", "must be positive"),
+    (lambda ls: ls[0]["config"].update(bogus_knob=1), 1, "config.bogus_knob", "unknown"),
+    (lambda ls: ls[0]["config"].update(model={"num_layers": "x"}), 1, "config.model.num_layers",
+     "expected an integer"),
     (lambda ls: ls[0]["nodes"][1].update(id=P), 1, "nodes[1].id", "duplicate"),
     (_set(0, "seed", "x"), 1, "seed", "integer or null"),
     (_set(2, "node", "p9g9r9"), 3, "node", "unknown node"),
@@ -381,6 +387,10 @@ def test_writer_rejects_bad_input(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="unknown node"):
         w.write_input(0.0, "driver", ev.Tick())
     w.write_input(1.0, P, ev.Tick())
+    with pytest.raises(TypeError, match="not a core input"):
+        w.write_input(1.0, P, ev.WorkerIdle(worker=0))
+    with pytest.raises(TypeError, match="not a core effect"):
+        w.write_effects(1.0, P, [ev.Tick()])
     with pytest.raises(TraceError, match="before"):
         w.write_input(0.5, P, ev.Tick())
     with pytest.raises(TraceError, match="not finite"):

@@ -186,7 +186,10 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
     try:
         config = TwinConfig.from_dict(cfg_data, source="config")
     except ConfigError as exc:
-        raise TraceError(where, f"invalid config: {exc}", "config") from None
+        found = re.search(r"field '([^']+)': (.*)", str(exc), re.DOTALL)
+        if found is None:
+            raise TraceError(where, f"invalid config: {exc}", "config") from None
+        raise TraceError(where, f"invalid config: {found[2]}", f"config.{found[1]}") from None
     for key in ("defects", "faults"):
         value = h.get(key)
         if type(value) is not list or not all(type(x) is str for x in value):
@@ -280,6 +283,10 @@ class _GzipSink:
             self._raw.close()
 
 
+_INPUT_ENCODERS = {cls: ENCODERS[cls] for cls in ev.INPUT_TYPES}
+_EFFECT_ENCODERS = {cls: ENCODERS[cls] for cls in ev.EFFECT_TYPES}
+
+
 class TraceWriter:
     """Streams one trace to ``path`` (gzip when the name ends in ``.gz``).
 
@@ -349,7 +356,11 @@ class TraceWriter:
         """Record that ``node`` handled input ``event`` at time ``t``."""
         ts = self._time(t)
         head = self._line_prefix(node, "in")
-        body = self._encode(ENCODERS[type(event)](event))
+        try:
+            enc = _INPUT_ENCODERS[type(event)]
+        except KeyError:
+            raise TypeError(f"not a core input: {type(event).__name__}") from None
+        body = self._encode(enc(event))
         self._buf.append(f'{{"seq":{self._seq},"t":{ts},{head}{body[1:]}\n')
         self._seq += 1
         self._push()
@@ -358,10 +369,15 @@ class TraceWriter:
         """Record the effects ``node`` returned for its last input, in order."""
         ts = self._time(t)
         head = self._line_prefix(node, "out")
-        encode, encoders, buf, seq = self._encode, ENCODERS, self._buf, self._seq
+        encode, encoders, buf, seq = self._encode, _EFFECT_ENCODERS, self._buf, self._seq
         decode = node in self._decode_nodes
         for e in effects:
-            buf.append(f'{{"seq":{seq},"t":{ts},{head}{encode(encoders[type(e)](e))[1:]}\n')
+            try:
+                enc = encoders[type(e)]
+            except KeyError:
+                self._seq = seq
+                raise TypeError(f"not a core effect: {type(e).__name__}") from None
+            buf.append(f'{{"seq":{seq},"t":{ts},{head}{encode(enc(e))[1:]}\n')
             seq += 1
             if decode and type(e) is ev.RoomConcluded:
                 (self.succeeded if e.status == "Success" else self.failed).add(e.room)
@@ -624,6 +640,18 @@ class TraceReader:
         if not self.truncated:
             self.truncated = True
             self.warnings.append(f"{self.name}: {message}")
+
+    def close(self) -> None:
+        """Release the file (iteration does this at its end)."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def read(self) -> Trace:
         """Consume everything into a ``Trace``."""

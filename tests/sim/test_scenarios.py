@@ -1,0 +1,146 @@
+"""Every built-in scenario shows its symptom with its defects on and runs clean with them off.
+
+Also the details the upstream write-ups report: the warmup stall needs both watermark fixes
+(seed 002), and the radix-cache grid skew corrupts data rather than only wedging (seeds 000/003).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from twin.core.defects import (
+    ALL_DEFECTS,
+    NO_GRID_ALIGNMENT,
+    NO_SUBSCRIBER_SNAPSHOT,
+    STALE_EMPTY_RING_WATERMARK,
+    Defects,
+)
+from twin.sim.runner import EXIT_CORRUPTION, EXIT_OK, EXIT_WEDGE, SimResult, run_sim
+from twin.sim.scenarios import SCENARIOS, Scenario, check_scenario
+
+
+def _run(sc: Scenario, defects: tuple[str, ...]) -> SimResult:
+    return run_sim(sc.config, sc.workload(), defects=Defects.of(sc.base_defects + defects),
+                   faults=sc.fault_specs(), params=sc.params, request_overrides=sc.overrides,
+                   max_concurrency=sc.max_concurrency)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario_symptom_on_and_clean_off(name: str) -> None:
+    sc = SCENARIOS[name]
+    got = check_scenario(sc)
+    want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
+    assert got == {"on": want_on, "off": "completed", "ok": True}, (name, got)
+
+
+def test_default_is_clean_and_has_no_defects() -> None:
+    sc = SCENARIOS["default"]
+    assert sc.symptom == "clean" and sc.defects == () and sc.base_defects == ()
+    r = _run(sc, ())
+    s = r.summary()
+    assert r.exit_code == EXIT_OK
+    assert s["completed"] == s["requests"] == 128 and s["failed"] == 0
+    assert s["diagnosis"] == [] and s["corruption"] == []
+
+
+def test_every_defect_has_a_scenario() -> None:
+    covered = {d for sc in SCENARIOS.values() for d in sc.defects}
+    assert covered == set(ALL_DEFECTS)
+
+
+# -- warmup stall (seed 002) ------------------------------------------------------------------
+WARMUP = SCENARIOS["warmup-stall"]
+
+
+def test_warmup_stall_both_defects_wedges_partway() -> None:
+    r = _run(WARMUP, (STALE_EMPTY_RING_WATERMARK, NO_SUBSCRIBER_SNAPSHOT))
+    s = r.summary()
+    assert s["requests"] == 11
+    assert r.wedged and r.exit_code == EXIT_WEDGE
+    assert 0 < s["completed"] < 11, "wedges partway: some, not all, warmup requests finish"
+    assert s["failed"] == 0
+
+
+def test_warmup_stall_only_allocator_fixed_still_wedges() -> None:
+    """The seed's control arm: fixing the empty-ring reset alone is not enough."""
+    r = _run(WARMUP, (NO_SUBSCRIBER_SNAPSHOT,))
+    s = r.summary()
+    assert r.wedged and r.exit_code == EXIT_WEDGE
+    assert s["completed"] < 11
+    assert any("never sent to this session" in line for line in s["diagnosis"])
+
+
+def test_warmup_stall_only_snapshot_fixed_runs() -> None:
+    r = _run(WARMUP, (STALE_EMPTY_RING_WATERMARK,))
+    assert r.summary()["completed"] == 11 and not r.wedged
+
+
+def test_warmup_stall_both_fixed_all_eleven_finish() -> None:
+    r = _run(WARMUP, ())
+    s = r.summary()
+    assert s["completed"] == 11 and s["unfinished"] == 0 and s["failed"] == 0
+    assert r.exit_code == EXIT_OK and s["diagnosis"] == []
+
+
+def test_warmup_wedge_diagnosis_is_actionable() -> None:
+    """The diagnosis names the waiting room, its chunk, and the watermark it needs versus the
+    one it knows (and what decode's allocator would allow)."""
+    r = _run(WARMUP, (STALE_EMPTY_RING_WATERMARK, NO_SUBSCRIBER_SNAPSHOT))
+    lines = r.diagnosis
+    assert lines[0].startswith("wedge: ") and "rooms" in lines[0]
+    wait = [x for x in lines if "waits for watermark" in x]
+    assert wait, lines
+    m = re.search(r"room (\d+) chunk (\d+) -> (d\d+g\d+r\d+): waits for watermark: needs round "
+                  r"(\d+) end (\d+), prefill knows \((\d+), (\d+)\)", wait[0])
+    assert m is not None, wait[0]
+    room = int(m[1])
+    unfinished = {rq.room for rq in r.sim.requests.values() if not rq.finished}
+    assert room in unfinished
+    assert "decode's watermark" in wait[0]
+
+
+def test_stale_ring_diagnosis_names_the_allocation() -> None:
+    sc = SCENARIOS["stale-empty-ring"]
+    r = _run(sc, sc.defects)
+    text = "\n".join(r.diagnosis)
+    assert r.wedged
+    assert re.search(r"room \d+ chunk \d+ -> d\d+g\d+r\d+: waits for watermark", text), text
+    assert "stale" in text or "ring is empty" in text or "would admit" in text, text
+
+
+def test_release_room_diagnosis_names_the_pinning_allocation() -> None:
+    sc = SCENARIOS["release-room"]
+    r = _run(sc, sc.defects)
+    text = "\n".join(r.diagnosis)
+    assert r.wedged
+    assert re.search(r"watermark \(\d+, \d+\) is pinned by alloc \d+ \[\d+, \d+\) round \d+",
+                     text), text
+
+
+# -- radix grid (seeds 000/003) ----------------------------------------------------------------
+RADIX = SCENARIOS["radix-grid"]
+
+
+def test_radix_grid_without_alignment_corrupts_named_rooms_and_chunks() -> None:
+    r = _run(RADIX, (NO_GRID_ALIGNMENT,))
+    assert r.exit_code == EXIT_CORRUPTION and r.summary()["corrupted"]
+    assert r.corruption
+    rooms = set(r.sim.requests)
+    named = 0
+    for v in r.corruption:
+        m = re.search(r"room (\d+)", v)
+        assert m is not None, v
+        assert int(m[1]) in rooms
+        named += "chunk" in v or "pages" in v
+    assert named, r.corruption[:5]
+
+
+def test_radix_grid_with_alignment_is_clean() -> None:
+    r = _run(RADIX, ())
+    s = r.summary()
+    assert r.corruption == [] and r.exit_code == EXIT_OK
+    assert s["completed"] == s["requests"] == 12
+    assert any(rq.decode_prefix_len > 0 for rq in r.sim.requests.values()), \
+        "the scenario must exercise the decode radix cache"

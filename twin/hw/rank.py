@@ -1,0 +1,506 @@
+"""One rank process of the hardware mode: the core, driven by real sockets, NIXL and kernels.
+
+A rank owns its core (``PrefillRank`` or ``DecodeRank``), a paged KV pool, its staging memory
+(prefill: one buffer per transfer worker, sized to a chunk; decode: the ring), a NIXL agent with
+that memory registered, and a PULL socket. Its loop receives SGLang frames from peers and
+commands from the coordinator, feeds the core, and carries out the effects: frames go out over
+PUSH sockets, a ``StartTransfer`` gathers the head slice and posts one NIXL WRITE into the
+decode ring (polled, never blocking the loop), a ``StartScatter`` scatters a ring region into
+KV pages. Inputs and effects stream to the coordinator, which writes the trace.
+
+In replay mode the rank feeds its recorded inputs in order; a real arrival (frame, transfer or
+scatter completion, metadata) is held until it is the next recorded input.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import pickle
+import random
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.core.config import TwinConfig
+from twin.core.decode import DecodeRank
+from twin.core.defects import Defects
+from twin.core.layout import compute_head_slice_params
+from twin.core.prefill import PrefillRank
+from twin.hw.control import ControlSocket
+from twin.hw.kernels import get_kernels
+from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
+from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
+from twin.hw.pools import DTYPES, KVPool, byte_buffer
+from twin.sim.faults import FaultInjector, parse_fault
+
+# Coordinator <-> rank frames (the twin's own; SGLang's frames travel between ranks).
+HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
+    b"TWIN_HELLO", b"TWIN_DIR", b"TWIN_START", b"TWIN_CMD", b"TWIN_REC", b"TWIN_REPORT",
+    b"TWIN_STATE", b"TWIN_STOP")
+META, ABORT = b"TWIN_META", b"TWIN_ABORT"
+REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
+
+
+@dataclass
+class RankSpec:
+    """Everything a spawned rank needs (picklable)."""
+
+    node: str
+    role: str
+    rank: int
+    unique_rank: int
+    config: dict[str, Any]
+    defects: list[str]
+    faults: list[str]
+    coordinator: str
+    device: str = "cpu"
+    kv_pool_pages: int = 4096
+    seed: int = 0
+    kernels: str = ""
+    script: list[Any] | None = None
+    nodes_by_unique: dict[int, str] = field(default_factory=dict)
+
+
+def _match_key(e: Any) -> Any:
+    t = type(e)
+    if t is ev.MessageArrived:
+        return ("msg", e.msg)
+    if t is ev.TransferDone:
+        return ("xfer", e.worker)
+    if t is ev.ScatterDone:
+        return ("scatter", e.room, e.chunk_idx, e.alloc_id)
+    if t is ev.RoomBootstrapped:
+        return ("boot", e.room, e.targets)
+    return None
+
+
+class RankProcess:
+    """The event loop of one rank; ``run()`` returns when the coordinator says stop."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        self.cfg = TwinConfig.from_dict(spec.config, source=f"{spec.node} config")
+        cfg = self.cfg
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        defects = Defects.of(spec.defects)
+        if spec.role == "prefill":
+            self.core: PrefillRank | DecodeRank = PrefillRank(cfg, spec.node, spec.rank,
+                                                              spec.unique_rank, defects)
+            tp = cfg.prefill.attn_tp_size
+        else:
+            self.core = DecodeRank(cfg, spec.node, spec.rank, defects)
+            tp = cfg.decode.attn_tp_size
+        m = cfg.model
+        self.heads = rank_head_range(tp, spec.rank, m.num_kv_heads)
+        self.pool = KVPool(m.num_layers, spec.kv_pool_pages, cfg.page_size, len(self.heads),
+                           m.head_dim, DTYPES[m.dtype_bytes], self.device)
+        self.kernels = get_kernels(self.device) if not spec.kernels else _named(spec.kernels)
+        self.sock = ControlSocket()
+        self.nixl = NixlEndpoint(spec.node)
+        if isinstance(self.core, PrefillRank):
+            self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)
+                            for _ in self.core.workers]
+            for b in self.buffers:
+                self.nixl.register(b)
+            self.ring = None
+        else:
+            self.buffers = []
+            self.ring = byte_buffer(cfg.ring_bytes, self.device)
+            self.ring_region = self.nixl.register(self.ring)
+        self.injector = FaultInjector([parse_fault(f) for f in spec.faults],
+                                      random.Random(f"{spec.seed}:{spec.node}:faults"))
+        self.endpoints: dict[str, str] = {}
+        self.rings: dict[str, tuple[str, RegionDesc]] = {}
+        self.coordinator = spec.coordinator
+        self.t0 = 0.0
+        self.timers: list[tuple[float, int, str, Any]] = []
+        self._timer_seq = 0
+        self.poll_token: dict[int, int] = {}
+        self.in_flight: dict[int, Any] = {}
+        self.scatters_done: list[ev.ScatterDone] = []
+        self.rooms: dict[int, dict[str, Any]] = {}
+        self.outbox: list[tuple[float, Any, list[Any]]] = []
+        self.reports: list[dict[str, Any]] = []
+        self.stopping = False
+        self.script: deque[Any] | None = deque(spec.script) if spec.script is not None else None
+        self.held: dict[Any, list[Any]] = {}
+        self.script_done_sent = False
+
+    # -- clock and timers --------------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _timer(self, at: float, kind: str, arg: Any) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self.timers, (at, self._timer_seq, kind, arg))
+
+    # -- bootstrap -----------------------------------------------------------------------------
+    def bootstrap(self) -> None:
+        hello = {"node": self.spec.node, "endpoint": self.sock.endpoint,
+                 "ring": self.ring_region.to_dict() if self.ring is not None else None}
+        self.sock.send(self.coordinator, [HELLO, json.dumps(hello).encode(),
+                                          self.nixl.metadata()])
+        while True:
+            frames = self.sock.recv_frames(timeout_ms=60_000)
+            if frames is None:
+                raise RuntimeError(f"{self.spec.node}: no directory from the coordinator")
+            if frames[0] == DIRECTORY:
+                break
+        directory = json.loads(frames[1])
+        metas = frames[2:]
+        for i, entry in enumerate(directory):
+            self.endpoints[entry["node"]] = entry["endpoint"]
+            if entry["ring"] is not None and isinstance(self.core, PrefillRank):
+                peer = self.nixl.add_peer(metas[i])
+                self.rings[entry["node"]] = (peer, RegionDesc.from_dict(entry["ring"]))
+        self.sock.send(self.coordinator, [b"TWIN_READY", self.spec.node.encode()])
+        while True:
+            frames = self.sock.recv_frames(timeout_ms=60_000)
+            if frames is None:
+                raise RuntimeError(f"{self.spec.node}: no start from the coordinator")
+            if frames[0] == START:
+                self.t0 = float(frames[1].decode())
+                return
+            self.sock.unread([frames])
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopping:
+            wait_ms = 1
+            if self.timers:
+                wait_ms = max(0, min(1, int((self.timers[0][0] - self.now()) * 1000)))
+            frames = self.sock.recv_frames(timeout_ms=wait_ms)
+            while frames is not None:
+                self._frames(frames)
+                if self.stopping:
+                    break
+                frames = self.sock.recv_frames(timeout_ms=0)
+            self._poll_transfers()
+            while self.scatters_done:
+                self.input(self.scatters_done.pop(0))
+            while self.timers and self.timers[0][0] <= self.now():
+                _, _, kind, arg = heapq.heappop(self.timers)
+                self._fire(kind, arg)
+            self._advance_script()
+            self._flush()
+
+    def _frames(self, frames: list[bytes]) -> None:
+        tag = bytes(frames[0])
+        try:
+            if tag == CMD:
+                self._command(pickle.loads(frames[1]))
+            elif tag == META:
+                d = json.loads(frames[1])
+                target = ev.Target(**d["target"])
+                self.input(ev.RoomBootstrapped(room=d["room"], targets=(target,)))
+            elif tag == ABORT:
+                d = json.loads(frames[1])
+                self.input(ev.RoomAborted(room=d["room"], reason=d["reason"]))
+            elif tag == STOP:
+                self.stopping = True
+            else:
+                msg = wire.decode(frames)
+                src = ""
+                rank = getattr(msg, "prefill_rank", None)
+                if rank is not None:
+                    src = self.spec.nodes_by_unique.get(rank, "")
+                self.input(ev.MessageArrived(src=src, msg=msg))
+        except (ValueError, KeyError, TypeError) as exc:
+            self.reports.append({"kind": "bad-frame", "node": self.spec.node,
+                                 "detail": f"{tag[:24]!r}: {exc}"})
+
+    def _command(self, cmd: dict[str, Any]) -> None:
+        op = cmd["op"]
+        if op == "feed":
+            self.input(cmd["event"])
+        elif op == "request":
+            self._setup_request(cmd)
+        elif op == "state":
+            self._flush()
+            self.sock.send(self.coordinator, [STATE, self.spec.node.encode(),
+                                              pickle.dumps(self.core)])
+
+    def _setup_request(self, cmd: dict[str, Any]) -> None:
+        """KV pages for a room; prefill pages are filled with the request's pattern."""
+        page = self.cfg.page_size
+        room = cmd["room"]
+        self.rooms[room] = cmd
+        if isinstance(self.core, PrefillRank):
+            n = (cmd["input_len"] + page - 1) // page
+            pages = self.pool.alloc(room, n)
+            fill_prefill_pool(self.pool.k, self.pool.v, pages, page, request=cmd["rid"],
+                              head_offset=self.heads.start)
+        else:
+            suffix = cmd["input_len"] - cmd["decode_prefix_len"]
+            self.pool.alloc(room, (suffix + page - 1) // page)
+
+    # -- feeding the core ----------------------------------------------------------------------
+    def input(self, event: Any) -> None:
+        """A real happening or a driver input; in replay mode it may be held for its turn."""
+        if self.script is not None and type(event) in REAL_INPUTS:
+            self.held.setdefault(_match_key(event), []).append(event)
+            return
+        if self.script is not None:
+            return  # driver inputs come from the script in replay mode
+        self.feed(event)
+
+    def _advance_script(self) -> None:
+        script = self.script
+        if script is None:
+            return
+        while script:
+            nxt = script[0]
+            if type(nxt) in REAL_INPUTS:
+                got = self.held.get(_match_key(nxt))
+                if not got:
+                    return
+                got.pop(0)
+            script.popleft()
+            self.feed(nxt)
+        if not self.script_done_sent:
+            self.script_done_sent = True
+            held = sum(len(v) for v in self.held.values())
+            self.reports.append({"kind": "script-done", "node": self.spec.node,
+                                 "held": held})
+
+    def feed(self, event: Any) -> None:
+        now = self.now()
+        if now < self.core.now:
+            now = self.core.now
+        effects = self.core.handle(event, now)
+        self.outbox.append((now, event, effects))
+        for e in effects:
+            handler = _EFFECTS.get(type(e))
+            if handler is not None:
+                handler(self, e)
+
+    # -- effects -------------------------------------------------------------------------------
+    def _send(self, e: ev.Send) -> None:
+        self.send_frames(e.dst, e.msg)
+
+    def send_frames(self, dst: str, msg: wire.Message, delayed: bool = False) -> None:
+        if self.injector.specs and not delayed:
+            fate = self.injector.message(self.spec.node, dst, msg)
+            if fate.applied:
+                self.reports.append({"kind": "fault", "node": self.spec.node,
+                                     "fault": ";".join(fate.applied),
+                                     "detail": f"{msg.TAG.decode()} -> {dst}"})
+            if fate.send_failed:
+                self.feed(ev.SendFailed(dst=dst, msg=msg))
+                return
+            if fate.extra_s > 0:
+                for _ in range(fate.copies):
+                    self._timer(self.now() + fate.extra_s, "send", (dst, msg))
+                return
+            for _ in range(fate.copies):
+                self.sock.send(self.endpoints[dst], wire.encode(msg))
+            return
+        self.sock.send(self.endpoints[dst], wire.encode(msg))
+
+    def _metadata(self, e: ev.SendMetadata) -> None:
+        target = {"session": e.session, "decode_rank": e.decode_rank,
+                  "total_pages": e.total_pages, "decode_prefix_len": e.decode_prefix_len}
+        body = json.dumps({"room": e.room, "target": target}).encode()
+        for p in e.prefill_ranks:
+            self.sock.send(self.endpoints[p], [META, body])
+        room = self.core.rooms.get(e.room) if isinstance(self.core, DecodeRank) else None
+        if room is not None and not room.registered and self.script is None:
+            self._timer(self.now() + 0.005, "feed", ev.DecodeRoomRegister(room=e.room))
+
+    def _abort_notice(self, e: ev.AbortNotice) -> None:
+        body = json.dumps({"room": e.room, "reason": e.reason}).encode()
+        for d in e.dsts:
+            self.sock.send(self.endpoints[d], [ABORT, body])
+
+    def _start_transfer(self, e: ev.StartTransfer) -> None:
+        assert isinstance(self.core, PrefillRank)
+        if not e.staged:
+            self.in_flight[e.worker] = ("error", "the per-slice fallback path is not "
+                                        "executed on hardware")
+            return
+        cfg = self.cfg
+        page = cfg.page_size
+        req = self.rooms.get(e.room)
+        pages = self.pool.pages_of(e.room)
+        first = (req["decode_prefix_len"] // page if req else 0) + e.page_start
+        chunk_pages = pages[first:first + e.num_pages]
+        target = self.core.rooms[e.room].targets if e.room in self.core.rooms else []
+        decode_rank = next((t.decode_rank for t in target if t.session == e.session), 0)
+        src_head, nh, _, _ = compute_head_slice_params(
+            cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size, self.spec.rank, decode_rank,
+            cfg.model.num_kv_heads)
+        buf = self.buffers[e.worker]
+        if len(chunk_pages) < e.num_pages or e.nbytes > buf.numel():
+            self.in_flight[e.worker] = ("error", f"chunk {e.chunk_idx} of room {e.room} "
+                                        f"does not fit this rank's pages or staging buffer")
+            return
+        n = self.kernels.gather_to_staging(self.pool.k, self.pool.v, chunk_pages, page,
+                                           src_head, nh, buf)
+        assert n == e.nbytes, (n, e.nbytes)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        peer, region = self.rings[e.session]
+        try:
+            handle = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes)
+        except TransferError as exc:
+            self.in_flight[e.worker] = ("error", str(exc))
+            return
+        self.in_flight[e.worker] = ("handle", handle)
+
+    def _poll_transfers(self) -> None:
+        for worker, (kind, value) in list(self.in_flight.items()):
+            if kind == "error":
+                del self.in_flight[worker]
+                self.input(ev.TransferDone(worker=worker, ok=False, error=value))
+                continue
+            state = self.nixl.poll(value)
+            if state == "PROC":
+                continue
+            del self.in_flight[worker]
+            self.nixl.release(value)
+            if state == "DONE":
+                self.input(ev.TransferDone(worker=worker))
+            else:
+                self.input(ev.TransferDone(worker=worker, ok=False, error="NIXL_ERR"))
+
+    def _start_scatter(self, e: ev.StartScatter) -> None:
+        assert self.ring is not None
+        cfg = self.cfg
+        pages = self.pool.pages_of(e.room)[e.page_start:e.page_start + e.num_pages]
+        end = e.offset + e.nbytes
+        room = self.core.rooms.get(e.room) if isinstance(self.core, DecodeRank) else None
+        p_tp = room.prefill_attn_tp if room is not None else cfg.prefill.attn_tp_size
+        if len(pages) == e.num_pages and end <= self.ring.numel():
+            self.kernels.scatter_from_staging(
+                self.ring[e.offset:end], self.pool.k, self.pool.v, pages, cfg.page_size,
+                p_tp, cfg.decode.attn_tp_size, self.spec.rank, cfg.model.num_kv_heads)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        else:
+            self.reports.append({"kind": "bad-scatter", "node": self.spec.node,
+                                 "detail": f"room {e.room} chunk {e.chunk_idx} pages "
+                                           f"[{e.page_start}, +{e.num_pages}) outside the room "
+                                           f"or region past the ring end"})
+        self.scatters_done.append(ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx,
+                                                 alloc_id=e.alloc_id))
+
+    def _deferred(self, e: ev.Deferred) -> None:
+        if not e.all_blocked and self.script is None:
+            self._poll_later(e.worker, 0.001)
+
+    def _wake(self, e: ev.WakeWorkers) -> None:
+        if self.script is None:
+            for w in e.workers:
+                self._poll_later(w, 0.0)
+
+    def _poll_later(self, worker: int, delay: float) -> None:
+        token = self.poll_token.get(worker, 0) + 1
+        self.poll_token[worker] = token
+        self._timer(self.now() + delay, "poll", (worker, token))
+
+    def _set_timer(self, e: ev.SetTimer) -> None:
+        if self.script is None:
+            self._timer(e.at, "feed", ev.Tick())
+
+    def _fire(self, kind: str, arg: Any) -> None:
+        if kind == "poll":
+            worker, token = arg
+            if self.poll_token.get(worker) == token:
+                self.feed(ev.WorkerPoll(worker=worker))
+        elif kind == "feed":
+            self.feed(arg)
+        elif kind == "send":
+            self.send_frames(arg[0], arg[1], delayed=True)
+
+    def _concluded(self, e: ev.RoomConcluded) -> None:
+        report: dict[str, Any] = {"kind": "concluded", "node": self.spec.node, "room": e.room,
+                                  "status": e.status, "reason": e.reason}
+        if isinstance(self.core, DecodeRank):
+            req = self.rooms.get(e.room)
+            if e.status == "Success" and req is not None:
+                report["mismatch"] = self._verify(req)
+            self.pool.release(e.room)
+        self.reports.append(report)
+
+    def _verify(self, req: dict[str, Any]) -> str | None:
+        """Check every byte of a finished room; the first mismatch, named, or None."""
+        start, end = req["decode_prefix_len"], req["input_len"]
+        if end <= start:
+            return None
+        tokens = self.pool.token_indices(self.pool.pages_of(req["room"]), 0, end - start)
+        bad = verify_decode_pool(self.pool.k, self.pool.v, req["rid"], range(start, end),
+                                 tokens, self.heads)
+        return None if bad is None else str(bad)
+
+    def _torn_down(self, e: ev.RoomTornDown) -> None:
+        self.pool.release(e.room)
+
+    def _crashed(self, e: ev.RankCrashed) -> None:
+        self.reports.append({"kind": "crashed", "node": self.spec.node, "reason": e.reason})
+
+    # -- streaming records to the coordinator --------------------------------------------------
+    def _flush(self) -> None:
+        if self.outbox or self.reports:
+            body = pickle.dumps((self.outbox, self.reports))
+            self.outbox, self.reports = [], []
+            self.sock.send(self.coordinator, [RECORDS, self.spec.node.encode(), body])
+
+    def close(self) -> None:
+        try:
+            self._flush()
+        finally:
+            self.nixl.close()
+            self.sock.close(linger_ms=2000)
+
+
+_EFFECTS = {
+    ev.Send: RankProcess._send,
+    ev.SendMetadata: RankProcess._metadata,
+    ev.AbortNotice: RankProcess._abort_notice,
+    ev.StartTransfer: RankProcess._start_transfer,
+    ev.StartScatter: RankProcess._start_scatter,
+    ev.Deferred: RankProcess._deferred,
+    ev.WakeWorkers: RankProcess._wake,
+    ev.SetTimer: RankProcess._set_timer,
+    ev.RoomConcluded: RankProcess._concluded,
+    ev.RoomTornDown: RankProcess._torn_down,
+    ev.RankCrashed: RankProcess._crashed,
+}
+
+
+def _named(name: str):  # type: ignore[no-untyped-def]
+    os.environ["TWIN_KERNELS"] = name
+    return get_kernels(torch.device("cpu"))
+
+
+def rank_main(spec: RankSpec) -> None:
+    """Process entry point (spawned by the launcher)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    torch.set_num_threads(1)
+    proc = None
+    try:
+        proc = RankProcess(spec)
+        proc.bootstrap()
+        proc.run()
+    except Exception:
+        text = traceback.format_exc()
+        try:
+            sock = proc.sock if proc is not None else ControlSocket()
+            sock.send(spec.coordinator, [REPORT, spec.node.encode(), json.dumps(
+                {"kind": "error", "node": spec.node, "detail": text}).encode()])
+        except Exception:  # noqa: BLE001 - best effort while dying
+            pass
+        raise
+    finally:
+        if proc is not None:
+            proc.close()
