@@ -28,9 +28,10 @@ from twin.core.topology import Topology
 from twin.sim.faults import FaultInjector, FaultSpec
 from twin.sim.metrics import Metrics
 from twin.sim.params import SimParams
+from twin.sim.placement import Placement
 from twin.sim.requests import SimRequest
 from twin.sim.scheduler import PrefillScheduler
-from twin.sim.workloads import PrefixCache, Request, Workload
+from twin.sim.workloads import Request, Workload
 
 
 class Recorder(Protocol):
@@ -60,7 +61,6 @@ class Simulation:
         self.params = params or SimParams()
         self.seed = seed
         self.recorder = recorder
-        self.overrides = request_overrides or {}
         self.env = simpy.Environment()
         self.topo = Topology(cfg)
         self.ranks: dict[str, PrefillRank | DecodeRank] = {}
@@ -75,10 +75,7 @@ class Simulation:
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, SimRequest] = {}
         self.schedulers = [PrefillScheduler(self, i) for i in range(len(self.topo.prefill_groups))]
-        self.prefill_cache = PrefixCache.from_tokens(self.params.prefill_radix_tokens) \
-            if self.params.prefill_radix_tokens else None
-        self.decode_cache = PrefixCache.from_tokens(self.params.decode_radix_tokens) \
-            if self.params.decode_radix_tokens else None
+        self.placement = Placement(cfg, self.topo, self.params, request_overrides)
         self.crashed: dict[str, str] = {}
         self.link_last: dict[tuple[str, str], float] = {}
         self.nic_free: dict[str, float] = {}
@@ -223,7 +220,7 @@ class Simulation:
         if req is None or self.topo.nodes[node].role != "decode":
             return
         req.decode_status[node] = e.status
-        self.integrity.on_concluded(node, e.room, e.status, self._total_pages(req))
+        self.integrity.on_concluded(node, e.room, e.status, self.placement.total_pages(req))
         if e.status == "Failed" and not req.reason:
             req.reason = e.reason
         group = self.topo.decode_groups[req.decode_group]
@@ -315,10 +312,6 @@ class Simulation:
             self.cfg.model.num_layers)
         self.integrity.on_scatter(node, e, writer_bytes)
 
-    def _total_pages(self, req: SimRequest) -> int:
-        suffix = req.input_len - req.decode_prefix_len
-        return (suffix + self.cfg.page_size - 1) // self.cfg.page_size
-
     _EFFECTS: dict[type, Callable[[Simulation, str, Any], None]] = {
         ev.Send: _on_send,
         ev.SendMetadata: _on_metadata,
@@ -342,41 +335,18 @@ class Simulation:
 
     # -- requests ----------------------------------------------------------------------------
     def _arrive(self, r: Request) -> None:
-        cfg, p = self.cfg, self.params
         self.arrived += 1
         self.last_progress = self.env.now
-        room = r.rid
-        n_pg, n_dg = len(self.topo.prefill_groups), len(self.topo.decode_groups)
-        page = cfg.page_size
-        decode_prefix = self.decode_cache.match(r) if self.decode_cache else 0
-        decode_prefix -= decode_prefix % page
-        prefill_prefix = self.prefill_cache.match(r) if self.prefill_cache else 0
-        prefill_prefix -= prefill_prefix % page
-        o = self.overrides.get(r.rid, {})
-        req = SimRequest(
-            room=room, rid=r.rid, arrival_s=self.env.now, input_len=r.input_len,
-            output_len=r.output_len, prefill_group=o.get("prefill_group", r.rid % n_pg),
-            decode_group=o.get("decode_group", r.rid % n_dg),
-            decode_prefix_len=o.get("decode_prefix_len", decode_prefix),
-            prefill_prefix_len=o.get("prefill_prefix_len", prefill_prefix),
-        )
-        req.extend_end = min(req.prefill_prefix_len, r.input_len - 1)
-        self.requests[room] = req
-        pg = self.topo.prefill_groups[req.prefill_group]
-        dg = self.topo.decode_groups[req.decode_group]
-        self.sys("driver", {
-            "type": "RequestArrived", "room": room, "rid": str(r.rid), "input_len": r.input_len,
-            "output_len": r.output_len, "decode_prefix_len": req.decode_prefix_len,
-            "prefill_prefix_len": req.prefill_prefix_len,
-            "prefill_node": [n.id for n in pg.nodes], "decode_node": [n.id for n in dg.nodes],
-        })
-        self.at(p.decode_prealloc_s, self._decode_init, req)
-        self.at(cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)
+        req = self.placement.place(r, self.env.now)
+        self.requests[req.room] = req
+        self.sys("driver", self.placement.arrival_record(req))
+        self.at(self.params.decode_prealloc_s, self._decode_init, req)
+        self.at(self.cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)
 
     def _decode_init(self, req: SimRequest) -> None:
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
-        init_pages = self._total_pages(req)
+        init_pages = self.placement.total_pages(req)
         for d in dg.nodes:
             self.feed(d.id, ev.DecodeRoomInit(
                 room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
@@ -407,15 +377,14 @@ class Simulation:
         slot = self._slot_req.pop(req.rid, None)
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
-        if status == "Success" and self.decode_cache is not None:
-            self.decode_cache.insert(self.workload.requests[req.rid])
+        if status == "Success":
+            self.placement.decode_done(self.workload.requests[req.rid])
         if self.unfinished == 0 and not self.done.triggered:
             self.stop_reason = "all requests ended"
             self.done.succeed()
 
     def prefill_finished(self, req: SimRequest) -> None:
-        if self.prefill_cache is not None:
-            self.prefill_cache.insert(self.workload.requests[req.rid])
+        self.placement.prefill_done(self.workload.requests[req.rid])
 
     # -- timed faults and the run loop -------------------------------------------------------
     def _timed_fault(self, spec: FaultSpec) -> None:
