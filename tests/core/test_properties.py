@@ -186,3 +186,76 @@ ClusterMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCluster = ClusterMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream findings: races SGLang 0.5.23 has with every fixed defect in place. Each test asserts
+# that the violation occurs; the twin is faithful here, so a change that makes one of these fail
+# changed the protocol, not just the twin.
+# ---------------------------------------------------------------------------------------------
+def _run_except(c: Cluster, blocked) -> None:
+    """Take the oldest action that ``blocked`` lets through until none is left."""
+    while True:
+        ok = [i for i in c.choices() if not blocked(c.pending[i])]
+        if not ok:
+            return
+        c.step(ok[0])
+
+
+def _is_msg(a, src: str | None = None, kind: type | None = None, room: int | None = None) -> bool:
+    if a.kind != "msg" or (src is not None and a.src != src):
+        return False
+    msg = a.event.msg
+    return (kind is None or isinstance(msg, kind)) and (room is None or msg.room == room)
+
+
+def test_upstream_multi_target_retry_rewrites_scattered_region() -> None:
+    """Prefill TP1 -> decode TP2: one prefill rank writes each chunk to two decode sessions.
+
+    transfer_worker loops over the chunk's targets; when the second session defers, the whole
+    chunk is re-enqueued and the retry writes the first session's region again, although that
+    region was already written, announced (CHUNK_READY), scattered and freed, and the ring may
+    have handed it to another room. Minimal case, one-chunk ring on each decode rank:
+    room 0 writes d0, d0 scatters and frees; room 0 defers on d1 (its STAGING_RSP is late);
+    room 1 gets d0's bytes and writes them; room 0's retry then rewrites d0 over room 1's
+    unscattered data.
+    """
+    from twin.core import wire
+
+    cfg = make_config(ServerSide(tp_size=1), ServerSide(tp_size=2), page_size=16, ring_chunks=1)
+    c = Cluster(cfg)
+    d0, d1 = (n.id for n in c.topo.decode_groups[0].nodes)
+    c.add_request(0, 16)
+    _run_except(c, lambda a: _is_msg(a, src=d1))  # d1's answers are late
+    assert c.outcome(0) == "pending"
+    c.add_request(1, 16)
+    late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
+    _run_except(c, lambda a: _is_msg(a, src=d1) or late_ready(a))
+    _run_except(c, late_ready)  # d1 answers; room 0 is retried while room 1 sits on d0
+    kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
+    assert ("overwrite", d0, 1) in kinds, c.integrity.violations
+
+
+def test_upstream_release_before_prefill_drained() -> None:
+    """Decode frees a failed room's staging allocations at once (``release_room``) while a
+    prefill write of that room is still in flight; the ring hands the bytes to the next room and
+    the late write lands on its unscattered data. (SGLang's ABORT_ACK-gated deferred KV release
+    covers KV pages, not the staging ring; the twin does not model it.)"""
+    from twin.core import wire
+
+    cfg = make_config(ServerSide(tp_size=2), ServerSide(tp_size=1), page_size=16, ring_chunks=1)
+    c = Cluster(cfg)
+    (d0,) = (n.id for n in c.topo.decode_groups[0].nodes)
+    c.add_request(0, 16)
+    slow_write = lambda a: a.kind == "xfer" and c.in_flight[(a.node, a.event.worker)].room == 0  # noqa: E731
+    _run_except(c, slow_write)
+    assert any(a.kind == "xfer" for a in c.pending)
+    c.fire_timers()  # decode times room 0 out and releases its allocation
+    assert c.outcome(0) == "Failed"
+    c.add_request(1, 16)
+    late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
+    _run_except(c, lambda a: slow_write(a) or late_ready(a))
+    assert not c.integrity.violations
+    _run_except(c, late_ready)  # room 0's write lands on room 1's unscattered region
+    kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
+    assert ("overwrite", d0, 1) in kinds, c.integrity.violations

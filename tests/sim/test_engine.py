@@ -1,0 +1,306 @@
+"""The SimPy engine: determinism, faults, closed-loop clients, radix caches, metrics, plots,
+wedge detection and exit codes. Every run here is a real simulation (no stand-ins)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from twin.core.defects import RAISE_ON_UNALIGNED_PREFIX, Defects
+from twin.sim.diagnosis import diagnose
+from twin.sim.engine import Simulation
+from twin.sim.faults import parse_fault
+from twin.sim.params import SimParams
+from twin.sim.plots import write_plots
+from twin.sim.runner import (
+    EXIT_BAD_INPUT,
+    EXIT_CORRUPTION,
+    EXIT_OK,
+    EXIT_WEDGE,
+    SimResult,
+    run_sim,
+)
+from twin.sim.scenarios import SCENARIOS, Scenario
+from twin.sim.workloads import poisson, shared_prefix
+
+DEFAULT = SCENARIOS["default"]
+
+
+class SysLog:
+    """A recorder that keeps the driver's ``sys`` records and counts inputs and effects."""
+
+    def __init__(self) -> None:
+        self.sys: list[dict[str, Any]] = []
+        self.inputs = 0
+        self.effects: list[tuple[str, Any]] = []
+
+    def write_input(self, t: float, node: str, event: Any) -> None:
+        self.inputs += 1
+
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None:
+        self.effects.extend((node, e) for e in effects)
+
+    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None:
+        self.sys.append({"t": t, "node": node, **record})
+
+
+def _run(sc: Scenario, *, defects: tuple[str, ...] = (), faults: tuple[str, ...] = (),
+         **kw: Any) -> SimResult:
+    return run_sim(sc.config, sc.workload(), defects=Defects.of(sc.base_defects + defects),
+                   faults=[parse_fault(f) for f in (*sc.faults, *faults)],
+                   params=kw.pop("params", sc.params), request_overrides=sc.overrides,
+                   max_concurrency=kw.pop("max_concurrency", sc.max_concurrency), **kw)
+
+
+def _no_wall(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k != "wall_seconds"}
+
+
+# -- determinism ------------------------------------------------------------------------------
+def test_same_seed_gives_identical_trace_and_summary(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ra = _run(DEFAULT, seed=3, trace_out=a)
+    rb = _run(DEFAULT, seed=3, trace_out=b)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.stat().st_size > 100_000
+    assert _no_wall(ra.summary()) == _no_wall(rb.summary())
+
+
+def test_different_seed_changes_jitter_dependent_results(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ra = _run(DEFAULT, seed=0, trace_out=a)
+    rb = _run(DEFAULT, seed=1, trace_out=b)
+    assert a.read_bytes() != b.read_bytes()
+    sa, sb = ra.summary(), rb.summary()
+    # Same protocol outcome, different control-plane jitter.
+    assert sa["completed"] == sb["completed"] == 128
+    assert (sa["latency"]["ttft_s"], sa["sim_seconds"]) != (sb["latency"]["ttft_s"],
+                                                            sb["sim_seconds"])
+
+
+def test_zero_jitter_makes_the_seed_irrelevant() -> None:
+    params = SimParams(zmq_jitter_s=0.0)
+    s0 = _no_wall(_run(DEFAULT, seed=0, params=params).summary())
+    s1 = _no_wall(_run(DEFAULT, seed=1, params=params).summary())
+    s0.pop("seed"), s1.pop("seed")
+    assert s0 == s1
+
+
+# -- faults -----------------------------------------------------------------------------------
+def test_drop_first_watermark_is_superseded() -> None:
+    """WATERMARK is fire-and-forget but monotonic: losing the first one costs nothing when a
+    later free broadcasts a newer watermark to the same session."""
+    log = SysLog()
+    base = _run(DEFAULT).summary()
+    r = _run(DEFAULT, faults=("drop:WATERMARK:nth=1",), recorder=log)
+    s = r.summary()
+    hits = [x for x in log.sys if x["type"] == "FaultInjected"]
+    assert len(hits) == 1 and hits[0]["detail"].startswith("WATERMARK ")
+    assert s["completed"] == 128 and r.exit_code == EXIT_OK
+    assert s["faults"] == ["drop:WATERMARK:nth=1"]
+    assert s["latency"]["ttft_s"]["p50"] == pytest.approx(base["latency"]["ttft_s"]["p50"],
+                                                          rel=0.05)
+
+
+def test_losing_the_last_watermark_before_the_ring_idles_wedges() -> None:
+    """Without acks or retransmission, dropping the one broadcast a session waits for, when no
+    later free will send another, wedges that session: the diagnosis says decode's watermark
+    would admit the write but was never sent."""
+    sc = SCENARIOS["stale-empty-ring"]  # defects off: today's protocol
+    outcomes = {}
+    for nth in range(1, 9):
+        r = _run(sc, faults=(f"drop:WATERMARK:nth={nth}",))
+        outcomes[nth] = r
+    assert outcomes[1].exit_code == EXIT_OK
+    wedged = [n for n, r in outcomes.items() if r.wedged]
+    assert wedged, {n: r.status for n, r in outcomes.items()}
+    r = outcomes[wedged[0]]
+    assert r.exit_code == EXIT_WEDGE
+    assert any("would admit it but was never sent to this session" in x for x in r.diagnosis)
+
+
+def test_delay_chunk_ready_adds_latency() -> None:
+    base = _run(DEFAULT).summary()["latency"]["ttft_s"]["p50"]
+    s = _run(DEFAULT, faults=("delay:CHUNK_READY:ms=20",)).summary()
+    assert s["completed"] == 128
+    assert s["latency"]["ttft_s"]["p50"] >= base + 0.015
+
+
+def test_dup_staging_rsp_is_harmless() -> None:
+    r = _run(DEFAULT, faults=("dup:STAGING_RSP",))
+    assert r.exit_code == EXIT_OK and r.summary()["completed"] == 128
+
+
+def test_dup_chunk_ready_triggers_an_early_scatter() -> None:
+    """Decode counts CHUNK_READY arrivals per chunk (not distinct writers), so a duplicated
+    frame from one writer launches the scatter before the other writer's bytes landed."""
+    r = _run(DEFAULT, faults=("dup:CHUNK_READY:p=1",))
+    assert r.exit_code == EXIT_CORRUPTION
+    assert any("never-written bytes" in v for v in r.corruption), r.corruption[:3]
+
+
+def test_fail_transfer_fails_exactly_that_room() -> None:
+    r = _run(DEFAULT, faults=("fail-transfer:nth=1",))
+    s = r.summary()
+    assert s["failed"] == 1 and s["completed"] == 127 and s["unfinished"] == 0
+    failed = [q for q in r.sim.metrics.done if q.status == "Failed"]
+    assert "failed" in failed[0].reason
+    assert r.exit_code == EXIT_OK  # a failed room is the protocol working, not a wedge
+
+
+def test_abort_fails_the_aborted_room_and_frees_its_allocations() -> None:
+    sc = SCENARIOS["release-room"]  # its abort:room=0:at=0.03 fault, defects off
+    r = _run(sc)
+    s = r.summary()
+    assert s["failures"] == {"aborted by fault abort": 1}
+    assert s["completed"] == s["requests"] - 1 and r.exit_code == EXIT_OK
+    assert [q.room for q in r.sim.metrics.done if q.status == "Failed"] == [0]
+
+
+def test_crash_of_a_decode_rank_is_diagnosed() -> None:
+    r = _run(DEFAULT, faults=("crash:d0g0r0:at=0.5",),
+             params=SimParams(wedge_window_s=2.0))
+    assert r.exit_code == EXIT_WEDGE
+    assert any(line.startswith("d0g0r0 crashed: crashed by fault crash:d0g0r0") for line in
+               r.diagnosis)
+
+
+# -- closed loop, radix caches ----------------------------------------------------------------
+def _max_in_flight(result: SimResult) -> int:
+    step = result.sim.params.decode_step_s
+    edges = []
+    for q in result.sim.metrics.done:
+        # The slot frees when the room concludes (kv_done_s less the first decode step);
+        # the tolerance absorbs float rounding of that subtraction.
+        edges += [(q.arrival_s, 1), (q.kv_done_s - step - 1e-9, -1)]
+    live = peak = 0
+    for _, d in sorted(edges, key=lambda e: (e[0], e[1])):
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+def test_max_concurrency_bounds_requests_in_flight() -> None:
+    wl = poisson(24, float("inf"), 1024, 8, seed=2)
+    cfg = DEFAULT.config
+    open_loop = run_sim(cfg, wl)
+    closed = run_sim(cfg, wl, max_concurrency=3)
+    assert closed.summary()["completed"] == open_loop.summary()["completed"] == 24
+    assert _max_in_flight(open_loop) > 3
+    assert _max_in_flight(closed) == 3
+    assert closed.sim.env.now > open_loop.sim.env.now
+
+
+def _forwarded_tokens(params: SimParams) -> tuple[int, SimResult]:
+    log = SysLog()
+    wl = shared_prefix(2, 8, 2048, 256, 8, rate_per_s=20.0, seed=1)
+    r = run_sim(DEFAULT.config, wl, params=params, recorder=log)
+    return sum(x["tokens"] for x in log.sys if x["type"] == "ForwardStart"), r
+
+
+def test_sys_log_sees_every_input() -> None:
+    log = SysLog()
+    r = _run(DEFAULT, recorder=log)
+    assert log.inputs == r.summary()["events"] > 0
+    assert sum(x["type"] == "RequestArrived" for x in log.sys) == 128
+
+
+def test_prefill_radix_hits_reduce_forwarded_tokens() -> None:
+    cold, r0 = _forwarded_tokens(SimParams(prefill_radix_tokens=0))
+    warm, r1 = _forwarded_tokens(SimParams())
+    total = sum(q.input_len for q in r0.sim.workload.requests)
+    assert cold == total
+    hits = sum(q.prefill_prefix_len for q in r1.sim.requests.values())
+    assert hits > 0 and warm == total - hits
+    assert r1.summary()["completed"] == r0.summary()["completed"] == 16
+
+
+def test_decode_radix_hits_shrink_the_transfer() -> None:
+    wl = shared_prefix(2, 8, 2048, 256, 8, rate_per_s=20.0, seed=1)
+    cold = run_sim(DEFAULT.config, wl, params=SimParams())
+    warm = run_sim(DEFAULT.config, wl, params=SimParams(decode_radix_tokens=1_000_000))
+    assert warm.summary()["completed"] == 16
+    assert any(q.decode_prefix_len > 0 for q in warm.sim.requests.values())
+    assert warm.sim.metrics.bytes_moved < cold.sim.metrics.bytes_moved
+
+
+# -- metrics and plots ------------------------------------------------------------------------
+def test_metrics_written(tmp_path: Path) -> None:
+    r = _run(DEFAULT)
+    paths = r.sim.metrics.write(tmp_path / "m")
+    names = sorted(p.name for p in paths)
+    assert names == ["metrics.json", "occupancy.csv", "requests.csv", "watermark_lag.csv"]
+    with (tmp_path / "m" / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 128 and {r["status"] for r in rows} == {"Success"}
+    assert all(float(x["ttft_s"]) > 0 for x in rows)
+    data = json.loads((tmp_path / "m" / "metrics.json").read_text())
+    assert data == json.loads(json.dumps(r.sim.metrics.summary()))
+    assert max(data["peak_ring_bytes"].values()) > 0
+    with (tmp_path / "m" / "occupancy.csv").open() as f:
+        occ = list(csv.DictReader(f))
+    assert occ and occ[-1]["bytes"] == "0"  # the ring drains at the end
+
+
+def test_plots_written(tmp_path: Path) -> None:
+    r = _run(DEFAULT)
+    paths = write_plots(r.sim.metrics, tmp_path / "p")
+    assert sorted(p.name for p in paths) == ["deferrals.png", "latency.png", "ring.png"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+
+
+# -- wedge detection and exit codes -----------------------------------------------------------
+class _NoMonitor(Simulation):
+    """The engine without its no-progress monitor: the run then ends when SimPy's event queue
+    empties, the fallback wedge detection."""
+
+    def _monitor(self, window: float) -> Generator[Any, Any, None]:
+        return
+        yield
+
+
+def test_wedge_detected_when_the_event_queue_empties() -> None:
+    sc = SCENARIOS["unaligned-prefix"]
+    sim = _NoMonitor(sc.config, sc.workload(), defects=Defects.of([RAISE_ON_UNALIGNED_PREFIX]),
+                     params=sc.params, request_overrides=sc.overrides)
+    reason = sim.run()
+    assert reason == "event queue empty"
+    result = SimResult(sim, reason, 0.0)
+    assert result.wedged and result.exit_code == EXIT_WEDGE and result.status == "wedged"
+    unfinished = {q.room for q in sim.requests.values() if not q.finished}
+    assert unfinished
+    lines = diagnose(sim.ranks, sim.crashed, unfinished, sim.last_dropped)
+    assert any("crashed" in x and "not page-aligned" in x for x in lines)
+
+
+def test_wedge_detected_by_the_no_progress_monitor() -> None:
+    sc = SCENARIOS["unaligned-prefix"]
+    r = _run(sc, defects=sc.defects)
+    assert r.stop_reason == "wedge" and r.wedged
+    assert r.sim.env.now >= sc.params.wedge_window_s
+    assert r.diagnosis[0].startswith("wedge: 3 request(s) unfinished with no progress for 5 s")
+
+
+def test_until_stops_early_without_a_verdict() -> None:
+    r = _run(DEFAULT, until=0.5)
+    assert r.stop_reason == "until" and r.status == "until"
+    assert not r.wedged and r.exit_code == EXIT_OK
+    assert r.sim.env.now == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("name", "code"), [("default", EXIT_OK), ("warmup-stall", EXIT_WEDGE),
+                                           ("completion-race", EXIT_CORRUPTION)])
+def test_exit_codes(name: str, code: int) -> None:
+    sc = SCENARIOS[name]
+    assert _run(sc, defects=sc.defects).exit_code == code
+
+
+def test_exit_code_constants() -> None:
+    assert (EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION) == (0, 2, 3, 4)

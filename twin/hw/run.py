@@ -1,0 +1,314 @@
+"""``twin hw``: a workload on real rank processes, byte-verified, with the simulator's verdicts.
+
+The coordinator plays router and prefill scheduler: it places each request (same placement and
+radix caches as the simulator), has the ranks allocate and fill KV pages, starts the decode
+rooms, and once every prefill rank of the group has its metadata it issues the prefetch and the
+``send_kv_chunk`` calls of each chunked forward. Every decode rank verifies every byte of each
+finished room against the prefill pattern. The verdicts and exit codes are the simulator's:
+0 clean, 3 wedge (with the same kind of diagnosis), 4 corruption.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from twin.core import events as ev
+from twin.core.config import TwinConfig
+from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
+from twin.hw.launcher import HwOptions, Launcher
+from twin.sim.diagnosis import diagnose
+from twin.sim.params import SimParams
+from twin.sim.placement import Placement
+from twin.sim.requests import SimRequest
+from twin.sim.workloads import Workload
+
+PROGRESS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded, ev.ChunkQueued)
+UNSUPPORTED_FAULTS = ("crash", "restart")
+
+
+class HwInputError(ValueError):
+    """A run the hardware mode cannot carry out as asked."""
+
+
+@dataclass
+class HwResult:
+    """The outcome of a hardware run; ``summary()`` has the simulator's keys."""
+
+    requests: int
+    done: list[SimRequest]
+    unfinished: list[int]
+    wedged: bool
+    diagnosis: list[str]
+    corruption: list[str]
+    wall_seconds: float
+    run_seconds: float
+    events: int
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if self.errors:
+            return "crashed"
+        if self.corruption:
+            return "corrupted"
+        if self.wedged:
+            return "wedged"
+        return "completed" if not self.unfinished else "interrupted"
+
+    @property
+    def exit_code(self) -> int:
+        return {"corrupted": 4, "wedged": 3, "completed": 0}.get(self.status, 1)
+
+    def summary(self) -> dict[str, Any]:
+        ok = [r for r in self.done if r.status == "Success"]
+        ttft = [r.kv_done_s - r.arrival_s for r in ok]
+        lat: dict[str, Any] = {}
+        if ttft:
+            a = np.asarray(ttft)
+            lat["ttft_s"] = {f"p{q}": round(float(np.percentile(a, q)), 6) for q in (50, 90, 99)}
+        return {
+            "status": self.status, "mode": "hw", "requests": self.requests,
+            "completed": len(ok), "failed": sum(r.status == "Failed" for r in self.done),
+            "unfinished": len(self.unfinished), "wedged": self.wedged,
+            "corrupted": bool(self.corruption), "diagnosis": self.diagnosis,
+            "corruption": self.corruption[:50], "sim_seconds": round(self.run_seconds, 6),
+            "wall_seconds": round(self.wall_seconds, 3), "events": self.events,
+            "latency": lat, "errors": self.errors, "notes": self.notes,
+        }
+
+
+class HwRun:
+    """Drives one workload through a started ``Launcher``."""
+
+    def __init__(self, launcher: Launcher, workload: Workload, params: SimParams,
+                 overrides: dict[int, dict[str, int]], max_concurrency: int) -> None:
+        self.l = launcher
+        self.cfg: TwinConfig = launcher.cfg
+        self.topo = launcher.topo
+        self.workload = workload
+        self.placement = Placement(self.cfg, self.topo, params, overrides)
+        self.max_concurrency = max_concurrency
+        self.reqs: dict[int, SimRequest] = {}
+        self.boot: dict[int, dict[str, int]] = {}
+        self.queue: dict[int, deque[SimRequest]] = {}
+        self.busy: set[int] = set()
+        self.timers: list[tuple[float, int, Any]] = []
+        self._n = 0
+        self.last_progress = 0.0
+        self.corruption: list[str] = []
+        self.crashed: dict[str, str] = {}
+        self.dropped: dict[int, list[str]] = {}
+        self.notes: list[str] = []
+        launcher.on_records = self._records
+        launcher.on_report = self._report
+
+    def _at(self, t: float, fn: Any) -> None:
+        self._n += 1
+        heapq.heappush(self.timers, (t, self._n, fn))
+
+    # -- records and reports from ranks --------------------------------------------------------
+    def _records(self, node: str, records: list[Any]) -> None:
+        for t, event, effects in records:
+            if type(event) is ev.RoomBootstrapped:
+                self._bootstrapped(node, event.room)
+            for e in effects:
+                if isinstance(e, PROGRESS):
+                    self.last_progress = t
+                if type(e) is ev.Dropped and e.room >= 0:
+                    self.dropped.setdefault(e.room, []).append(f"{node} dropped {e.what}: "
+                                                               f"{e.reason}")
+
+    def _report(self, r: dict[str, Any]) -> None:
+        kind = r.get("kind")
+        if kind == "concluded" and r["node"].startswith("d"):
+            req = self.reqs.get(r["room"])
+            if req is None:
+                return
+            req.decode_status[r["node"]] = r["status"]
+            if r.get("mismatch"):
+                self.corruption.append(f"{r['node']} room {r['room']}: {r['mismatch']}")
+            if r["status"] == "Failed" and not req.reason:
+                req.reason = r.get("reason", "")
+            group = self.topo.decode_groups[req.decode_group]
+            if len(req.decode_status) == len(group.nodes) and not req.finished:
+                ok = all(s == "Success" for s in req.decode_status.values())
+                req.status = "Success" if ok else "Failed"
+                req.kv_done_s = self.l.now()
+                if ok:
+                    self.placement.decode_done(self.workload.requests[req.rid])
+        elif kind == "crashed":
+            self.crashed[r["node"]] = r["reason"]
+        elif kind == "fault":
+            self.l.sys({"type": "FaultInjected", "fault": r["fault"], "detail": r["detail"]})
+        elif kind in ("bad-frame", "bad-scatter"):
+            self.notes.append(f"{r['node']}: {r['detail']}")
+
+    # -- requests ------------------------------------------------------------------------------
+    def _admit(self, index: int) -> None:
+        r = self.workload.requests[index]
+        req = self.placement.place(r, self.l.now())
+        self.reqs[req.room] = req
+        self.l.sys(self.placement.arrival_record(req), t=req.arrival_s)
+        self.last_progress = self.l.now()
+        pg = self.topo.prefill_groups[req.prefill_group]
+        dg = self.topo.decode_groups[req.decode_group]
+        setup = {"op": "request", "room": req.room, "rid": req.rid,
+                 "input_len": req.input_len, "decode_prefix_len": req.decode_prefix_len}
+        for n in (*pg.nodes, *dg.nodes):
+            self.l.command(n.id, setup)
+        total = self.placement.total_pages(req)
+        for d in dg.nodes:
+            self.l.feed(d.id, ev.DecodeRoomInit(
+                room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
+                prefill_attn_tp=self.cfg.prefill.attn_tp_size,
+                decode_prefix_len=req.decode_prefix_len, total_pages=total))
+
+    def _bootstrapped(self, node: str, room: int) -> None:
+        req = self.reqs.get(room)
+        if req is None:
+            return
+        counts = self.boot.setdefault(room, {})
+        counts[node] = counts.get(node, 0) + 1
+        want = len(self.topo.targets_of(self.topo.nodes[node],
+                                        self.topo.decode_groups[req.decode_group]))
+        if counts[node] == want:
+            req.bootstrapped.add(node)
+        pg = self.topo.prefill_groups[req.prefill_group]
+        if len(req.bootstrapped) == len(pg.nodes) and req.bootstrap_done_s < 0:
+            req.bootstrap_done_s = self.l.now()
+            self.queue.setdefault(req.prefill_group, deque()).append(req)
+            self._schedule(req.prefill_group)
+
+    def _group_feed(self, group: int, event: Any) -> None:
+        for n in self.topo.prefill_groups[group].nodes:
+            self.l.feed(n.id, event)
+
+    def _schedule(self, group: int) -> None:
+        """Start the next request's forwards on an idle prefill group."""
+        q = self.queue.get(group)
+        if group in self.busy or not q:
+            return
+        req = q.popleft()
+        self.busy.add(group)
+        self._group_feed(group, ev.Prefetch(room=req.room))
+        prefix = req.extend_end
+        if prefix > req.decode_prefix_len and prefix % self.cfg.page_size == 0:
+            self._group_feed(group, ev.SendKV(room=req.room, end_idx=prefix, last=False))
+        self._at(self.l.now() + self.l.options.forward_s, lambda: self._forward(group, req))
+
+    def _forward(self, group: int, req: SimRequest) -> None:
+        req.extend_end = min(req.input_len, req.extend_end + self.cfg.chunked_prefill_size)
+        last = req.extend_end >= req.input_len
+        self._group_feed(group, ev.SendKV(room=req.room, end_idx=req.extend_end, last=last))
+        if last:
+            req.prefill_done_s = self.l.now()
+            self.placement.prefill_done(self.workload.requests[req.rid])
+            self.busy.discard(group)
+            self._schedule(group)
+        else:
+            self._at(self.l.now() + self.l.options.forward_s, lambda: self._forward(group, req))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> HwResult:
+        l, opts = self.l, self.l.options
+        t_start = time.perf_counter()
+        pending = deque(range(len(self.workload.requests)))
+        wedged = False
+        while True:
+            now = l.now()
+            in_flight = sum(not r.finished for r in self.reqs.values())
+            while pending and in_flight < self.max_concurrency and \
+                    self.workload.requests[pending[0]].arrival_s <= now:
+                self._admit(pending.popleft())
+                in_flight += 1
+            while self.timers and self.timers[0][0] <= now:
+                heapq.heappop(self.timers)[2]()
+            l.pump(1)
+            if l.errors:
+                break
+            if not pending and all(r.finished for r in self.reqs.values()):
+                break
+            if in_flight and now - self.last_progress > opts.wedge_window_s:
+                wedged = True
+                break
+            if now > opts.timeout_s:
+                self.notes.append(f"stopped after --timeout {opts.timeout_s:g} s")
+                break
+        unfinished = sorted(r.room for r in self.reqs.values() if not r.finished)
+        diagnosis: list[str] = []
+        if wedged:
+            states = l.request_states()
+            diagnosis = diagnose(states, self.crashed, set(unfinished), self.dropped)
+            diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
+                                f"progress for {opts.wedge_window_s:g} s (rooms "
+                                f"{', '.join(map(str, unfinished[:12]))})")
+        return HwResult(
+            requests=len(self.workload.requests), done=[r for r in self.reqs.values()
+                                                        if r.finished],
+            unfinished=unfinished, wedged=wedged, diagnosis=diagnosis,
+            corruption=self.corruption, wall_seconds=time.perf_counter() - t_start,
+            run_seconds=l.now(), events=l.inputs, errors=list(l.errors), notes=self.notes)
+
+
+def check_supported(defects: Defects, faults: list[str]) -> None:
+    """Reject what the hardware mode does not carry out (with the reason)."""
+    if defects.on(SILENT_SLICE_FALLBACK):
+        raise HwInputError("defect 'silent-slice-fallback': the per-slice fallback transfer "
+                           "is not implemented on hardware; use the simulator")
+    for f in faults:
+        if f.split(":", 1)[0] in UNSUPPORTED_FAULTS:
+            raise HwInputError(f"fault {f!r}: rank crash/restart is simulator-only")
+
+
+def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
+           faults: list[str] | None = None, seed: int = 0, params: SimParams | None = None,
+           options: HwOptions | None = None, trace_out: str | None = None,
+           request_overrides: dict[int, dict[str, int]] | None = None,
+           max_concurrency: int | None = None) -> HwResult:
+    """Run ``workload`` on real rank processes; the trace streams to ``trace_out``."""
+    defects = defects or Defects()
+    faults = list(faults or [])
+    params = params or SimParams()
+    options = options or HwOptions()
+    check_supported(defects, faults)
+    writer = None
+    if trace_out is not None:
+        from twin.sim.faults import parse_fault
+        from twin.sim.runner import trace_header
+        from twin.trace.format import TraceWriter
+
+        header = trace_header(cfg, workload, defects=defects,
+                              faults=[parse_fault(f) for f in faults], seed=seed, params=params,
+                              request_overrides=request_overrides or {},
+                              max_concurrency=max_concurrency, mode="hw")
+        writer = TraceWriter(trace_out, header)
+    result: HwResult | None = None
+    try:
+        with Launcher(cfg, defects=defects, faults=faults, seed=seed, options=options,
+                      writer=writer) as launcher:
+            run = HwRun(launcher, workload, params, request_overrides or {},
+                        max_concurrency or options.max_concurrency)
+            result = run.run()
+    except BaseException as exc:
+        if writer is not None:
+            writer.close(writer.abort_outcome(exc))
+        raise
+    if writer is not None:
+        writer.close(_outcome(result))
+    return result
+
+
+def _outcome(result: HwResult) -> dict[str, Any]:
+    s = result.summary()
+    status = s["status"] if s["status"] in ("completed", "wedged", "corrupted",
+                                            "crashed") else "interrupted"
+    return {"status": status, "completed": s["completed"], "failed": s["failed"],
+            "requests": s["requests"], "diagnosis": s["diagnosis"] + s["errors"],
+            "corruption": s["corruption"]}
