@@ -302,5 +302,15 @@ def test_exit_codes(name: str, code: int) -> None:
     assert _run(sc, defects=sc.defects).exit_code == code
 
 
+def test_simulator_doc_lists_every_sim_param() -> None:
+    import dataclasses
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "simulator.md").read_text()
+    for f in dataclasses.fields(SimParams):
+        d = f.default
+        shown = format(d, "g") if isinstance(d, float) else str(d)
+        assert f"| `{f.name}` | `{shown}` |" in doc, f.name
+
+
 def test_exit_code_constants() -> None:
     assert (EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION) == (0, 2, 3, 4)

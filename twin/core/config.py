@@ -64,7 +64,12 @@ class ServerSide:
 
 @dataclass(frozen=True, slots=True)
 class TwinConfig:
-    """Everything the protocol core needs to know about a deployment."""
+    """Everything the protocol core needs to know about a deployment.
+
+    ``prefill_staging_buffer_pages``: pages each prefill transfer worker's staging buffer holds;
+    None sizes it to one grid slot as SGLang does today. A larger value models the pre-fix,
+    fixed-size buffer that let oversized (unaligned) sends through.
+    """
 
     model: ModelShape = field(default_factory=ModelShape)
     prefill: ServerSide = field(default_factory=lambda: ServerSide(tp_size=4))
@@ -74,6 +79,7 @@ class TwinConfig:
     staging_pool_size_mb: int = 4096
     staging_pool_size_bytes: int | None = None
     transfer_queue_size: int = 4
+    prefill_staging_buffer_pages: int | None = None
     waiting_timeout_s: float = 300.0
     bootstrap_timeout_s: float = 300.0
     enable_prefill_context_parallel: bool = False
@@ -248,5 +254,7 @@ def validate(cfg: TwinConfig) -> None:
     if cfg.staging_pool_size_bytes is not None:
         _positive("staging_pool_size_bytes", cfg.staging_pool_size_bytes)
     _positive("transfer_queue_size", cfg.transfer_queue_size)
+    if cfg.prefill_staging_buffer_pages is not None:
+        _positive("prefill_staging_buffer_pages", cfg.prefill_staging_buffer_pages)
     _positive("waiting_timeout_s", cfg.waiting_timeout_s)
     _positive("bootstrap_timeout_s", cfg.bootstrap_timeout_s)

@@ -92,7 +92,7 @@ class PrefillRank:
         self.now = 0.0
         m = cfg.model
         heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
-        pages = cfg.extra.get("prefill_staging_buffer_pages")
+        pages = cfg.prefill_staging_buffer_pages
         buf_pages = pages if pages is not None else cfg.full_chunk_pages
         self.buffer_bytes = (buf_pages * cfg.page_size * heads * cfg.bytes_per_head_token
                              * m.num_layers * 2)

@@ -95,8 +95,12 @@ def pattern_bits(
         for c in (request, layer, kv, token, head, dim)
     ]
     h = torch.zeros((), dtype=torch.int64, device=device)
-    for seed, c in zip(_SEEDS, coords, strict=True):
+    for seed, c in zip(_SEEDS[:5], coords[:5], strict=True):
         h = _mix((h + (c & _M31) + seed) & _M31)
+    # The last coordinate (dim, the largest broadcast axis) gets one light round: the row hash
+    # above already separates every (request, layer, kv, token, head) row.
+    h = (((h ^ ((coords[5] & _M31) * _MUL_B + _SEEDS[5])) & _M31) * _MUL_A) & _M31
+    h = h ^ (h >> 15)
     bits = h & ((1 << min(nbits, 31)) - 1)
     return bits & ~(1 << (nbits - 2))
 

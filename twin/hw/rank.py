@@ -46,6 +46,7 @@ HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
     b"TWIN_HELLO", b"TWIN_DIR", b"TWIN_START", b"TWIN_CMD", b"TWIN_REC", b"TWIN_REPORT",
     b"TWIN_STATE", b"TWIN_STOP")
 META, ABORT = b"TWIN_META", b"TWIN_ABORT"
+IDLE_WAIT_MS = 20
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
 
 
@@ -176,9 +177,11 @@ class RankProcess:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
         while not self.stopping:
-            wait_ms = 1
+            # Block on the socket when idle; poll fast only while WRITEs are in flight.
+            wait_ms = 1 if self.in_flight or self.scatters_done else IDLE_WAIT_MS
             if self.timers:
-                wait_ms = max(0, min(1, int((self.timers[0][0] - self.now()) * 1000)))
+                until = int((self.timers[0][0] - self.now()) * 1000)
+                wait_ms = max(0, min(wait_ms, until))
             frames = self.sock.recv_frames(timeout_ms=wait_ms)
             while frames is not None:
                 self._frames(frames)
@@ -243,6 +246,7 @@ class RankProcess:
         else:
             suffix = cmd["input_len"] - cmd["decode_prefix_len"]
             self.pool.alloc(room, (suffix + page - 1) // page)
+        self.reports.append({"kind": "setup-done", "node": self.spec.node, "room": room})
 
     # -- feeding the core ----------------------------------------------------------------------
     def input(self, event: Any) -> None:

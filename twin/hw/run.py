@@ -143,6 +143,8 @@ class HwRun:
                 req.kv_done_s = self.l.now()
                 if ok:
                     self.placement.decode_done(self.workload.requests[req.rid])
+        elif kind == "setup-done":
+            self.last_progress = self.l.now()
         elif kind == "crashed":
             self.crashed[r["node"]] = r["reason"]
         elif kind == "fault":
@@ -230,7 +232,12 @@ class HwRun:
                 in_flight += 1
             while self.timers and self.timers[0][0] <= now:
                 heapq.heappop(self.timers)[2]()
-            l.pump(1)
+            wait = 0.02
+            if self.timers:
+                wait = min(wait, self.timers[0][0] - l.now())
+            if pending:
+                wait = min(wait, self.workload.requests[pending[0]].arrival_s - l.now())
+            l.pump(max(0, int(wait * 1000)))
             if l.errors:
                 break
             if not pending and all(r.finished for r in self.reqs.values()):

@@ -85,8 +85,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         "radix-grid", "seeds 000/003: prefill TP4 -> decode TP2, chunked_prefill_size 256, "
         "decode radix cache, a shared prefix spanning several grid slots; the pre-fix "
         "fixed-size prefill staging buffer lets inflated sends through",
-        _cfg(**TP4_TP2, staging_pool_size_mb=16, extra={"prefill_staging_buffer_pages": 4096}),
-        lambda: fixed([(i * 0.05, 1400 + 16 * i, 8, 1024) for i in range(12)], name="radix"),
+        _cfg(**TP4_TP2, staging_pool_size_mb=16, prefill_staging_buffer_pages=4096),
+        lambda: fixed([(i * 0.05, 2300, 8, 640) for i in range(8)], name="radix"),
         defects=(NO_GRID_ALIGNMENT,), symptom="corruption",
         params=SimParams(decode_radix_tokens=512, wedge_window_s=5.0),
     ),

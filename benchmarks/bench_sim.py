@@ -1,0 +1,162 @@
+"""Simulator speed: raw SimPy, the Mooncake sample trace, and memory for 100,000 requests.
+
+Run: ``python benchmarks/bench_sim.py [--quick] [--json out.json]``.
+
+(a) Raw SimPy: a tight loop of ``env.timeout`` callbacks, each scheduling the next, the same
+    pattern the engine's ``Simulation.at`` uses; events per wall second.
+(b) The Mooncake synthetic trace (``shared/traces/mooncake/synthetic_trace.jsonl`` beside the
+    repository; a Poisson workload of the same size if absent) on the default deployment,
+    prefill TP4 -> decode TP2: wall seconds, core inputs per second, SimPy events processed per
+    second, simulated seconds per wall second and the ratio to raw SimPy's rate.
+(c) Peak resident memory of a fresh process that simulates
+    ``poisson(100000, rate_per_s=100, input_len=2048, output_len=64)``.
+
+``--quick`` uses 200k raw events, the first 1,000 Mooncake requests and 10,000 requests for
+the memory run; the targets are stated for the full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import simpy
+
+from twin.core.config import TwinConfig
+from twin.sim.runner import run_sim
+from twin.sim.workloads import Workload, load_trace, poisson
+
+MOONCAKE = (Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
+            / "synthetic_trace.jsonl")
+GiB = 1 << 30
+
+
+def simpy_events(env: simpy.Environment) -> int:
+    """Events SimPy has scheduled so far (its event-id counter, read without advancing it)."""
+    m = re.search(r"\d+", repr(env._eid))  # itertools.count(N)
+    return int(m[0]) if m else 0
+
+
+def bench_raw_simpy(n: int) -> dict[str, float]:
+    """``n`` chained ``env.timeout`` callbacks; returns events per wall second."""
+    env = simpy.Environment()
+    left = [n]
+
+    def fire(_event: simpy.Event) -> None:
+        left[0] -= 1
+        if left[0] > 0:
+            env.timeout(1e-6).callbacks.append(fire)
+
+    # A few concurrent chains keep the heap non-trivial, as in a real run.
+    chains = 16
+    left[0] = n
+    for i in range(chains):
+        env.timeout(i * 1e-7).callbacks.append(fire)
+    t0 = time.perf_counter()
+    env.run()
+    wall = time.perf_counter() - t0
+    events = simpy_events(env)
+    return {"events": events, "wall_s": wall, "events_per_s": events / wall}
+
+
+def mooncake_workload(first_n: int | None) -> tuple[Workload, str]:
+    if MOONCAKE.exists():
+        return load_trace(MOONCAKE, first_n=first_n), f"mooncake {MOONCAKE.name}"
+    n = first_n or 3993
+    wl = poisson(n, rate_per_s=n / 1022.0, input_len=(15325.0, 12000.0), output_len=64, seed=0)
+    return wl, f"poisson stand-in ({n} requests; trace folder absent)"
+
+
+def bench_mooncake(first_n: int | None) -> dict[str, Any]:
+    wl, source = mooncake_workload(first_n)
+    cfg = TwinConfig()  # prefill TP4 -> decode TP2, 8B-class GQA model, 4 GiB ring
+    result = run_sim(cfg, wl)
+    sim = result.sim
+    s = result.summary()
+    wall = result.wall_seconds
+    return {
+        "source": source, "requests": len(wl), "status": s["status"],
+        "completed": s["completed"], "failed": s["failed"], "wall_s": wall,
+        "sim_s": sim.env.now, "core_inputs": sim.inputs,
+        "core_inputs_per_s": sim.inputs / wall,
+        "simpy_events": simpy_events(sim.env),
+        "simpy_events_per_s": simpy_events(sim.env) / wall,
+        "sim_s_per_wall_s": sim.env.now / wall,
+    }
+
+
+def _memory_child(n: int) -> None:
+    """Run in a fresh process: simulate ``n`` requests and print peak RSS."""
+    wl = poisson(n, rate_per_s=100, input_len=2048, output_len=64)
+    result = run_sim(TwinConfig(), wl)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"requests": n, "status": result.status,
+                      "completed": result.summary()["completed"],
+                      "wall_s": result.wall_seconds, "peak_rss_bytes": peak_kib * 1024}))
+
+
+def bench_memory(n: int) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, __file__, "--memory-child", str(n)],
+                       capture_output=True, text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _row(what: str, value: str, target: str, ok: bool | None) -> str:
+    verdict = "" if ok is None else ("ok" if ok else "MISSED")
+    return f"{what:<44} {value:>16}  {target:<22} {verdict}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller runs (CI smoke test)")
+    ap.add_argument("--json", dest="json_out", default=None, help="also write results here")
+    ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.memory_child is not None:
+        _memory_child(args.memory_child)
+        return 0
+    raw_n, first_n, mem_n = (200_000, 1000, 10_000) if args.quick else (2_000_000, None, 100_000)
+    raw = bench_raw_simpy(raw_n)
+    moon = bench_mooncake(first_n)
+    mem = bench_memory(mem_n)
+    ratio = moon["simpy_events_per_s"] / raw["events_per_s"]
+    full = not args.quick
+    print(f"raw SimPy: {raw['events']:,} events in {raw['wall_s']:.2f} s")
+    print(f"workload:  {moon['source']}, {moon['requests']:,} requests -> {moon['status']} "
+          f"({moon['completed']:,} completed, {moon['failed']} failed), "
+          f"{moon['sim_s']:.1f} simulated s")
+    print(f"memory:    {mem['requests']:,} poisson requests -> {mem['status']}, "
+          f"{mem['wall_s']:.1f} s wall")
+    print()
+    print(_row("measure", "value", "target (full run)", None))
+    print(_row("raw SimPy events/s", f"{raw['events_per_s']:,.0f}", "-", None))
+    print(_row("Mooncake: wall seconds", f"{moon['wall_s']:.2f}", "<= 5 s",
+               moon["wall_s"] <= 5 if full else None))
+    print(_row("Mooncake: core inputs/s", f"{moon['core_inputs_per_s']:,.0f}", "-", None))
+    print(_row("Mooncake: SimPy events/s", f"{moon['simpy_events_per_s']:,.0f}", "-", None))
+    print(_row("Mooncake: simulated s per wall s", f"{moon['sim_s_per_wall_s']:,.0f}x",
+               ">= 200x real time", moon["sim_s_per_wall_s"] >= 200 if full else None))
+    print(_row("Mooncake: SimPy rate / raw SimPy rate", f"{ratio:.2f}", ">= 0.33",
+               ratio >= 1 / 3 if full else None))
+    print(_row(f"peak RSS, {mem['requests']:,} requests",
+               f"{mem['peak_rss_bytes'] / 2**20:,.0f} MiB", "< 1 GiB (100k requests)",
+               mem["peak_rss_bytes"] < GiB if full else None))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"raw_simpy": raw, "mooncake": moon, "memory": mem, "ratio_to_raw": ratio,
+             "quick": args.quick}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
