@@ -9,6 +9,7 @@ Records stream in from the ranks and are written to the trace in time order, a w
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import multiprocessing as mp
@@ -78,7 +79,8 @@ class Launcher:
 
     def __init__(self, cfg: TwinConfig, *, defects: Defects, faults: list[str], seed: int,
                  options: HwOptions, writer: Any = None,
-                 scripts: dict[str, list[Any]] | None = None) -> None:
+                 scripts: dict[str, list[Any]] | None = None,
+                 requests: dict[str, list[dict[str, Any]]] | None = None) -> None:
         self.cfg = cfg
         self.topo = Topology(cfg)
         self.defects = defects
@@ -87,6 +89,7 @@ class Launcher:
         self.options = options
         self.writer = writer
         self.scripts = scripts
+        self.requests = requests or {}
         self.sock = ControlSocket()
         self.procs: dict[str, Any] = {}
         self.endpoints: dict[str, str] = {}
@@ -127,6 +130,7 @@ class Launcher:
                 kv_pool_pages=self.options.kv_pool_pages, seed=self.seed,
                 kernels=self.options.kernels,
                 script=None if self.scripts is None else self.scripts.get(n.id, []),
+                requests=self.requests.get(n.id, []),
                 nodes_by_unique=by_unique)
             counters[n.role] += 1
             proc = ctx.Process(target=rank_main, args=(spec,), name=f"twin-{n.id}", daemon=True)
@@ -178,10 +182,9 @@ class Launcher:
         """Stop every rank (gracefully, then by force), flush the trace, close the socket."""
         for node, ep in self.endpoints.items():
             if self.procs.get(node) is not None and self.procs[node].is_alive():
-                try:
+                # A dead peer must not stop the teardown.
+                with contextlib.suppress(Exception):
                     self.sock.send(ep, [STOP], timeout_ms=500)
-                except Exception:  # noqa: BLE001 - a dead peer must not stop the teardown
-                    pass
         deadline = time.monotonic() + 10
         while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
             self.pump(50)
@@ -211,7 +214,7 @@ class Launcher:
         self.command(node, {"op": "feed", "event": event})
 
     def request_states(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Every rank's core, pickled, for diagnosis."""
+        """Every rank's state: ``{"core", "next" (replay), "held" (replay)}``."""
         self.states = {}
         for node in self.endpoints:
             self.command(node, {"op": "state"})

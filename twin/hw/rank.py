@@ -67,6 +67,7 @@ class RankSpec:
     seed: int = 0
     kernels: str = ""
     script: list[Any] | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
     nodes_by_unique: dict[int, str] = field(default_factory=dict)
 
 
@@ -136,6 +137,8 @@ class RankProcess:
         self.script: deque[Any] | None = deque(spec.script) if spec.script is not None else None
         self.held: dict[Any, list[Any]] = {}
         self.script_done_sent = False
+        for req in spec.requests:
+            self._setup_request(req)
 
     # -- clock and timers --------------------------------------------------------------------
     def now(self) -> float:
@@ -230,8 +233,10 @@ class RankProcess:
             self._setup_request(cmd)
         elif op == "state":
             self._flush()
+            state = {"core": self.core, "next": self.script[0] if self.script else None,
+                     "held": sum(len(v) for v in self.held.values())}
             self.sock.send(self.coordinator, [STATE, self.spec.node.encode(),
-                                              pickle.dumps(self.core)])
+                                              pickle.dumps(state)])
 
     def _setup_request(self, cmd: dict[str, Any]) -> None:
         """KV pages for a room; prefill pages are filled with the request's pattern."""

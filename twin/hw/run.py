@@ -89,7 +89,7 @@ class HwRun:
 
     def __init__(self, launcher: Launcher, workload: Workload, params: SimParams,
                  overrides: dict[int, dict[str, int]], max_concurrency: int) -> None:
-        self.l = launcher
+        self.launcher = launcher
         self.cfg: TwinConfig = launcher.cfg
         self.topo = launcher.topo
         self.workload = workload
@@ -140,34 +140,34 @@ class HwRun:
             if len(req.decode_status) == len(group.nodes) and not req.finished:
                 ok = all(s == "Success" for s in req.decode_status.values())
                 req.status = "Success" if ok else "Failed"
-                req.kv_done_s = self.l.now()
+                req.kv_done_s = self.launcher.now()
                 if ok:
                     self.placement.decode_done(self.workload.requests[req.rid])
         elif kind == "setup-done":
-            self.last_progress = self.l.now()
+            self.last_progress = self.launcher.now()
         elif kind == "crashed":
             self.crashed[r["node"]] = r["reason"]
         elif kind == "fault":
-            self.l.sys({"type": "FaultInjected", "fault": r["fault"], "detail": r["detail"]})
+            self.launcher.sys({"type": "FaultInjected", "fault": r["fault"], "detail": r["detail"]})
         elif kind in ("bad-frame", "bad-scatter"):
             self.notes.append(f"{r['node']}: {r['detail']}")
 
     # -- requests ------------------------------------------------------------------------------
     def _admit(self, index: int) -> None:
         r = self.workload.requests[index]
-        req = self.placement.place(r, self.l.now())
+        req = self.placement.place(r, self.launcher.now())
         self.reqs[req.room] = req
-        self.l.sys(self.placement.arrival_record(req), t=req.arrival_s)
-        self.last_progress = self.l.now()
+        self.launcher.sys(self.placement.arrival_record(req), t=req.arrival_s)
+        self.last_progress = self.launcher.now()
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
         setup = {"op": "request", "room": req.room, "rid": req.rid,
                  "input_len": req.input_len, "decode_prefix_len": req.decode_prefix_len}
         for n in (*pg.nodes, *dg.nodes):
-            self.l.command(n.id, setup)
+            self.launcher.command(n.id, setup)
         total = self.placement.total_pages(req)
         for d in dg.nodes:
-            self.l.feed(d.id, ev.DecodeRoomInit(
+            self.launcher.feed(d.id, ev.DecodeRoomInit(
                 room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
                 prefill_attn_tp=self.cfg.prefill.attn_tp_size,
                 decode_prefix_len=req.decode_prefix_len, total_pages=total))
@@ -184,13 +184,13 @@ class HwRun:
             req.bootstrapped.add(node)
         pg = self.topo.prefill_groups[req.prefill_group]
         if len(req.bootstrapped) == len(pg.nodes) and req.bootstrap_done_s < 0:
-            req.bootstrap_done_s = self.l.now()
+            req.bootstrap_done_s = self.launcher.now()
             self.queue.setdefault(req.prefill_group, deque()).append(req)
             self._schedule(req.prefill_group)
 
     def _group_feed(self, group: int, event: Any) -> None:
         for n in self.topo.prefill_groups[group].nodes:
-            self.l.feed(n.id, event)
+            self.launcher.feed(n.id, event)
 
     def _schedule(self, group: int) -> None:
         """Start the next request's forwards on an idle prefill group."""
@@ -203,28 +203,28 @@ class HwRun:
         prefix = req.extend_end
         if prefix > req.decode_prefix_len and prefix % self.cfg.page_size == 0:
             self._group_feed(group, ev.SendKV(room=req.room, end_idx=prefix, last=False))
-        self._at(self.l.now() + self.l.options.forward_s, lambda: self._forward(group, req))
+        self._at(self.launcher.now() + self.launcher.options.forward_s, lambda: self._forward(group, req))
 
     def _forward(self, group: int, req: SimRequest) -> None:
         req.extend_end = min(req.input_len, req.extend_end + self.cfg.chunked_prefill_size)
         last = req.extend_end >= req.input_len
         self._group_feed(group, ev.SendKV(room=req.room, end_idx=req.extend_end, last=last))
         if last:
-            req.prefill_done_s = self.l.now()
+            req.prefill_done_s = self.launcher.now()
             self.placement.prefill_done(self.workload.requests[req.rid])
             self.busy.discard(group)
             self._schedule(group)
         else:
-            self._at(self.l.now() + self.l.options.forward_s, lambda: self._forward(group, req))
+            self._at(self.launcher.now() + self.launcher.options.forward_s, lambda: self._forward(group, req))
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> HwResult:
-        l, opts = self.l, self.l.options
+        lau, opts = self.launcher, self.launcher.options
         t_start = time.perf_counter()
         pending = deque(range(len(self.workload.requests)))
         wedged = False
         while True:
-            now = l.now()
+            now = lau.now()
             in_flight = sum(not r.finished for r in self.reqs.values())
             while pending and in_flight < self.max_concurrency and \
                     self.workload.requests[pending[0]].arrival_s <= now:
@@ -234,11 +234,11 @@ class HwRun:
                 heapq.heappop(self.timers)[2]()
             wait = 0.02
             if self.timers:
-                wait = min(wait, self.timers[0][0] - l.now())
+                wait = min(wait, self.timers[0][0] - lau.now())
             if pending:
-                wait = min(wait, self.workload.requests[pending[0]].arrival_s - l.now())
-            l.pump(max(0, int(wait * 1000)))
-            if l.errors:
+                wait = min(wait, self.workload.requests[pending[0]].arrival_s - lau.now())
+            lau.pump(max(0, int(wait * 1000)))
+            if lau.errors:
                 break
             if not pending and all(r.finished for r in self.reqs.values()):
                 break
@@ -251,8 +251,8 @@ class HwRun:
         unfinished = sorted(r.room for r in self.reqs.values() if not r.finished)
         diagnosis: list[str] = []
         if wedged:
-            states = l.request_states()
-            diagnosis = diagnose(states, self.crashed, set(unfinished), self.dropped)
+            cores = {n: st["core"] for n, st in lau.request_states().items()}
+            diagnosis = diagnose(cores, self.crashed, set(unfinished), self.dropped)
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {opts.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
@@ -261,7 +261,7 @@ class HwRun:
                                                         if r.finished],
             unfinished=unfinished, wedged=wedged, diagnosis=diagnosis,
             corruption=self.corruption, wall_seconds=time.perf_counter() - t_start,
-            run_seconds=l.now(), events=l.inputs, errors=list(l.errors), notes=self.notes)
+            run_seconds=lau.now(), events=lau.inputs, errors=list(lau.errors), notes=self.notes)
 
 
 def check_supported(defects: Defects, faults: list[str]) -> None:

@@ -189,31 +189,42 @@ class Replayer:
             self.crashed[node] = e.reason
 
     def _result(self) -> ReplayResult:
-        completed = failed = 0
-        unfinished: set[int] = set()
-        for room, data in self.rooms.items():
-            st = self.concluded.get(room, {})
-            if len(st) < len(data.get("decode_node", [])):
-                unfinished.add(room)
-            elif all(s == "Success" for s in st.values()):
-                completed += 1
-            else:
-                failed += 1
-        rec = self.trace.outcome
         corruption = [str(v) for v in self.integrity.violations]
-        diagnosis: list[str] = []
-        if corruption:
-            status = "corrupted"
-        elif unfinished and rec is not None and rec["status"] in ("wedged", "corrupted"):
-            status = "wedged"
-        elif unfinished:
-            status = rec["status"] if rec is not None else "interrupted"
-        else:
-            status = "completed"
-        if unfinished:
-            diagnosis = diagnose(self.ranks, self.crashed, unfinished)
+        status, completed, failed, unfinished = verdict(self.rooms, self.concluded, corruption,
+                                                        self.trace.outcome)
+        diagnosis = diagnose(self.ranks, self.crashed, unfinished) if unfinished else []
         return ReplayResult(self.inputs, self.divergence, status, completed, failed, diagnosis,
-                            corruption, rec)
+                            corruption, self.trace.outcome)
+
+
+def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str]],
+            corruption: list[str], recorded: dict[str, Any] | None
+            ) -> tuple[str, int, int, set[int]]:
+    """``(status, completed, failed, unfinished rooms)`` of a replay.
+
+    A room is finished when every decode node of its ``RequestArrived`` record concluded it.
+    Rooms left unfinished are a wedge when the recording ended in one, otherwise the replay
+    stopped where the recording stopped.
+    """
+    completed = failed = 0
+    unfinished: set[int] = set()
+    for room, data in rooms.items():
+        st = concluded.get(room, {})
+        if len(st) < len(data.get("decode_node", [])):
+            unfinished.add(room)
+        elif all(s == "Success" for s in st.values()):
+            completed += 1
+        else:
+            failed += 1
+    if corruption:
+        status = "corrupted"
+    elif unfinished and recorded is not None and recorded["status"] in ("wedged", "corrupted"):
+        status = "wedged"
+    elif unfinished:
+        status = recorded["status"] if recorded is not None else "interrupted"
+    else:
+        status = "completed"
+    return status, completed, failed, unfinished
 
 
 def replay_sim(trace: Trace) -> ReplayResult:
