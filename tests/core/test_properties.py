@@ -193,13 +193,15 @@ TestCluster = ClusterMachine.TestCase
 # that the violation occurs; the twin is faithful here, so a change that makes one of these fail
 # changed the protocol, not just the twin.
 # ---------------------------------------------------------------------------------------------
-def _run_except(c: Cluster, blocked) -> None:
-    """Take the oldest action that ``blocked`` lets through until none is left."""
-    while True:
+def _run_except(c: Cluster, blocked, max_steps: int = 10_000) -> None:
+    """Take the oldest action that ``blocked`` lets through until none is left, or until the
+    integrity model flags something."""
+    for _ in range(max_steps):
         ok = [i for i in c.choices() if not blocked(c.pending[i])]
-        if not ok:
+        if not ok or c.integrity.violations:
             return
         c.step(ok[0])
+    raise AssertionError(f"no quiescence within {max_steps} steps")
 
 
 def _is_msg(a, src: str | None = None, kind: type | None = None, room: int | None = None) -> bool:
@@ -228,10 +230,11 @@ def test_upstream_multi_target_retry_rewrites_scattered_region() -> None:
     c.add_request(0, 16)
     _run_except(c, lambda a: _is_msg(a, src=d1))  # d1's answers are late
     assert c.outcome(0) == "pending"
+    assert not c.integrity.violations
     c.add_request(1, 16)
     late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
+    # Room 1 writes d0 and defers on d1; the worker then retries room 0, which rewrites d0.
     _run_except(c, lambda a: _is_msg(a, src=d1) or late_ready(a))
-    _run_except(c, late_ready)  # d1 answers; room 0 is retried while room 1 sits on d0
     kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
     assert ("overwrite", d0, 1) in kinds, c.integrity.violations
 
@@ -243,7 +246,8 @@ def test_upstream_release_before_prefill_drained() -> None:
     covers KV pages, not the staging ring; the twin does not model it.)"""
     from twin.core import wire
 
-    cfg = make_config(ServerSide(tp_size=2), ServerSide(tp_size=1), page_size=16, ring_chunks=1)
+    cfg = make_config(ServerSide(tp_size=2, instances=2), ServerSide(tp_size=1), page_size=16,
+                      ring_chunks=1)
     c = Cluster(cfg)
     (d0,) = (n.id for n in c.topo.decode_groups[0].nodes)
     c.add_request(0, 16)
@@ -252,7 +256,7 @@ def test_upstream_release_before_prefill_drained() -> None:
     assert any(a.kind == "xfer" for a in c.pending)
     c.fire_timers()  # decode times room 0 out and releases its allocation
     assert c.outcome(0) == "Failed"
-    c.add_request(1, 16)
+    c.add_request(1, 16, prefill_group=1)  # another prefill instance: its workers are free
     late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
     _run_except(c, lambda a: slow_write(a) or late_ready(a))
     assert not c.integrity.violations

@@ -38,11 +38,11 @@ class Ring:
         hits = self.overlapping(a, b)
         pieces: list[tuple[int, int, Tag, bool]] = []
         for i in hits:
-            s, e, t, live = self.spans[i]
+            s, e, t, was_live = self.spans[i]
             if s < a:
-                pieces.append((s, a, t, live))
+                pieces.append((s, a, t, was_live))
             if e > b:
-                pieces.append((b, e, t, live))
+                pieces.append((b, e, t, was_live))
         for i in reversed(hits):
             del self.spans[i]
             del self.starts[i]
@@ -88,6 +88,7 @@ class IntegrityModel:
         self.violations: list[Violation] = []
         self._seen: set[tuple[str, int, str]] = set()
         self._ended: set[tuple[str, int]] = set()
+        self._scattered: set[tuple[str, int, int]] = set()  # (node, room, page_start)
 
     def _flag(self, kind: str, node: str, room: int, detail: str) -> None:
         key = (kind, room, node)
@@ -122,14 +123,17 @@ class IntegrityModel:
                            f"{t.page_start + t.num_pages}) landed on unscattered data of room "
                            f"{tag[0]} pages [{tag[1]}, {tag[1] + tag[2]}) at bytes "
                            f"[{max(s, a)}, {min(e, b)})")
-        # A write for a room that already ended on ``node`` is garbage nobody scatters: it may
-        # clobber live data (flagged above) but is itself free to be overwritten.
-        ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer),
-                 live=(node, t.room) not in self._ended)
+        # A write for a room that already ended on ``node``, or a repeat write of a chunk that
+        # was already scattered there, is garbage nobody scatters: it may clobber live data
+        # (flagged above) but is itself free to be overwritten.
+        dead = ((node, t.room) in self._ended
+                or (node, t.room, t.page_start) in self._scattered)
+        ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer), live=not dead)
 
     def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
         """A scatter reads the region and writes pages of ``s.room``."""
         ring = self.rings.setdefault(node, Ring())
+        self._scattered.add((node, s.room, s.page_start))
         pos = s.offset
         ok = True
         for w, nb in enumerate(writer_bytes):

@@ -34,7 +34,7 @@ from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.layout import compute_head_slice_params
 from twin.core.prefill import PrefillRank
-from twin.hw.control import ControlSocket
+from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
@@ -107,7 +107,7 @@ class RankProcess:
         self.pool = KVPool(m.num_layers, spec.kv_pool_pages, cfg.page_size, len(self.heads),
                            m.head_dim, DTYPES[m.dtype_bytes], self.device)
         self.kernels = get_kernels(self.device) if not spec.kernels else _named(spec.kernels)
-        self.sock = ControlSocket()
+        self.sock = ControlSocket(send_timeout_ms=60_000)
         self.nixl = NixlEndpoint(spec.node)
         if isinstance(self.core, PrefillRank):
             self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)
@@ -312,9 +312,18 @@ class RankProcess:
                     self._timer(self.now() + fate.extra_s, "send", (dst, msg))
                 return
             for _ in range(fate.copies):
-                self.sock.send(self.endpoints[dst], wire.encode(msg))
+                self._push(dst, msg)
             return
-        self.sock.send(self.endpoints[dst], wire.encode(msg))
+        self._push(dst, msg)
+
+    def _push(self, dst: str, msg: wire.Message) -> None:
+        """Send one frame; a peer that cannot take it for a minute is a failed send."""
+        try:
+            self.sock.send(self.endpoints[dst], wire.encode(msg))
+        except ControlError as exc:
+            self.reports.append({"kind": "send-failed", "node": self.spec.node,
+                                 "detail": f"{msg.TAG.decode()} -> {dst}: {exc}"})
+            self.feed(ev.SendFailed(dst=dst, msg=msg))
 
     def _metadata(self, e: ev.SendMetadata) -> None:
         target = {"session": e.session, "decode_rank": e.decode_rank,

@@ -149,7 +149,7 @@ class HwRun:
             self.crashed[r["node"]] = r["reason"]
         elif kind == "fault":
             self.launcher.sys({"type": "FaultInjected", "fault": r["fault"], "detail": r["detail"]})
-        elif kind in ("bad-frame", "bad-scatter"):
+        elif kind in ("bad-frame", "bad-scatter", "send-failed"):
             self.notes.append(f"{r['node']}: {r['detail']}")
 
     # -- requests ------------------------------------------------------------------------------
