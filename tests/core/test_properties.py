@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from twin.core.config import ModelShape, ServerSide, TwinConfig
-from twin.core.defects import Defects
 from twin.core.layout import compute_staging_layout
 from twin.explore.loopback import Cluster
 

@@ -1,0 +1,202 @@
+"""Decode rank state machine, fed by hand through ``handle()``."""
+
+from __future__ import annotations
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.core.config import ModelShape, ServerSide, TwinConfig
+from twin.core.decode import DecodeRank
+from twin.core.defects import Defects
+
+MODEL = ModelShape(num_layers=2, num_kv_heads=8, head_dim=4, dtype_bytes=2)
+CFG = TwinConfig(prefill=ServerSide(tp_size=4), decode=ServerSide(tp_size=2), model=MODEL,
+                 chunked_prefill_size=64, page_size=16, staging_pool_size_bytes=3 * 8192)
+WRITERS = ("p0", "p1")  # prefill TP4 -> decode TP2: two writers per decode rank
+REGION = 64 * 4 * 8 * 2 * 2  # one full chunk: 64 tokens x 4 heads x 8 B x 2 layers x K,V
+
+
+def of(effects, kind):
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def sent(effects, msg_kind):
+    return [e for e in of(effects, ev.Send) if isinstance(e.msg, msg_kind)]
+
+
+def rank(defects=()):
+    return DecodeRank(CFG, "d0", 0, Defects.of(defects))
+
+
+def init(d, room=1, total_pages=8, prefix=0, writers=WRITERS, now=0.0):
+    return d.handle(ev.DecodeRoomInit(room=room, prefill_ranks=writers, prefill_attn_tp=4,
+                                      decode_prefix_len=prefix, total_pages=total_pages), now)
+
+
+def req(d, room=1, chunk=0, pages=4, src="p0", session="d0", now=0.0):
+    return d.handle(ev.MessageArrived(src=src, msg=wire.StagingReq(
+        room=room, chunk_idx=chunk, chunk_pages=pages, session_id=session)), now)
+
+
+def ready(d, room=1, chunk=0, pages=4, src="p0", rank_id=0, now=0.0):
+    return d.handle(ev.MessageArrived(src=src, msg=wire.ChunkReady(
+        room=room, chunk_idx=chunk, page_start=chunk * 4, num_pages=pages, writer_id="d0",
+        prefill_rank=rank_id)), now)
+
+
+def status(d, room=1, src="p0", st=wire.KVPoll.Success, now=0.0):
+    return d.handle(ev.MessageArrived(src=src, msg=wire.TransferStatus(
+        room=room, status=st, prefill_rank=0)), now)
+
+
+def test_registration_sends_metadata_and_arms_timeout():
+    d = rank()
+    out = init(d)
+    (meta,) = of(out, ev.SendMetadata)
+    assert meta.prefill_ranks == WRITERS and meta.total_pages == 8
+    assert of(out, ev.SetTimer)[0].at > CFG.waiting_timeout_s
+    assert d.rooms[1].registered
+
+
+def test_unaligned_decode_prefix_fails_only_that_room():
+    d = rank()
+    init(d, room=1)
+    out = init(d, room=2, prefix=8)
+    (abort,) = of(out, ev.AbortNotice)
+    assert abort.room == 2 and "page-aligned" in abort.reason
+    assert ev.RoomConcluded(room=2, status="Failed", reason=abort.reason) in out
+    assert 2 not in d.rooms and 1 in d.rooms and d.crashed is None
+    assert of(req(d, room=1), ev.Allocated)  # room 1 still served
+
+
+def test_staging_req_allocates_once_and_answers_every_writer():
+    d = rank()
+    init(d)
+    first = req(d, src="p0")
+    second = req(d, src="p1")
+    (alloc,) = of(first, ev.Allocated)
+    assert (alloc.offset, alloc.round, alloc.size) == (0, 0, REGION)
+    assert not of(second, ev.Allocated)
+    for out in (first, second):
+        rsps = sent(out, wire.StagingRsp)
+        assert sorted(s.dst for s in rsps) == sorted(WRITERS)
+        assert {(s.msg.offset, s.msg.round, s.msg.end) for s in rsps} == {(0, 0, REGION)}
+
+
+def test_oversized_answers_minus_two():
+    d = DecodeRank(CFG.replace(staging_pool_size_bytes=REGION - 1), "d0", 0)
+    init(d)
+    out = req(d)
+    assert not of(out, ev.Allocated)
+    assert {s.msg.offset for s in sent(out, wire.StagingRsp)} == {-2}
+    assert {s.msg.offset for s in sent(req(d, src="p1"), wire.StagingRsp)} == {-2}
+
+
+def test_staging_req_dropped_when_room_not_registered():
+    d = rank()
+    out = req(d, room=9)
+    assert of(out, ev.Dropped) and not sent(out, wire.StagingRsp)
+
+
+def test_first_staging_req_of_a_group_gets_watermark_snapshot():
+    d = rank()
+    init(d, room=1)
+    init(d, room=2, writers=("p2", "p3"))
+    out = req(d, room=1)
+    assert sorted(s.dst for s in sent(out, wire.Watermark)) == ["p0", "p1"]
+    assert not sent(req(d, room=1, chunk=1), wire.Watermark)  # already subscribed
+    out = req(d, room=2, src="p2")
+    assert sorted(s.dst for s in sent(out, wire.Watermark)) == ["p2", "p3"]
+
+
+def test_chunk_ready_fan_in_then_scatter():
+    d = rank()
+    init(d)
+    req(d)
+    assert not of(ready(d, src="p0"), ev.StartScatter)
+    (sc,) = of(ready(d, src="p1", rank_id=1), ev.StartScatter)
+    assert (sc.room, sc.chunk_idx, sc.offset, sc.nbytes, sc.page_start, sc.num_pages) == (
+        1, 0, 0, REGION, 0, 4)
+    assert not sc.blind
+
+
+def test_scatter_done_frees_and_broadcasts_to_every_subscriber():
+    d = rank()
+    init(d, room=1)
+    init(d, room=2, writers=("p2", "p3"))
+    req(d, room=1)
+    req(d, room=2, src="p2")
+    ready(d, src="p0")
+    (sc,) = of(ready(d, src="p1"), ev.StartScatter)
+    out = d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.0)
+    assert of(out, ev.Freed)[0].reason == "scattered"
+    assert of(out, ev.WatermarkMoved) == [ev.WatermarkMoved(round=0, tail=REGION)]
+    assert sorted(s.dst for s in sent(out, wire.Watermark)) == ["p0", "p1", "p2", "p3"]
+
+
+def test_completion_needs_all_success_and_every_scatter():
+    d = rank()
+    init(d, total_pages=4)
+    req(d)
+    status(d, src="p0")
+    out = status(d, src="p1")
+    assert not of(out, ev.RoomConcluded)  # chunk 0 not scattered yet
+    ready(d, src="p0")
+    (sc,) = of(ready(d, src="p1"), ev.StartScatter)
+    assert not of(d.handle(ev.Tick(), 1.0), ev.RoomConcluded)  # scatter in flight
+    out = d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 1.0)
+    assert ev.RoomConcluded(room=1, status="Success") in out
+    assert 1 not in d.rooms
+
+
+def test_completion_timeout_after_success():
+    d = rank()
+    init(d, total_pages=4)
+    req(d)
+    status(d, src="p0", now=5.0)
+    out = status(d, src="p1", now=5.0)
+    (timer,) = of(out, ev.SetTimer)
+    assert timer.at > 5.0 + CFG.waiting_timeout_s
+    assert not of(d.handle(ev.Tick(), timer.at - 1.0), ev.RoomConcluded)
+    out = d.handle(ev.Tick(), timer.at)
+    (done,) = of(out, ev.RoomConcluded)
+    assert done.status == "Failed" and "not complete" in done.reason
+    # release_room freed the never-scattered allocation
+    assert [f.reason for f in of(out, ev.Freed)] == ["released"]
+    assert not d.allocator.live()
+
+
+def test_waiting_timeout_without_result_fails_and_notifies_prefill():
+    d = rank()
+    (timer,) = of(init(d), ev.SetTimer)
+    out = d.handle(ev.Tick(), timer.at)
+    assert of(out, ev.AbortNotice)[0].dsts == WRITERS
+    assert of(out, ev.RoomConcluded)[0].status == "Failed"
+
+
+def test_prefill_failure_releases_unscattered_allocations():
+    d = rank()
+    init(d)
+    req(d, chunk=0)
+    req(d, chunk=1)
+    assert len(d.allocator.live()) == 2
+    out = status(d, src="p1", st=wire.KVPoll.Failed)
+    assert of(out, ev.RoomConcluded)[0].status == "Failed"
+    assert sorted(f.chunk_idx for f in of(out, ev.Freed)) == [0, 1]
+    assert not d.allocator.live()
+    assert d.allocator.get_watermark() == (1, 0)
+
+
+def test_abort_releases_room():
+    d = rank()
+    init(d)
+    req(d)
+    out = d.handle(ev.RoomAborted(room=1), 0.0)
+    assert of(out, ev.Freed) and not d.allocator.live()
+
+
+def test_late_chunk_ready_after_unregister_is_dropped():
+    d = rank()
+    init(d)
+    d.handle(ev.RoomAborted(room=1), 0.0)
+    out = ready(d)
+    assert of(out, ev.Dropped) and not of(out, ev.StartScatter)
