@@ -101,7 +101,8 @@ def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
                    "completed": result.completed, "failed": result.failed,
                    "same_outcome": result.same_outcome,
                    "divergence": str(result.divergence) if result.divergence else None,
-                   "diagnosis": result.diagnosis, "corruption": result.corruption})
+                   "diagnosis": result.diagnosis, "corruption": result.corruption,
+                   "timing": result.timing})
     else:
         click.echo(f"replayed {result.inputs} inputs ({mode}): {result.status}, "
                    f"{result.completed} completed, {result.failed} failed")
@@ -116,7 +117,24 @@ def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
             click.echo(f"wedge       {line}")
         for line in result.corruption[:20]:
             click.echo(f"corruption  {line}")
+        _print_timing(result.timing)
     sys.exit(result.exit_code if result.same_outcome or result.divergence else 1)
+
+
+def _print_timing(timing: dict | None) -> None:
+    if not timing:
+        return
+    if "error" in timing:
+        click.echo(f"timing      {timing['error']}")
+        return
+    click.echo(f"timing      fresh simulation of this hardware run: {timing['simulated_status']},"
+               f" {timing['rooms_compared']} rooms compared (ratio = simulated / measured)")
+    for phase in ("kv_done_s", "transfer_s"):
+        t = timing.get(phase)
+        if t:
+            click.echo(f"  {phase:11s} measured p50 {t['measured_p50'] * 1e3:8.2f} ms, simulated "
+                       f"p50 {t['simulated_p50'] * 1e3:8.2f} ms, ratio p10/p50/p90 "
+                       f"{t['ratio_p10']:.3g}/{t['ratio_p50']:.3g}/{t['ratio_p90']:.3g}")
 
 
 COMMANDS.append(replay_command)

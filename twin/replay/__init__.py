@@ -54,6 +54,7 @@ class ReplayResult:
     diagnosis: list[str] = field(default_factory=list)
     corruption: list[str] = field(default_factory=list)
     recorded: dict[str, Any] | None = None
+    timing: dict[str, Any] | None = None
 
     @property
     def same_outcome(self) -> bool:
@@ -228,5 +229,11 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
 
 
 def replay_sim(trace: Trace) -> ReplayResult:
-    """Replay ``trace`` in simulation (see the module docstring)."""
-    return Replayer(trace).run()
+    """Replay ``trace`` in simulation (see the module docstring). For a hardware trace the
+    result also says how far a fresh simulation's timings are from the measured ones."""
+    result = Replayer(trace).run()
+    if trace.header.get("mode") == "hw":
+        from twin.replay.timing import compare_with_simulation
+
+        result.timing = compare_with_simulation(trace)
+    return result
