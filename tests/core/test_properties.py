@@ -181,7 +181,7 @@ class ClusterMachine(RuleBasedStateMachine):
 
 
 ClusterMachine.TestCase.settings = settings(
-    max_examples=80, stateful_step_count=40, deadline=None,
+    max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCluster = ClusterMachine.TestCase

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twin.core.config import TwinConfig
+from twin.core.decode import DecodeRank
+from twin.core.defects import Defects
 from twin.core.layout import target_decode_ranks
+from twin.core.prefill import PrefillRank
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +73,15 @@ class Topology:
         p, d = self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size
         return tuple(n.id for n in prefill_group.nodes
                      if decode.rank in target_decode_ranks(p, d, n.rank))
+
+
+def build_rank(cfg: TwinConfig, node: Node, defects: Defects) -> PrefillRank | DecodeRank:
+    """A fresh core for ``node`` (a prefill or a decode rank)."""
+    if node.role == "prefill":
+        return PrefillRank(cfg, node.id, node.rank, node.unique_rank, defects)
+    return DecodeRank(cfg, node.id, node.rank, defects)
+
+
+def build_ranks(topo: Topology, defects: Defects) -> dict[str, PrefillRank | DecodeRank]:
+    """A fresh core for every node of ``topo``, by node id."""
+    return {n.id: build_rank(topo.cfg, n, defects) for n in topo.nodes.values()}

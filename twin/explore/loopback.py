@@ -19,7 +19,7 @@ from twin.core.integrity import IntegrityModel
 from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
 from twin.core.sendplan import PlannedSend, plan_sends
-from twin.core.topology import Topology
+from twin.core.topology import Topology, build_ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +57,7 @@ class Cluster:
         self.cfg = cfg
         self.defects = defects or Defects()
         self.topo = Topology(cfg)
-        self.ranks: dict[str, PrefillRank | DecodeRank] = {}
-        for n in self.topo.nodes.values():
-            if n.role == "prefill":
-                self.ranks[n.id] = PrefillRank(cfg, n.id, n.rank, n.unique_rank, self.defects)
-            else:
-                self.ranks[n.id] = DecodeRank(cfg, n.id, n.rank, self.defects)
+        self.ranks: dict[str, PrefillRank | DecodeRank] = build_ranks(self.topo, self.defects)
         self.pending: list[Action] = []
         self.rooms: dict[int, RoomPlan] = {}
         self.integrity = IntegrityModel(cfg.ring_bytes)

@@ -21,7 +21,7 @@ from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
 from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
-from twin.core.topology import Topology
+from twin.core.topology import Topology, build_rank
 from twin.sim.diagnosis import diagnose
 from twin.trace.codec import event_to_json
 from twin.trace.format import Record, Trace
@@ -93,14 +93,9 @@ class Replayer:
         self.cfg = cfg
         self.defects = Defects.of(trace.header.get("defects", []))
         self.topo = Topology(cfg)
-        self.ranks: dict[str, PrefillRank | DecodeRank] = {}
-        for n in self.topo.nodes.values():
-            if n.id not in trace.nodes:
-                continue
-            if n.role == "prefill":
-                self.ranks[n.id] = PrefillRank(cfg, n.id, n.rank, n.unique_rank, self.defects)
-            else:
-                self.ranks[n.id] = DecodeRank(cfg, n.id, n.rank, self.defects)
+        self.ranks: dict[str, PrefillRank | DecodeRank] = {
+            n.id: build_rank(cfg, n, self.defects) for n in self.topo.nodes.values()
+            if n.id in trace.nodes}
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
         self.rooms: dict[int, dict[str, Any]] = {}

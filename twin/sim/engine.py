@@ -24,7 +24,7 @@ from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
 from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
-from twin.core.topology import Topology
+from twin.core.topology import Topology, build_rank, build_ranks
 from twin.sim.faults import FaultInjector, FaultSpec
 from twin.sim.metrics import Metrics
 from twin.sim.params import SimParams
@@ -63,12 +63,7 @@ class Simulation:
         self.recorder = recorder
         self.env = simpy.Environment()
         self.topo = Topology(cfg)
-        self.ranks: dict[str, PrefillRank | DecodeRank] = {}
-        for n in self.topo.nodes.values():
-            if n.role == "prefill":
-                self.ranks[n.id] = PrefillRank(cfg, n.id, n.rank, n.unique_rank, self.defects)
-            else:
-                self.ranks[n.id] = DecodeRank(cfg, n.id, n.rank, self.defects)
+        self.ranks: dict[str, PrefillRank | DecodeRank] = build_ranks(self.topo, self.defects)
         self.rng_net = random.Random(f"{seed}:net")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self.integrity = IntegrityModel(cfg.ring_bytes)
@@ -402,11 +397,7 @@ class Simulation:
             self.at(spec.down or 0.0, self._restart, node)
 
     def _restart(self, node: str) -> None:
-        n = self.topo.nodes[node]
-        if n.role == "prefill":
-            self.ranks[node] = PrefillRank(self.cfg, n.id, n.rank, n.unique_rank, self.defects)
-        else:
-            self.ranks[node] = DecodeRank(self.cfg, n.id, n.rank, self.defects)
+        self.ranks[node] = build_rank(self.cfg, self.topo.nodes[node], self.defects)
         self.crashed.pop(node, None)
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
