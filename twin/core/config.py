@@ -153,7 +153,6 @@ _SECTIONS = {"model": ModelShape, "prefill": ServerSide, "decode": ServerSide}
 
 
 def _typed(source: str, name: str, value: Any, want: Any) -> Any:
-    kind = want if isinstance(want, type) else None
     if want in (bool, "bool"):
         if not isinstance(value, bool):
             raise ConfigError(f"{source}: field {name!r}: expected true/false, got {value!r}")
@@ -166,11 +165,10 @@ def _typed(source: str, name: str, value: Any, want: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: field {name!r}: expected a number, got {value!r}")
         return float(value)
-    del kind
     return value
 
 
-def _build(cls: type, data: Any, source: str, prefix: str, known_extra: bool = False) -> Any:
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: field {prefix.rstrip('.')!r}: expected a table")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}

@@ -80,12 +80,6 @@ def pool_token_indices(
     return (pages.unsqueeze(1) * page_size + offsets).reshape(-1)
 
 
-def _num_pages(page_indices: PageIndices) -> int:
-    if isinstance(page_indices, torch.Tensor):
-        return page_indices.numel()
-    return int(np.asarray(page_indices).size)
-
-
 def _check_pools(k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor]) -> None:
     if not k_layers or len(k_layers) != len(v_layers):
         raise ValueError("k_layers and v_layers must be non-empty and of equal length")

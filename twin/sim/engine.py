@@ -42,10 +42,6 @@ class Recorder(Protocol):
     def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None: ...
 
 
-PROGRESS_EFFECTS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
-                    ev.ChunkQueued)
-
-
 class Simulation:
     """One simulated run: ``run()`` returns when every request ended, a wedge is found, or
     ``until`` is reached."""
@@ -84,7 +80,6 @@ class Simulation:
         self.inputs = 0
         self.done = self.env.event()
         self.stop_reason = ""
-        self._rr = 0
         self.progress_cb: Callable[[float], None] | None = None
         # Closed-loop clients (like a benchmark's --max-concurrency): a request is sent at its
         # arrival time or when one of the ``max_concurrency`` slots frees, whichever is later.

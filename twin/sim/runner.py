@@ -186,7 +186,3 @@ def _abbrev(rooms: list[int], limit: int = 12) -> str:
 def load_params(cfg: TwinConfig, source: str = "<config>") -> SimParams:
     """The ``[sim]`` table of a config as ``SimParams``."""
     return SimParams.from_dict(cfg.extra.get("sim", {}), source)
-
-
-def write_outputs(result: SimResult, out_dir: Path) -> list[Path]:
-    return result.sim.metrics.write(out_dir)

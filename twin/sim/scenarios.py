@@ -45,7 +45,6 @@ class Scenario:
     params: SimParams = field(default_factory=SimParams)
     overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     max_concurrency: int | None = None
-    seed_note: str = ""
 
     def fault_specs(self) -> list[FaultSpec]:
         return [parse_fault(f) for f in self.faults]
