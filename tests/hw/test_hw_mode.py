@@ -105,3 +105,20 @@ def test_unsupported_requests_are_rejected_before_starting() -> None:
         run_hw(cfg, fixed([(0.0, 100, 4, 0)]), defects=Defects.of(["silent-slice-fallback"]))
     with pytest.raises(HwInputError, match="crash"):
         run_hw(cfg, fixed([(0.0, 100, 4, 0)]), faults=["crash:d0g0r0:at=1"])
+
+
+def test_multi_target_retry_race_corrupts_real_bytes(tmp_path: Path) -> None:
+    """The race found in simulation (every defect off) corrupts real bytes on hardware, and the
+    hardware trace replayed in simulation names the overwrite that caused it."""
+    from twin.replay import replay_sim
+
+    sc = SCENARIOS["multi-target-retry"]
+    out = tmp_path / "race.jsonl.gz"
+    result = run_hw(sc.config, sc.workload(), faults=list(sc.faults), params=sc.params,
+                    options=_options(), trace_out=str(out))
+    s = result.summary()
+    assert s["status"] == "corrupted", s
+    assert all(c.startswith("d0g0r0 room") for c in s["corruption"])
+    replayed = replay_sim(read_trace(out))
+    assert replayed.divergence is None and replayed.same_outcome
+    assert any(c.startswith("overwrite: d0g0r0") for c in replayed.corruption)

@@ -104,7 +104,9 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
         emit_json(s)
     else:
         click.echo(f"status      {s['status']}")
-        click.echo(f"requests    {s['requests']}: {s['completed']} completed and byte-verified, "
+        check = (f"{len(result.corruption)} with wrong bytes" if result.corruption
+                 else "every byte verified")
+        click.echo(f"requests    {s['requests']}: {s['completed']} completed ({check}), "
                    f"{s['failed']} failed, {s['unfinished']} unfinished")
         click.echo(f"ran         {s['sim_seconds']:.2f} s, {s['events']} core events")
         for line in s["diagnosis"]:

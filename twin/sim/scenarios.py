@@ -3,6 +3,8 @@
 Each defect scenario names the defects that make it fail (``defects``) and what that failure
 looks like (``symptom``: ``wedge`` or ``corruption``); with those switched off it runs clean
 (every request ends, no wedge, no corruption). ``twin scenarios --check`` runs them both ways.
+A *finding* scenario shows a failure of today's protocol (every defect off) that the twin found;
+it has no switch, so it is checked once, for its symptom.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from twin.core.defects import (
 )
 from twin.sim.faults import FaultSpec, parse_fault
 from twin.sim.params import SimParams
-from twin.sim.workloads import Workload, fixed, shared_prefix
+from twin.sim.workloads import Workload, fixed, poisson, shared_prefix
 
 # A small GQA model keeps scenario runs fast: 8 KV heads, 4 layers, head_dim 64, bf16.
 SMALL = ModelShape(num_layers=4, num_kv_heads=8, head_dim=64, dtype_bytes=2)
@@ -45,6 +47,7 @@ class Scenario:
     params: SimParams = field(default_factory=SimParams)
     overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     max_concurrency: int | None = None
+    finding: bool = False
 
     def fault_specs(self) -> list[FaultSpec]:
         return [parse_fault(f) for f in self.faults]
@@ -158,6 +161,18 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         defects=(COMPLETION_BEFORE_LAST_SCATTER,), symptom="corruption",
         faults=("delay:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
     ),
+    Scenario(
+        "multi-target-retry", "finding in today's protocol: prefill DP attention (2 sessions of "
+        "attention TP1) -> decode TP2, so each chunk goes to two decode ranks; d0g0r1's "
+        "watermarks run 20 ms late. A chunk written to d0g0r0 but deferred on d0g0r1 is "
+        "re-enqueued whole, and its retry rewrites d0g0r0's region after that region was "
+        "scattered, freed and given to the next room",
+        _cfg(prefill=ServerSide(tp_size=2, dp_size=2, enable_dp_attention=True),
+             decode=ServerSide(tp_size=2), staging_pool_size_bytes=2 * MiB),
+        lambda: poisson(60, 40, (800, 400), 8, seed=1),
+        symptom="corruption", faults=("delay:WATERMARK:src=d0g0r1:ms=20",), params=QUIET,
+        finding=True,
+    ),
 )}
 
 
@@ -168,11 +183,14 @@ def check_scenario(sc: Scenario) -> dict[str, object]:
     from twin.sim.runner import run_sim
 
     results = {}
-    for label, extra in (("on", sc.defects), ("off", ())):
+    runs = (("on", sc.defects),) if sc.finding else (("on", sc.defects), ("off", ()))
+    for label, extra in runs:
         r = run_sim(sc.config, sc.workload(), defects=Defects.of(sc.base_defects + extra),
                     faults=sc.fault_specs(), params=sc.params, request_overrides=sc.overrides,
                     max_concurrency=sc.max_concurrency)
         results[label] = r.status
     want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
+    if sc.finding:
+        return {"on": results["on"], "off": "n/a (no switch)", "ok": results["on"] == want_on}
     ok = results["on"] == want_on and results["off"] == "completed"
     return {"on": results["on"], "off": results["off"], "ok": ok}
