@@ -118,7 +118,7 @@ def test_multi_target_retry_race_corrupts_real_bytes(tmp_path: Path) -> None:
                     options=_options(), trace_out=str(out))
     s = result.summary()
     assert s["status"] == "corrupted", s
-    assert all(c.startswith("d0g0r0 room") for c in s["corruption"])
+    assert all(" room " in c and " layer " in c and " token " in c for c in s["corruption"])
     replayed = replay_sim(read_trace(out))
     assert replayed.divergence is None and replayed.same_outcome
-    assert any(c.startswith("overwrite: d0g0r0") for c in replayed.corruption)
+    assert any(c.startswith("overwrite: ") for c in replayed.corruption)
