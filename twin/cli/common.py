@@ -65,3 +65,27 @@ fault_option = click.option(
 
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def apply_launch(cfg: TwinConfig, prefill_args: str | None, decode_args: str | None,
+                 env_items: tuple[str, ...] | list[str], source: str | None) -> TwinConfig:
+    """Apply SGLang launch arguments from the command line, or from the config's ``[launch]``
+    table (``prefill = "..."``, ``decode = "..."``, ``env = {KEY = "VALUE"}``)."""
+    from twin.launch_args import config_from_launch
+
+    table = cfg.extra.get("launch", {})
+    env: dict[str, str] = {str(k): str(v) for k, v in table.get("env", {}).items()}
+    for item in env_items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BadInput(f"--env {item!r}: expected KEY=VALUE")
+        env[key] = value
+    prefill = prefill_args if prefill_args is not None else table.get("prefill")
+    decode = decode_args if decode_args is not None else table.get("decode")
+    if prefill is None and decode is None and not env:
+        return cfg
+    try:
+        return config_from_launch(prefill or "", decode or "", env, base=cfg)
+    except ConfigError as exc:
+        where = f"{source}: [launch]: " if source and table else ""
+        raise BadInput(f"{where}{exc}") from None

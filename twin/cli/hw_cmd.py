@@ -8,6 +8,7 @@ import click
 
 from twin.cli.common import (
     BadInput,
+    apply_launch,
     defect_option,
     emit_json,
     fault_option,
@@ -72,7 +73,7 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
     if name not in SCENARIOS:
         raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
     sc = SCENARIOS[name]
-    cfg = load_config(config_path, sc.config)
+    cfg = apply_launch(load_config(config_path, sc.config), None, None, (), config_path)
     workload = load_workload(workload_spec) if workload_spec else sc.workload()
     if first_n is None and scenario is None and not workload_spec:
         first_n = 16

@@ -9,6 +9,7 @@ import click
 
 from twin.cli.common import (
     BadInput,
+    apply_launch,
     defect_option,
     emit_json,
     fault_option,
@@ -17,14 +18,27 @@ from twin.cli.common import (
     make_defects,
     parse_faults,
 )
-from twin.core.config import ConfigError
+from twin.core.config import ConfigError, TwinConfig
 from twin.sim.runner import SimResult, load_params, run_sim
 from twin.sim.scenarios import SCENARIOS
+
+
+def describe(cfg: TwinConfig) -> str:
+    """One line: who writes to whom, ring and grid."""
+    def side(x) -> str:  # type: ignore[no-untyped-def]
+        dp = f" DP{x.dp_size} (DP attention)" if x.enable_dp_attention else ""
+        inst = f" x{x.instances}" if x.instances > 1 else ""
+        return f"TP{x.tp_size}{dp}{inst}"
+
+    ring = cfg.ring_bytes / (1 << 20)
+    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, ring {ring:g} MiB per "
+            f"decode rank, chunked_prefill_size {cfg.chunked_prefill_size}, page {cfg.page_size}")
 
 
 def _print_human(result: SimResult) -> None:
     s = result.summary()
     lat = s["latency"].get("ttft_s", {})
+    click.echo(f"deployment  {describe(result.sim.cfg)}")
     click.echo(f"status      {s['status']}  ({s['stop_reason']})")
     click.echo(f"requests    {s['requests']}: {s['completed']} completed, {s['failed']} failed, "
                f"{s['unfinished']} unfinished")
@@ -96,19 +110,7 @@ def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n,
             params = load_params(cfg, config_path)
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
-    if prefill_args or decode_args or env_items:
-        from twin.launch_args import config_from_launch
-
-        env = {}
-        for item in env_items:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise BadInput(f"--env {item!r}: expected KEY=VALUE")
-            env[key] = value
-        try:
-            cfg = config_from_launch(prefill_args or "", decode_args or "", env, base=cfg)
-        except ConfigError as exc:
-            raise BadInput(str(exc)) from None
+    cfg = apply_launch(cfg, prefill_args, decode_args, env_items, config_path)
     workload = load_workload(workload_spec) if workload_spec else sc.workload()
     if first_n is not None or slowdown is not None:
         workload = _cut(workload, first_n, slowdown)
@@ -185,13 +187,7 @@ def config_command(prefill_args: str, decode_args: str, env_items: tuple[str, ..
     """Translate SGLang launch arguments into the twin's TOML config."""
     import tomli_w
 
-    from twin.launch_args import config_from_launch
-
-    env = dict(item.partition("=")[::2] for item in env_items)
-    try:
-        cfg = config_from_launch(prefill_args, decode_args, env)
-    except ConfigError as exc:
-        raise BadInput(str(exc)) from None
+    cfg = apply_launch(TwinConfig(), prefill_args, decode_args, env_items, None)
     click.echo(tomli_w.dumps(cfg.to_dict()), nl=False)
 
 
