@@ -281,3 +281,25 @@ def test_console_script_subprocess(tmp_path: Path) -> None:
     p = subprocess.run([str(TWIN), "sim", "--defect", "nope"], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: unknown defect 'nope'")
+
+
+def test_launch_table_in_config_sets_the_deployment(tmp_path: Path) -> None:
+    """SGLang launch lines and staging env vars in a ``[launch]`` table shape the deployment."""
+    from click.testing import CliRunner
+
+    from twin.cli import cli
+
+    cfg = tmp_path / "launch.toml"
+    cfg.write_text(
+        "[model]\nnum_layers = 4\nnum_kv_heads = 8\nhead_dim = 64\n\n[launch]\n"
+        'prefill = "--tp-size 4 --dp-size 4 --enable-dp-attention --chunked-prefill-size 256"\n'
+        'decode = "--tp-size 8"\n'
+        'env = { SGLANG_DISAGG_STAGING_POOL_SIZE_MB = "8" }\n')
+    res = CliRunner().invoke(cli, ["sim", "--config", str(cfg), "--workload",
+                                   "poisson:n=20,rate=10,input=1000"])
+    assert res.exit_code == 0, res.output
+    assert "prefill TP4 DP4 (DP attention) -> decode TP8, ring 8 MiB" in res.output
+    cfg.write_text('[launch]\nprefill = "--tp-size 4 --disaggregation-mode decode"\n')
+    res = CliRunner().invoke(cli, ["sim", "--config", str(cfg)])
+    assert res.exit_code == 2
+    assert "launch.toml: [launch]" in res.output and "--disaggregation-mode" in res.output
