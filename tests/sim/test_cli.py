@@ -145,7 +145,7 @@ def test_sim_launch_args_and_env(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     r = invoke("sim", "--json", "--workload", "poisson:n=8,rate=20,input=2048,output=8",
                "--prefill-args", "--tp-size 4 --chunked-prefill-size 512",
-               "--decode-args", "--tp-size 2", "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=2",
+               "--decode-args", "--tp-size 2", "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64",
                "--trace-out", str(trace))
     assert r.exit_code == 0, r.output
     s = _json(r)
@@ -153,7 +153,7 @@ def test_sim_launch_args_and_env(tmp_path: Path) -> None:
     assert sorted(s["peak_ring_bytes"]) == ["d0g0r0", "d0g0r1"]  # decode TP2
     cfg = read_trace(trace).config
     assert (cfg.prefill.tp_size, cfg.decode.tp_size, cfg.chunked_prefill_size) == (4, 2, 512)
-    assert cfg.ring_bytes == 2 * 1024 * 1024
+    assert cfg.ring_bytes == 64 * 1024 * 1024
     r = invoke("sim", "--prefill-args", "--chunked-prefill-size 100", "--decode-args", "")
     assert r.exit_code == 2 and "chunked_prefill_size" in r.stderr
 

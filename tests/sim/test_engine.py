@@ -314,3 +314,16 @@ def test_simulator_doc_lists_every_sim_param() -> None:
 
 def test_exit_code_constants() -> None:
     assert (EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION) == (0, 2, 3, 4)
+
+
+def test_a_quiet_gap_between_arrivals_is_not_a_wedge() -> None:
+    """Idle time with nothing in flight (the next request arrives later) is not a wedge."""
+    from twin.core.config import TwinConfig
+    from twin.sim.params import SimParams
+    from twin.sim.runner import run_sim
+    from twin.sim.workloads import fixed
+
+    params = SimParams(wedge_window_s=5.0)
+    r = run_sim(TwinConfig(), fixed([(0.0, 1000, 8, 0), (60.0, 1000, 8, 0)]), params=params)
+    assert r.status == "completed" and r.summary()["completed"] == 2
+    assert r.sim.env.now >= 60.0

@@ -19,6 +19,7 @@ from twin.cli.common import (
     parse_faults,
 )
 from twin.core.config import ConfigError, TwinConfig
+from twin.sim.params import SimParams
 from twin.sim.runner import SimResult, load_params, run_sim
 from twin.sim.scenarios import SCENARIOS
 
@@ -63,7 +64,8 @@ def _print_human(result: SimResult) -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config (SGLang's names; a [sim] table sets cost parameters).")
 @click.option("--scenario", default=None, metavar="NAME",
-              help="Built-in scenario (see `twin scenarios`); default: 'default'.")
+              help="Built-in scenario (see `twin scenarios`); default: 'default' (its small demo "
+                   "model), or SGLang's defaults when --workload is given.")
 @click.option("--scenario-defects", is_flag=True,
               help="Switch on the defects the scenario reproduces.")
 @click.option("--workload", "workload_spec", default=None, metavar="FILE|SPEC",
@@ -103,8 +105,11 @@ def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n,
     if name not in SCENARIOS:
         raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
     sc = SCENARIOS[name]
-    cfg = load_config(config_path, sc.config)
-    params = sc.params
+    # Your own workload without a scenario or config runs on SGLang's defaults (an 8B-class GQA
+    # model, 4096 MiB ring, chunked_prefill_size 8192), not on the small demo model.
+    own = workload_spec is not None and scenario is None
+    cfg = load_config(config_path, TwinConfig() if own else sc.config)
+    params = SimParams() if own else sc.params
     if config_path is not None:
         try:
             params = load_params(cfg, config_path)

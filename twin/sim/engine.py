@@ -414,9 +414,9 @@ class Simulation:
             yield env.timeout(step)
             if self.progress_cb is not None:
                 self.progress_cb(env.now)
-            pending = self.unfinished > 0 and self.arrived > 0
+            in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
             idle = env.now - self.last_progress
-            if pending and idle >= window:
+            if in_flight > 0 and idle >= window:
                 self.stop_reason = "wedge"
                 if not self.done.triggered:
                     self.done.succeed()
