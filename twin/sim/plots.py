@@ -51,7 +51,11 @@ def write_plots(metrics: Metrics, out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    _step_series(a1, metrics.occ, "Staging ring occupancy (live allocations)")
+    _step_series(a1, metrics.occ, "Bytes allocated and not yet freed (the ring overcommits)")
+    ring_mib = metrics.topo.cfg.ring_bytes / (1024 * 1024)
+    a1.axhline(ring_mib, color="grey", linestyle="--", linewidth=0.8)
+    a1.annotate("ring size", (0, ring_mib), xycoords=("axes fraction", "data"), fontsize=7,
+                color="grey", va="bottom")
     _step_series(a2, metrics.lag, "Watermark lag (allocation head minus watermark)")
     fig.tight_layout()
     paths.append(out_dir / "ring.png")
