@@ -139,6 +139,9 @@ class RankProcess:
         self.script_done_sent = False
         for req in spec.requests:
             self._setup_request(req)
+        log_dir = os.environ.get("TWIN_HW_LOG_DIR")
+        self.log = (open(os.path.join(log_dir, f"{spec.node}.log"), "a", buffering=1)  # noqa: SIM115
+                    if log_dir else None)
 
     # -- clock and timers --------------------------------------------------------------------
     def now(self) -> float:
@@ -168,14 +171,16 @@ class RankProcess:
                 peer = self.nixl.add_peer(metas[i])
                 self.rings[entry["node"]] = (peer, RegionDesc.from_dict(entry["ring"]))
         self.sock.send(self.coordinator, [b"TWIN_READY", self.spec.node.encode()])
+        early: list[list[bytes]] = []  # peers that started first may already be talking
         while True:
             frames = self.sock.recv_frames(timeout_ms=60_000)
             if frames is None:
                 raise RuntimeError(f"{self.spec.node}: no start from the coordinator")
             if frames[0] == START:
                 self.t0 = float(frames[1].decode())
+                self.sock.unread(early)
                 return
-            self.sock.unread([frames])
+            early.append(frames)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -202,6 +207,8 @@ class RankProcess:
 
     def _frames(self, frames: list[bytes]) -> None:
         tag = bytes(frames[0])
+        if self.log is not None:
+            self.log.write(f"{self.now():.6f} recv {tag[:16]!r} ({len(frames)} frames)\n")
         try:
             if tag == CMD:
                 self._command(pickle.loads(frames[1]))

@@ -253,6 +253,8 @@ class HwRun:
         if wedged:
             cores = {n: st["core"] for n, st in lau.request_states().items()}
             diagnosis = diagnose(cores, self.crashed, set(unfinished), self.dropped)
+            silent = sorted(set(lau.endpoints) - set(cores))
+            diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {opts.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
