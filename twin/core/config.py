@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from twin.core.grid import staging_grid_tokens
-from twin.core.layout import num_tp_writers
+from twin.core.layout import num_tp_writers, staging_layout
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -113,6 +113,15 @@ class TwinConfig:
         """Writers per staged chunk: TP writers times prefill PP stages."""
         tp_writers = num_tp_writers(self.prefill.attn_tp_size, self.decode.attn_tp_size)
         return tp_writers * self.prefill.pp_size // max(1, self.decode.pp_size)
+
+    def region_layout(self, dst_rank: int, num_pages: int,
+                      prefill_attn_tp: int | None = None) -> tuple[int, tuple[int, ...], int]:
+        """``(num_writers, writer_bytes, total)`` of a staging region of ``num_pages`` pages on
+        decode rank ``dst_rank`` (``compute_staging_layout`` with this deployment's shape)."""
+        p_tp = self.prefill.attn_tp_size if prefill_attn_tp is None else prefill_attn_tp
+        return staging_layout(p_tp, self.decode.attn_tp_size, dst_rank, self.model.num_kv_heads,
+                              num_pages * self.page_size, self.bytes_per_head_token,
+                              self.model.num_layers)
 
     def replace(self, **changes: Any) -> TwinConfig:
         return dataclasses.replace(self, **changes)

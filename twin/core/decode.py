@@ -22,7 +22,7 @@ from twin.core.defects import (
     RAISE_ON_UNALIGNED_PREFIX,
     Defects,
 )
-from twin.core.layout import num_tp_writers, staging_layout
+from twin.core.layout import num_tp_writers
 
 
 @dataclass(slots=True)
@@ -174,12 +174,7 @@ class DecodeRank:
 
     def region_bytes(self, room: DecodeRoom, chunk_pages: int) -> int:
         """Bytes of one staging region holding ``chunk_pages`` pages from every writer."""
-        cfg = self.cfg
-        _, _, total = staging_layout(
-            room.prefill_attn_tp, cfg.decode.attn_tp_size, self.rank, cfg.model.num_kv_heads,
-            chunk_pages * cfg.page_size, cfg.bytes_per_head_token, cfg.model.num_layers,
-        )
-        return total
+        return self.cfg.region_layout(self.rank, chunk_pages, room.prefill_attn_tp)[2]
 
     def _allocate(self, room: DecodeRoom, chunk_idx: int, chunk_pages: int,
                   out: list[ev.Effect]) -> tuple[int, int, int]:

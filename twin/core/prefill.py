@@ -30,7 +30,7 @@ from twin.core.grid import (
     pages_for_tokens,
     prefetch_chunks,
 )
-from twin.core.layout import staging_layout, writer_index
+from twin.core.layout import writer_index
 
 
 @dataclass(slots=True)
@@ -285,9 +285,7 @@ class PrefillRank:
         cfg = self.cfg
         offset, rnd, end = info
         p_tp, d_tp = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
-        _, writer_bytes, _total = staging_layout(
-            p_tp, d_tp, target.decode_rank, cfg.model.num_kv_heads,
-            chunk.num_pages * cfg.page_size, cfg.bytes_per_head_token, cfg.model.num_layers)
+        _, writer_bytes, _ = cfg.region_layout(target.decode_rank, chunk.num_pages)
         wi = writer_index(p_tp, d_tp, self.rank)
         nbytes = writer_bytes[wi]
         dst_offset = offset + sum(writer_bytes[:wi])

@@ -22,6 +22,14 @@ class PlannedSend:
     last: bool
 
 
+def early_send_end(prefill_prefix_len: int, decode_prefix_len: int, page_size: int) -> int | None:
+    """End of the cached-prefix early send on a request's first batch, or None when there is
+    none: the at-rest prefill prefix, if it goes past the decode prefix and is page-aligned."""
+    if prefill_prefix_len > decode_prefix_len and prefill_prefix_len % page_size == 0:
+        return prefill_prefix_len
+    return None
+
+
 def plan_sends(input_len: int, prefill_prefix_len: int, decode_prefix_len: int,
                chunked_prefill_size: int, page_size: int,
                early_send_cached_prefix: bool = True) -> list[PlannedSend]:
@@ -29,8 +37,9 @@ def plan_sends(input_len: int, prefill_prefix_len: int, decode_prefix_len: int,
     assert input_len > 0 and chunked_prefill_size > 0
     prefix = min(prefill_prefix_len, input_len - 1)
     sends: list[PlannedSend] = []
-    if early_send_cached_prefix and prefix > decode_prefix_len and prefix % page_size == 0:
-        sends.append(PlannedSend(forward=-1, forward_tokens=0, end_idx=prefix, last=False))
+    early = early_send_end(prefix, decode_prefix_len, page_size)
+    if early_send_cached_prefix and early is not None:
+        sends.append(PlannedSend(forward=-1, forward_tokens=0, end_idx=early, last=False))
     pos = prefix
     k = 0
     while True:

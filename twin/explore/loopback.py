@@ -15,8 +15,8 @@ from twin.core import events as ev
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
+from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
-from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
 from twin.core.sendplan import PlannedSend, plan_sends
 from twin.core.topology import Topology, build_ranks
@@ -78,7 +78,7 @@ class Cluster:
         pg = self.topo.prefill_groups[prefill_group]
         dg = self.topo.decode_groups[decode_group]
         suffix = input_len - decode_prefix_len
-        total_pages = (suffix + cfg.page_size - 1) // cfg.page_size
+        total_pages = pages_for_tokens(suffix, cfg.page_size)
         sends = plan_sends(input_len, prefill_prefix_len, decode_prefix_len,
                            cfg.chunked_prefill_size, cfg.page_size)
         self.rooms[room] = RoomPlan(room, input_len, decode_prefix_len, prefill_group,
@@ -199,13 +199,8 @@ class Cluster:
     def _on_scatter(self, node: str, e: ev.StartScatter) -> None:
         rank = self.ranks[node]
         assert isinstance(rank, DecodeRank)
-        plan = self.rooms[e.room]
-        _, writer_bytes, _ = staging_layout(
-            self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size, rank.rank,
-            self.cfg.model.num_kv_heads, e.num_pages * self.cfg.page_size,
-            self.cfg.bytes_per_head_token, self.cfg.model.num_layers)
-        del plan
-        self.integrity.on_scatter(node, e, writer_bytes)
+        _, writer_bytes, _ = self.cfg.region_layout(rank.rank, e.num_pages)
+        self.integrity.on_scatter(node, e, list(writer_bytes))
 
     def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
         plan = self.rooms.get(e.room)

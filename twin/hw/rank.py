@@ -32,6 +32,7 @@ from twin.core import wire
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
+from twin.core.grid import pages_for_tokens
 from twin.core.layout import compute_head_slice_params
 from twin.core.prefill import PrefillRank
 from twin.hw.control import ControlError, ControlSocket
@@ -251,13 +252,12 @@ class RankProcess:
         room = cmd["room"]
         self.rooms[room] = cmd
         if isinstance(self.core, PrefillRank):
-            n = (cmd["input_len"] + page - 1) // page
-            pages = self.pool.alloc(room, n)
+            pages = self.pool.alloc(room, pages_for_tokens(cmd["input_len"], page))
             fill_prefill_pool(self.pool.k, self.pool.v, pages, page, request=cmd["rid"],
                               head_offset=self.heads.start)
         else:
             suffix = cmd["input_len"] - cmd["decode_prefix_len"]
-            self.pool.alloc(room, (suffix + page - 1) // page)
+            self.pool.alloc(room, pages_for_tokens(suffix, page))
         self.reports.append({"kind": "setup-done", "node": self.spec.node, "room": room})
 
     # -- feeding the core ----------------------------------------------------------------------

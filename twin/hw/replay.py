@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from twin.core.defects import Defects
+from twin.core.grid import pages_for_tokens
 from twin.hw.launcher import HwOptions, Launcher
 from twin.hw.run import check_supported
 from twin.replay import Divergence, ReplayResult, verdict
@@ -48,7 +49,7 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     check_supported(defects, [])
     scripts, requests, rooms = _scripts(trace)
     page = trace.config.page_size
-    need = max((sum((r["input_len"] + page - 1) // page for r in reqs)
+    need = max((sum(pages_for_tokens(r["input_len"], page) for r in reqs)
                 for reqs in requests.values()), default=0)
     options.kv_pool_pages = max(options.kv_pool_pages, need + 16)
     done: set[str] = set()

@@ -21,6 +21,7 @@ import numpy as np
 from twin.core import events as ev
 from twin.core.config import TwinConfig
 from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
+from twin.core.sendplan import early_send_end
 from twin.hw.launcher import HwOptions, Launcher
 from twin.sim.diagnosis import diagnose
 from twin.sim.params import SimParams
@@ -93,6 +94,7 @@ class HwRun:
         self.cfg: TwinConfig = launcher.cfg
         self.topo = launcher.topo
         self.workload = workload
+        self.params = params
         self.placement = Placement(self.cfg, self.topo, params, overrides)
         self.max_concurrency = max_concurrency
         self.reqs: dict[int, SimRequest] = {}
@@ -200,9 +202,9 @@ class HwRun:
         req = q.popleft()
         self.busy.add(group)
         self._group_feed(group, ev.Prefetch(room=req.room))
-        prefix = req.extend_end
-        if prefix > req.decode_prefix_len and prefix % self.cfg.page_size == 0:
-            self._group_feed(group, ev.SendKV(room=req.room, end_idx=prefix, last=False))
+        end = early_send_end(req.extend_end, req.decode_prefix_len, self.cfg.page_size)
+        if self.params.early_send_cached_prefix and end is not None:
+            self._group_feed(group, ev.SendKV(room=req.room, end_idx=end, last=False))
         self._at(self.launcher.now() + self.launcher.options.forward_s, lambda: self._forward(group, req))
 
     def _forward(self, group: int, req: SimRequest) -> None:

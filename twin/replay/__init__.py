@@ -18,8 +18,8 @@ import simpy
 from twin.core import events as ev
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
+from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
-from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
 from twin.sim.diagnosis import diagnose
@@ -168,18 +168,14 @@ class Replayer:
         if t is ev.StartTransfer:
             self.in_flight[(node, e.worker)] = e
         elif t is ev.StartScatter:
-            _, wb, _ = staging_layout(
-                self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size,
-                self.topo.nodes[node].rank, self.cfg.model.num_kv_heads,
-                e.num_pages * self.cfg.page_size, self.cfg.bytes_per_head_token,
-                self.cfg.model.num_layers)
+            _, wb, _ = self.cfg.region_layout(self.topo.nodes[node].rank, e.num_pages)
             self.integrity.on_scatter(node, e, list(wb))
         elif t is ev.RoomConcluded and self.topo.nodes[node].role == "decode":
             self.concluded.setdefault(e.room, {})[node] = e.status
             room = self.rooms.get(e.room)
             if room is not None:
-                pages = room["input_len"] - room["decode_prefix_len"]
-                total = (pages + self.cfg.page_size - 1) // self.cfg.page_size
+                total = pages_for_tokens(room["input_len"] - room["decode_prefix_len"],
+                                         self.cfg.page_size)
                 self.integrity.on_concluded(node, e.room, e.status, total)
         elif t is ev.RankCrashed:
             self.crashed[node] = e.reason

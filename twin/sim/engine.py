@@ -22,7 +22,6 @@ from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
-from twin.core.layout import staging_layout
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.sim.faults import FaultInjector, FaultSpec
@@ -295,12 +294,8 @@ class Simulation:
 
     def _scatter_runs(self, node: str, e: ev.StartScatter) -> None:
         """The scatter kernel reads its region now: check what it finds there."""
-        _, writer_bytes, _ = staging_layout(
-            self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size,
-            self.topo.nodes[node].rank, self.cfg.model.num_kv_heads,
-            e.num_pages * self.cfg.page_size, self.cfg.bytes_per_head_token,
-            self.cfg.model.num_layers)
-        self.integrity.on_scatter(node, e, writer_bytes)
+        _, writer_bytes, _ = self.cfg.region_layout(self.topo.nodes[node].rank, e.num_pages)
+        self.integrity.on_scatter(node, e, list(writer_bytes))
 
     _EFFECTS: dict[type, Callable[[Simulation, str, Any], None]] = {
         ev.Send: _on_send,

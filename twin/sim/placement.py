@@ -8,6 +8,7 @@ overrides (scenarios) replace any of these.
 from __future__ import annotations
 
 from twin.core.config import TwinConfig
+from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology
 from twin.sim.params import SimParams
 from twin.sim.requests import SimRequest
@@ -53,8 +54,7 @@ class Placement:
 
     def total_pages(self, req: SimRequest) -> int:
         """Pages decode receives: the suffix after its cached prefix."""
-        page = self.cfg.page_size
-        return (req.input_len - req.decode_prefix_len + page - 1) // page
+        return pages_for_tokens(req.input_len - req.decode_prefix_len, self.cfg.page_size)
 
     def arrival_record(self, req: SimRequest) -> dict[str, object]:
         """The trace's ``RequestArrived`` record of ``req``."""

@@ -13,6 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from twin.core import events as ev
+from twin.core.sendplan import early_send_end
 from twin.sim.requests import SimRequest
 
 if TYPE_CHECKING:
@@ -74,11 +75,9 @@ class PrefillScheduler:
         sim = self.sim
         req.first_batch = False
         self._all(ev.Prefetch(room=req.room))
-        prefix = req.extend_end
-        page = sim.cfg.page_size
-        if (sim.params.early_send_cached_prefix and prefix > req.decode_prefix_len
-                and prefix % page == 0):
-            self._all(ev.SendKV(room=req.room, end_idx=prefix, last=False))
+        end = early_send_end(req.extend_end, req.decode_prefix_len, sim.cfg.page_size)
+        if sim.params.early_send_cached_prefix and end is not None:
+            self._all(ev.SendKV(room=req.room, end_idx=end, last=False))
 
     def _finish(self, batch: list[tuple[SimRequest, int]]) -> None:
         sim = self.sim
