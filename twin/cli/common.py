@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 import click
@@ -10,6 +11,8 @@ import click
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import ALL_DEFECTS, Defects
 from twin.sim.faults import FaultSpec, FaultSpecError, parse_fault
+from twin.sim.params import SimParams
+from twin.sim.scenarios import Scenario
 from twin.sim.workloads import Workload, WorkloadError, parse_workload_spec
 
 EXIT_BAD_INPUT = 2
@@ -89,3 +92,65 @@ def apply_launch(cfg: TwinConfig, prefill_args: str | None, decode_args: str | N
     except ConfigError as exc:
         where = f"{source}: [launch]: " if source and table else ""
         raise BadInput(f"{where}{exc}") from None
+
+
+@dataclass
+class RunInputs:
+    """Everything a run needs, resolved from a scenario, a config file and the flags."""
+
+    scenario: Scenario
+    cfg: TwinConfig
+    params: SimParams
+    workload: Workload
+    defects: Defects
+    faults: list[FaultSpec]
+    overrides: dict[int, dict[str, int]]
+    max_concurrency: int | None
+
+
+def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: str | None,
+                workload_spec: str | None, first_n: int | None, slowdown: float | None,
+                defects: tuple[str, ...], faults: tuple[str, ...],
+                prefill_args: str | None = None, decode_args: str | None = None,
+                env_items: tuple[str, ...] = (), max_concurrency: int | None = None,
+                sglang_defaults_for_own_workload: bool = True) -> RunInputs:
+    """Shared by ``twin sim`` and ``twin hw``: scenario (default ``default``), then the config
+    file (with its ``[sim]`` costs and ``[launch]`` lines), flags, workload cut and defects.
+
+    With ``sglang_defaults_for_own_workload``, a ``--workload`` given without a scenario or
+    config runs on SGLang's defaults (8B-class model, 4096 MiB ring) rather than the scenario's
+    small demo model.
+    """
+    from twin.sim.scenarios import SCENARIOS
+
+    name = scenario or "default"
+    if name not in SCENARIOS:
+        raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    sc = SCENARIOS[name]
+    own = sglang_defaults_for_own_workload and workload_spec is not None and scenario is None
+    cfg = load_config(config_path, TwinConfig() if own else sc.config)
+    params = SimParams() if own else sc.params
+    if config_path is not None:
+        try:
+            params = SimParams.from_dict(cfg.extra.get("sim", {}), config_path)
+        except ConfigError as exc:
+            raise BadInput(str(exc)) from None
+    cfg = apply_launch(cfg, prefill_args, decode_args, env_items, config_path)
+    workload = load_workload(workload_spec) if workload_spec else sc.workload()
+    if first_n is not None or slowdown is not None:
+        workload = cut_workload(workload, first_n, slowdown)
+    names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
+    return RunInputs(sc, cfg, params, workload, make_defects(names),
+                     parse_faults([*sc.faults, *faults]),
+                     sc.overrides if not workload_spec else {},
+                     max_concurrency or sc.max_concurrency)
+
+
+def cut_workload(workload: Workload, first_n: int | None, slowdown: float | None) -> Workload:
+    """The first ``first_n`` requests, inter-arrival times stretched by ``slowdown``."""
+    reqs = workload.requests[:first_n] if first_n else workload.requests
+    if slowdown is not None:
+        if slowdown <= 0:
+            raise BadInput("--slowdown must be positive")
+        reqs = tuple(replace(r, arrival_s=r.arrival_s * slowdown) for r in reqs)
+    return Workload(name=workload.name, requests=tuple(reqs), source=workload.source)

@@ -8,16 +8,11 @@ import click
 
 from twin.cli.common import (
     BadInput,
-    apply_launch,
     defect_option,
     emit_json,
     fault_option,
-    load_config,
-    load_workload,
-    make_defects,
-    parse_faults,
+    resolve_run,
 )
-from twin.sim.scenarios import SCENARIOS
 
 
 def _gpus(text: str | None) -> list[int] | None:
@@ -69,21 +64,12 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
     from twin.hw.launcher import HwOptions
     from twin.hw.run import HwInputError, run_hw
 
-    name = scenario or "default"
-    if name not in SCENARIOS:
-        raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
-    sc = SCENARIOS[name]
-    cfg = apply_launch(load_config(config_path, sc.config), None, None, (), config_path)
-    workload = load_workload(workload_spec) if workload_spec else sc.workload()
     if first_n is None and scenario is None and not workload_spec:
         first_n = 16
-    if first_n is not None:
-        from twin.sim.workloads import Workload
-
-        workload = Workload(name=workload.name, requests=workload.requests[:first_n],
-                            source=workload.source)
-    names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
-    fault_specs = parse_faults([*sc.faults, *faults])
+    run = resolve_run(scenario=scenario, scenario_defects=scenario_defects,
+                      config_path=config_path, workload_spec=workload_spec, first_n=first_n,
+                      slowdown=None, defects=defects, faults=faults,
+                      max_concurrency=max_concurrency, sglang_defaults_for_own_workload=False)
     options = HwOptions(device=device, prefill_gpus=_gpus(prefill_gpus),
                         decode_gpus=_gpus(decode_gpus), kv_pool_pages=kv_pool_pages,
                         timeout_s=timeout_s)
@@ -93,11 +79,10 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
         if not torch.cuda.is_available():
             raise BadInput("--device cuda: no CUDA device is visible")
     try:
-        result = run_hw(cfg, workload, defects=make_defects(names),
-                        faults=[f.text for f in fault_specs], seed=seed, params=sc.params,
-                        options=options, trace_out=trace_out,
-                        request_overrides=sc.overrides if not workload_spec else {},
-                        max_concurrency=max_concurrency or sc.max_concurrency)
+        result = run_hw(run.cfg, run.workload, defects=run.defects,
+                        faults=[f.text for f in run.faults], seed=seed, params=run.params,
+                        options=options, trace_out=trace_out, request_overrides=run.overrides,
+                        max_concurrency=run.max_concurrency)
     except HwInputError as exc:
         raise BadInput(str(exc)) from None
     s = result.summary()

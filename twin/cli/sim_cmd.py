@@ -8,19 +8,14 @@ from pathlib import Path
 import click
 
 from twin.cli.common import (
-    BadInput,
     apply_launch,
     defect_option,
     emit_json,
     fault_option,
-    load_config,
-    load_workload,
-    make_defects,
-    parse_faults,
+    resolve_run,
 )
-from twin.core.config import ConfigError, TwinConfig
-from twin.sim.params import SimParams
-from twin.sim.runner import SimResult, load_params, run_sim
+from twin.core.config import TwinConfig
+from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS
 
 
@@ -101,30 +96,15 @@ def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n,
     Exit status: 0 every request ended with no wedge and no corruption, 2 bad input,
     3 wedge, 4 corruption.
     """
-    name = scenario or "default"
-    if name not in SCENARIOS:
-        raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
-    sc = SCENARIOS[name]
-    # Your own workload without a scenario or config runs on SGLang's defaults (an 8B-class GQA
-    # model, 4096 MiB ring, chunked_prefill_size 8192), not on the small demo model.
-    own = workload_spec is not None and scenario is None
-    cfg = load_config(config_path, TwinConfig() if own else sc.config)
-    params = SimParams() if own else sc.params
-    if config_path is not None:
-        try:
-            params = load_params(cfg, config_path)
-        except ConfigError as exc:
-            raise BadInput(str(exc)) from None
-    cfg = apply_launch(cfg, prefill_args, decode_args, env_items, config_path)
-    workload = load_workload(workload_spec) if workload_spec else sc.workload()
-    if first_n is not None or slowdown is not None:
-        workload = _cut(workload, first_n, slowdown)
-    names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
+    run = resolve_run(scenario=scenario, scenario_defects=scenario_defects,
+                      config_path=config_path, workload_spec=workload_spec, first_n=first_n,
+                      slowdown=slowdown, defects=defects, faults=faults,
+                      prefill_args=prefill_args, decode_args=decode_args, env_items=env_items,
+                      max_concurrency=max_concurrency)
     result = run_sim(
-        cfg, workload, defects=make_defects(names), faults=parse_faults([*sc.faults, *faults]),
-        seed=seed, params=params, until=until, progress=not as_json,
-        request_overrides=sc.overrides if not workload_spec else {},
-        max_concurrency=max_concurrency or sc.max_concurrency, trace_out=trace_out)
+        run.cfg, run.workload, defects=run.defects, faults=run.faults, seed=seed,
+        params=run.params, until=until, progress=not as_json, request_overrides=run.overrides,
+        max_concurrency=run.max_concurrency, trace_out=trace_out)
     if metrics_out:
         result.sim.metrics.write(Path(metrics_out))
     if plot_dir:
@@ -138,19 +118,6 @@ def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n,
         if trace_out:
             click.echo(f"trace       {trace_out}")
     sys.exit(result.exit_code)
-
-
-def _cut(workload, first_n, slowdown):  # type: ignore[no-untyped-def]
-    from dataclasses import replace
-
-    reqs = workload.requests[:first_n] if first_n else workload.requests
-    if slowdown:
-        if slowdown <= 0:
-            raise BadInput("--slowdown must be positive")
-        reqs = tuple(replace(r, arrival_s=r.arrival_s * slowdown) for r in reqs)
-    from twin.sim.workloads import Workload
-
-    return Workload(name=workload.name, requests=tuple(reqs), source=workload.source)
 
 
 @click.command("scenarios")

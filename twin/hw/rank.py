@@ -35,6 +35,7 @@ from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.layout import compute_head_slice_params
 from twin.core.prefill import PrefillRank
+from twin.core.topology import Node, build_rank
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
@@ -95,14 +96,9 @@ class RankProcess:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        defects = Defects.of(spec.defects)
-        if spec.role == "prefill":
-            self.core: PrefillRank | DecodeRank = PrefillRank(cfg, spec.node, spec.rank,
-                                                              spec.unique_rank, defects)
-            tp = cfg.prefill.attn_tp_size
-        else:
-            self.core = DecodeRank(cfg, spec.node, spec.rank, defects)
-            tp = cfg.decode.attn_tp_size
+        node = Node(spec.node, spec.role, 0, 0, spec.rank, spec.unique_rank)
+        self.core: PrefillRank | DecodeRank = build_rank(cfg, node, Defects.of(spec.defects))
+        tp = getattr(cfg, spec.role).attn_tp_size
         m = cfg.model
         self.heads = rank_head_range(tp, spec.rank, m.num_kv_heads)
         self.pool = KVPool(m.num_layers, spec.kv_pool_pages, cfg.page_size, len(self.heads),

@@ -181,8 +181,3 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
 def _abbrev(rooms: list[int], limit: int = 12) -> str:
     text = ", ".join(str(r) for r in rooms[:limit])
     return text + (f", ... ({len(rooms) - limit} more)" if len(rooms) > limit else "")
-
-
-def load_params(cfg: TwinConfig, source: str = "<config>") -> SimParams:
-    """The ``[sim]`` table of a config as ``SimParams``."""
-    return SimParams.from_dict(cfg.extra.get("sim", {}), source)
