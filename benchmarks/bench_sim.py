@@ -34,7 +34,7 @@ import simpy
 
 from twin.core.config import TwinConfig
 from twin.sim.runner import run_sim
-from twin.sim.workloads import Workload, load_trace, poisson
+from twin.workloads import Workload, load_trace, poisson
 
 MOONCAKE = (Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
             / "synthetic_trace.jsonl")

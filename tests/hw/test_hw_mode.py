@@ -14,10 +14,10 @@ from twin.core.defects import Defects
 from twin.hw.launcher import HwOptions
 from twin.hw.replay import replay_hw
 from twin.hw.run import HwInputError, run_hw
-from twin.sim.params import SimParams
+from twin.runtime.params import SimParams
 from twin.sim.scenarios import SCENARIOS
-from twin.sim.workloads import fixed
 from twin.trace.format import read_trace
+from twin.workloads import fixed
 
 pytestmark = pytest.mark.hw
 

@@ -12,21 +12,15 @@ from typing import Any
 import pytest
 
 from twin.core.defects import RAISE_ON_UNALIGNED_PREFIX, Defects
-from twin.sim.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose
+from twin.runtime.faults import parse_fault
+from twin.runtime.outcome import EXIT_BAD_INPUT, EXIT_CORRUPTION, EXIT_OK, EXIT_WEDGE
+from twin.runtime.params import SimParams
 from twin.sim.engine import Simulation
-from twin.sim.faults import parse_fault
-from twin.sim.params import SimParams
 from twin.sim.plots import write_plots
-from twin.sim.runner import (
-    EXIT_BAD_INPUT,
-    EXIT_CORRUPTION,
-    EXIT_OK,
-    EXIT_WEDGE,
-    SimResult,
-    run_sim,
-)
+from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS, Scenario
-from twin.sim.workloads import poisson, shared_prefix
+from twin.workloads import poisson, shared_prefix
 
 DEFAULT = SCENARIOS["default"]
 
@@ -319,9 +313,9 @@ def test_exit_code_constants() -> None:
 def test_a_quiet_gap_between_arrivals_is_not_a_wedge() -> None:
     """Idle time with nothing in flight (the next request arrives later) is not a wedge."""
     from twin.core.config import TwinConfig
-    from twin.sim.params import SimParams
+    from twin.runtime.params import SimParams
     from twin.sim.runner import run_sim
-    from twin.sim.workloads import fixed
+    from twin.workloads import fixed
 
     params = SimParams(wedge_window_s=5.0)
     r = run_sim(TwinConfig(), fixed([(0.0, 1000, 8, 0), (60.0, 1000, 8, 0)]), params=params)

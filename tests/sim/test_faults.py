@@ -7,7 +7,7 @@ import random
 import pytest
 
 from twin.core import wire
-from twin.sim.faults import (
+from twin.runtime.faults import (
     ACTIONS,
     KINDS,
     FaultInjector,

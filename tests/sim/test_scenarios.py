@@ -17,7 +17,8 @@ from twin.core.defects import (
     STALE_EMPTY_RING_WATERMARK,
     Defects,
 )
-from twin.sim.runner import EXIT_CORRUPTION, EXIT_OK, EXIT_WEDGE, SimResult, run_sim
+from twin.runtime.outcome import EXIT_CORRUPTION, EXIT_OK, EXIT_WEDGE
+from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS, Scenario, check_scenario
 
 

@@ -10,12 +10,11 @@ import click
 
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import ALL_DEFECTS, Defects
-from twin.sim.faults import FaultSpec, FaultSpecError, parse_fault
-from twin.sim.params import SimParams
+from twin.runtime.faults import FaultSpec, FaultSpecError, parse_fault
+from twin.runtime.outcome import EXIT_BAD_INPUT
+from twin.runtime.params import SimParams
 from twin.sim.scenarios import Scenario
-from twin.sim.workloads import Workload, WorkloadError, parse_workload_spec
-
-EXIT_BAD_INPUT = 2
+from twin.workloads import Workload, WorkloadError, parse_workload_spec
 
 
 class BadInput(click.ClickException):

@@ -41,7 +41,7 @@ from twin.hw.kernels import get_kernels
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
-from twin.sim.faults import FaultInjector, parse_fault
+from twin.runtime.faults import FaultInjector, parse_fault
 
 # Coordinator <-> rank frames (the twin's own; SGLang's frames travel between ranks).
 HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (

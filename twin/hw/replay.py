@@ -18,7 +18,7 @@ from twin.core.grid import pages_for_tokens
 from twin.hw.launcher import HwOptions, Launcher
 from twin.hw.run import check_supported
 from twin.replay import Divergence, ReplayResult, verdict
-from twin.sim.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose
 from twin.trace.codec import event_to_json
 from twin.trace.format import Trace
 

@@ -23,11 +23,12 @@ from twin.core.config import TwinConfig
 from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
 from twin.core.sendplan import early_send_end
 from twin.hw.launcher import HwOptions, Launcher
-from twin.sim.diagnosis import diagnose
-from twin.sim.params import SimParams
-from twin.sim.placement import Placement
-from twin.sim.requests import SimRequest
-from twin.sim.workloads import Workload
+from twin.runtime.diagnosis import diagnose
+from twin.runtime.outcome import RunStatus, decide, exit_code
+from twin.runtime.params import SimParams
+from twin.runtime.placement import Placement
+from twin.runtime.requests import SimRequest
+from twin.workloads import Workload
 
 PROGRESS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded, ev.ChunkQueued)
 UNSUPPORTED_FAULTS = ("crash", "restart")
@@ -54,18 +55,13 @@ class HwResult:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def status(self) -> str:
-        if self.errors:
-            return "crashed"
-        if self.corruption:
-            return "corrupted"
-        if self.wedged:
-            return "wedged"
-        return "completed" if not self.unfinished else "interrupted"
+    def status(self) -> RunStatus:
+        return decide(corrupted=bool(self.corruption), wedged=self.wedged,
+                      unfinished=len(self.unfinished), crashed=bool(self.errors))
 
     @property
     def exit_code(self) -> int:
-        return {"corrupted": 4, "wedged": 3, "completed": 0}.get(self.status, 1)
+        return exit_code(self.status)
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.done if r.status == "Success"]
@@ -75,7 +71,7 @@ class HwResult:
             a = np.asarray(ttft)
             lat["ttft_s"] = {f"p{q}": round(float(np.percentile(a, q)), 6) for q in (50, 90, 99)}
         return {
-            "status": self.status, "mode": "hw", "requests": self.requests,
+            "status": self.status.value, "mode": "hw", "requests": self.requests,
             "completed": len(ok), "failed": sum(r.status == "Failed" for r in self.done),
             "unfinished": len(self.unfinished), "wedged": self.wedged,
             "corrupted": bool(self.corruption), "diagnosis": self.diagnosis,
@@ -291,7 +287,7 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     check_supported(defects, faults)
     writer = None
     if trace_out is not None:
-        from twin.sim.faults import parse_fault
+        from twin.runtime.faults import parse_fault
         from twin.sim.runner import trace_header
         from twin.trace.format import TraceWriter
 
@@ -318,8 +314,7 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
 
 def _outcome(result: HwResult) -> dict[str, Any]:
     s = result.summary()
-    status = s["status"] if s["status"] in ("completed", "wedged", "corrupted",
-                                            "crashed") else "interrupted"
-    return {"status": status, "completed": s["completed"], "failed": s["failed"],
+    status = RunStatus.INTERRUPTED if result.status == RunStatus.UNTIL else result.status
+    return {"status": status.value, "completed": s["completed"], "failed": s["failed"],
             "requests": s["requests"], "diagnosis": s["diagnosis"] + s["errors"],
             "corruption": s["corruption"]}

@@ -22,7 +22,8 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
-from twin.sim.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose
+from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.trace.codec import event_to_json
 from twin.trace.format import Record, Trace
 
@@ -71,8 +72,11 @@ class ReplayResult:
     @property
     def exit_code(self) -> int:
         if self.divergence is not None:
-            return 1
-        return {"corrupted": 4, "wedged": 3}.get(self.status, 0)
+            return EXIT_ERROR
+        status = RunStatus(self.status)
+        if status in (RunStatus.INTERRUPTED, RunStatus.UNTIL):
+            return EXIT_OK  # the recording stopped there too; the replay reproduced it
+        return exit_code(status)
 
 
 def _body(lines: list[str]) -> list[str]:
@@ -208,15 +212,11 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
             completed += 1
         else:
             failed += 1
-    if corruption:
-        status = "corrupted"
-    elif unfinished and recorded is not None and recorded["status"] in ("wedged", "corrupted"):
-        status = "wedged"
-    elif unfinished:
-        status = recorded["status"] if recorded is not None else "interrupted"
-    else:
-        status = "completed"
-    return status, completed, failed, unfinished
+    rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
+    wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
+    status = decide(corrupted=bool(corruption), wedged=wedged, unfinished=len(unfinished),
+                    stopped=rec)
+    return status.value, completed, failed, unfinished
 
 
 def replay_sim(trace: Trace) -> ReplayResult:

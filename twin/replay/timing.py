@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from twin.core.defects import Defects
-from twin.sim.faults import parse_fault
-from twin.sim.params import SimParams
-from twin.sim.workloads import Workload, WorkloadError
+from twin.runtime.faults import parse_fault
+from twin.runtime.params import SimParams
 from twin.trace.format import Trace
+from twin.workloads import Workload, WorkloadError
 
 
 def room_phases(trace: Trace) -> dict[int, dict[str, float]]:

@@ -24,13 +24,13 @@ from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
-from twin.sim.faults import FaultInjector, FaultSpec
+from twin.runtime.faults import FaultInjector, FaultSpec
+from twin.runtime.params import SimParams
+from twin.runtime.placement import Placement
+from twin.runtime.requests import SimRequest
 from twin.sim.metrics import Metrics
-from twin.sim.params import SimParams
-from twin.sim.placement import Placement
-from twin.sim.requests import SimRequest
 from twin.sim.scheduler import PrefillScheduler
-from twin.sim.workloads import Request, Workload
+from twin.workloads import Request, Workload
 
 
 class Recorder(Protocol):

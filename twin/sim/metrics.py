@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from twin.core.topology import Topology
-from twin.sim.requests import SimRequest
+from twin.runtime.requests import SimRequest
 
 
 class Metrics:

@@ -10,13 +10,12 @@ from typing import Any
 
 from twin.core.config import TwinConfig
 from twin.core.defects import Defects
-from twin.sim.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose
+from twin.runtime.faults import FaultSpec
+from twin.runtime.outcome import RunStatus, decide, exit_code
+from twin.runtime.params import SimParams
 from twin.sim.engine import Recorder, Simulation
-from twin.sim.faults import FaultSpec
-from twin.sim.params import SimParams
-from twin.sim.workloads import Workload
-
-EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION = 0, 2, 3, 4
+from twin.workloads import Workload
 
 
 @dataclass
@@ -38,25 +37,18 @@ class SimResult:
 
     @property
     def exit_code(self) -> int:
-        if self.corruption:
-            return EXIT_CORRUPTION
-        if self.wedged:
-            return EXIT_WEDGE
-        return EXIT_OK
+        return exit_code(self.status)
 
     @property
-    def status(self) -> str:
-        if self.corruption:
-            return "corrupted"
-        if self.wedged:
-            return "wedged"
-        return "completed" if self.sim.unfinished == 0 else "until"
+    def status(self) -> RunStatus:
+        return decide(corrupted=bool(self.corruption), wedged=self.wedged,
+                      unfinished=self.sim.unfinished, stopped=RunStatus.UNTIL)
 
     def summary(self) -> dict[str, Any]:
         sim = self.sim
         done = sim.metrics.done
         return {
-            "status": self.status,
+            "status": self.status.value,
             "requests": len(sim.workload.requests),
             "arrived": sim.arrived,
             "completed": sum(r.status == "Success" for r in done),
@@ -111,8 +103,8 @@ def outcome_record(result: SimResult) -> dict[str, Any]:
     s = result.summary()
     status = s["status"]
     diagnosis = list(s["diagnosis"])
-    if status == "until":
-        status = "interrupted"
+    if status == RunStatus.UNTIL:
+        status = RunStatus.INTERRUPTED.value
         diagnosis.append(f"stopped at --until {s['sim_seconds']:g} s with "
                          f"{s['unfinished']} request(s) in flight")
     return {"status": status, "completed": s["completed"], "failed": s["failed"],

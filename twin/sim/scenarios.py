@@ -25,9 +25,9 @@ from twin.core.defects import (
     SWALLOWED_CHUNK_READY_ERROR,
     TEARDOWN_DROPS_DEFERRED,
 )
-from twin.sim.faults import FaultSpec, parse_fault
-from twin.sim.params import SimParams
-from twin.sim.workloads import Workload, fixed, poisson, shared_prefix
+from twin.runtime.faults import FaultSpec, parse_fault
+from twin.runtime.params import SimParams
+from twin.workloads import Workload, fixed, poisson, shared_prefix
 
 # A small GQA model keeps scenario runs fast: 8 KV heads, 4 layers, head_dim 64, bf16.
 SMALL = ModelShape(num_layers=4, num_kv_heads=8, head_dim=64, dtype_bytes=2)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from twin.core import events as ev
 from twin.core.sendplan import early_send_end
-from twin.sim.requests import SimRequest
+from twin.runtime.requests import SimRequest
 
 if TYPE_CHECKING:
     from twin.sim.engine import Simulation

@@ -1,4 +1,4 @@
-"""Tests for twin.sim.workloads: trace readers, generators, spec strings and PrefixCache."""
+"""Tests for twin.workloads: trace readers, generators, spec strings and PrefixCache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twin.sim.workloads import (
+from twin.workloads import (
     PrefixCache,
     Request,
     Workload,
@@ -409,11 +409,10 @@ def test_poisson_deterministic_and_shaped() -> None:
     assert [r.arrival_s for r in burst.requests] == [0.0] * 5
 
 
-def test_poisson_100k_is_fast() -> None:
-    t0 = time.perf_counter()
+def test_poisson_100k() -> None:
+    # Speed is measured in benchmarks/bench_sim.py, not here.
     w = poisson(100_000, 50.0, (2048, 512), (128, 64), seed=1)
-    assert time.perf_counter() - t0 < 1.0
-    assert len(w) == 100_000
+    assert len(w) == 100_000 and w.requests[-1].rid == 99_999
 
 
 def test_bursty_arrivals() -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from twin.core.config import TwinConfig
 from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology
-from twin.sim.params import SimParams
-from twin.sim.requests import SimRequest
-from twin.sim.workloads import PrefixCache, Request
+from twin.runtime.params import SimParams
+from twin.runtime.requests import SimRequest
+from twin.workloads import PrefixCache, Request
 
 
 class Placement:
