@@ -145,7 +145,11 @@ class Send:
 
 @_ev
 class SendMetadata:
-    """Decode tells the room's prefill ranks where to write (bootstrap metadata)."""
+    """Decode tells the room's prefill ranks where to write (bootstrap metadata).
+
+    ``register_at``: with ``late-decode-registration`` the time at which the driver feeds a
+    ``DecodeRoomRegister`` (the pre-fix registration point); None when already registered.
+    """
 
     room: int
     prefill_ranks: tuple[str, ...]
@@ -153,6 +157,7 @@ class SendMetadata:
     decode_rank: int
     decode_prefix_len: int
     total_pages: int
+    register_at: float | None = None
 
 
 @_ev
@@ -184,13 +189,20 @@ class Freed:
 
 @_ev
 class WatermarkMoved:
+    """The ring's watermark moved; ``lag_bytes`` is how far it trails the allocation head."""
+
     round: int
     tail: int
+    lag_bytes: int = 0
 
 
 @_ev
 class StartScatter:
-    """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``."""
+    """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``.
+
+    ``writer_bytes`` is each writer's block of the region, in order; ``prefill_attn_tp`` the
+    prefill attention TP the room was bootstrapped with (it decides the head slices).
+    """
 
     room: int
     chunk_idx: int
@@ -200,6 +212,8 @@ class StartScatter:
     page_start: int
     num_pages: int
     blind: bool = False
+    prefill_attn_tp: int = 0
+    writer_bytes: tuple[int, ...] = ()
 
 
 @_ev
@@ -207,7 +221,9 @@ class StartTransfer:
     """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
 
     The bytes land at ``dst_offset`` of ``session``'s ring (``region_offset`` plus this writer's
-    block); ``region_end`` is the allocation's end from STAGING_RSP. ``staged`` is False for the per-slice fallback, which writes KV pages directly.
+    block); ``region_end`` is the allocation's end from STAGING_RSP; ``decode_rank`` is the
+    session's attention-TP rank (it decides the head slice to gather). ``staged`` is False for
+    the per-slice fallback, which writes KV pages directly.
     """
 
     worker: int
@@ -224,6 +240,7 @@ class StartTransfer:
     round: int
     staged: bool = True
     is_last: bool = False
+    decode_rank: int = 0
 
 
 @_ev
@@ -231,7 +248,9 @@ class Deferred:
     """The chunk at the head of ``worker``'s queue is not ready and was re-enqueued.
 
     ``all_blocked``: every chunk in the queue deferred since the last allocation or watermark
-    update, so polling again before one arrives cannot make progress.
+    update, so polling again before one arrives cannot make progress. ``retry_at``: when the
+    driver feeds this worker a ``WorkerPoll`` (the bounded condition-variable wait), None when
+    all are blocked and only a ``WakeWorkers`` can help.
     """
 
     worker: int
@@ -240,6 +259,7 @@ class Deferred:
     session: str
     reason: str
     all_blocked: bool
+    retry_at: float | None = None
 
 
 @_ev
@@ -249,9 +269,21 @@ class WorkerIdle:
 
 @_ev
 class WakeWorkers:
-    """Allocation or watermark news: deferring workers should poll again."""
+    """Allocation or watermark news: feed each of ``workers`` a ``WorkerPoll`` at ``at``.
+
+    A poll scheduled for a worker replaces any earlier one not yet fed (one wait per worker).
+    """
 
     workers: tuple[int, ...]
+    at: float = 0.0
+
+
+@_ev
+class TargetsKnown:
+    """Prefill learned a room's decode sessions: ``sessions`` so far (one per metadata)."""
+
+    room: int
+    sessions: tuple[str, ...]
 
 
 @_ev
@@ -314,7 +346,7 @@ INPUT_TYPES = (
 )
 EFFECT_TYPES = (
     Send, SendMetadata, AbortNotice, Allocated, Freed, WatermarkMoved, StartScatter,
-    StartTransfer, Deferred, WorkerIdle, WakeWorkers, ChunkQueued, ChunkSkipped,
+    StartTransfer, Deferred, WorkerIdle, WakeWorkers, TargetsKnown, ChunkQueued, ChunkSkipped,
     RoomConcluded, RoomTornDown, Dropped, SetTimer, RankCrashed,
 )
 EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (*INPUT_TYPES, *EFFECT_TYPES, Target)}
@@ -324,6 +356,6 @@ Input = (
 )
 Effect = (
     Send | SendMetadata | AbortNotice | Allocated | Freed | WatermarkMoved | StartScatter
-    | StartTransfer | Deferred | WorkerIdle | WakeWorkers | ChunkQueued | ChunkSkipped
-    | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed
+    | StartTransfer | Deferred | WorkerIdle | WakeWorkers | TargetsKnown | ChunkQueued
+    | ChunkSkipped | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed
 )

@@ -214,7 +214,7 @@ class Launcher:
         self.command(node, {"op": "feed", "event": event})
 
     def request_states(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Every rank's state: ``{"core", "next" (replay), "held" (replay)}``."""
+        """Every rank's state: ``{"snapshot", "next" (replay), "held" (replay)}``."""
         self.states = {}
         for node in self.endpoints:
             self.command(node, {"op": "state"})

@@ -188,7 +188,8 @@ class Replayer:
         corruption = [str(v) for v in self.integrity.violations]
         status, completed, failed, unfinished = verdict(self.rooms, self.concluded, corruption,
                                                         self.trace.outcome)
-        diagnosis = diagnose(self.ranks, self.crashed, unfinished) if unfinished else []
+        snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
+        diagnosis = diagnose(snapshots, self.crashed, unfinished).lines() if unfinished else []
         return ReplayResult(self.inputs, self.divergence, status, completed, failed, diagnosis,
                             corruption, self.trace.outcome)
 

@@ -37,10 +37,6 @@ class SimParams:
     decode_poll_interval_s: float = 2e-3
     decode_step_s: float = 12e-3
     decode_prealloc_s: float = 1e-3
-    # Late registration point (pre-fix ``extend``), after metadata went out.
-    late_register_delay_s: float = 5e-3
-    # Prefill transfer worker: bounded wait before re-enqueueing a deferred chunk.
-    deferral_wait_s: float = 1e-3
     # Radix caches (tokens); 0 disables a side's cache.
     prefill_radix_tokens: int = 2_000_000
     decode_radix_tokens: int = 0

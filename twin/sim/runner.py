@@ -14,7 +14,8 @@ from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec
 from twin.runtime.outcome import RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
-from twin.sim.engine import Recorder, Simulation
+from twin.runtime.runtime import Recorder
+from twin.sim.engine import Simulation
 from twin.workloads import Workload
 
 
@@ -159,7 +160,9 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     result = SimResult(sim, reason, wall)
     if result.wedged:
         unfinished = {r.room for r in sim.requests.values() if not r.finished}
-        result.diagnosis = diagnose(sim.ranks, sim.crashed, unfinished, sim.last_dropped)
+        snapshots = {n: r.snapshot() for n, r in sim.ranks.items()}
+        result.diagnosis = diagnose(snapshots, sim.crashed, unfinished, sim.last_dropped,
+                                    sim.fault_notes).lines()
         waiting = sorted(unfinished)
         head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
                 f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else
