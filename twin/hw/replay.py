@@ -101,4 +101,4 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     status, completed, failed, unfinished = verdict(rooms, concluded, corruption, trace.outcome)
     diagnosis = diagnose(snapshots, crashed, unfinished).lines() if unfinished else []
     return ReplayResult(inputs, divergence, status, completed, failed, diagnosis, corruption,
-                        trace.outcome)
+                        trace.outcome, version=trace.header["version"])
