@@ -280,7 +280,7 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     writer = None
     if trace_out is not None:
         from twin.runtime.faults import parse_fault
-        from twin.sim.runner import trace_header
+        from twin.runtime.header import trace_header
         from twin.trace.format import TraceWriter
 
         header = trace_header(cfg, workload, defects=defects,

@@ -12,6 +12,7 @@ from twin.core.config import TwinConfig
 from twin.core.defects import Defects
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec
+from twin.runtime.header import trace_header
 from twin.runtime.outcome import RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import Recorder
@@ -79,24 +80,6 @@ def _failure_reasons(sim: Simulation) -> dict[str, int]:
             key = r.reason.split(":")[0][:80] or "failed"
             out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
-
-
-def trace_header(cfg: TwinConfig, workload: Workload, *, defects: Defects, faults: list[FaultSpec],
-                 seed: int, params: SimParams, request_overrides: dict[int, dict[str, int]],
-                 max_concurrency: int | None, mode: str = "sim") -> dict[str, Any]:
-    """The trace header of a run: everything needed to run it again."""
-    from twin.core.topology import Topology
-    from twin.trace.format import make_header
-
-    run = {"max_concurrency": max_concurrency,
-           "request_overrides": {str(k): v for k, v in sorted(request_overrides.items())}}
-    full = cfg.replace(extra={**cfg.extra, "sim": params.to_dict(), "run": run})
-    nodes = [{"id": n.id, "role": n.role, "instance": n.instance, "dp": n.dp, "rank": n.rank}
-             for n in Topology(cfg).nodes.values()]
-    small = len(workload.requests) <= 50_000
-    wl = workload.to_jsonable(include_requests=small)
-    return make_header(mode, full, nodes, defects=defects.sorted(),
-                       faults=[f.text for f in faults], seed=seed, workload=wl)
 
 
 def outcome_record(result: SimResult) -> dict[str, Any]:
