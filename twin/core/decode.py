@@ -8,7 +8,9 @@ Mirrors sglang 0.5.23 ``DecodeStagingHandler`` and ``handle_staging_req``. Feed 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
@@ -376,7 +378,7 @@ class DecodeRank:
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
 
-    _DISPATCH = {
+    _DISPATCH: dict[type, Callable[[DecodeRank, Any, list[ev.Effect]], None]] = {
         ev.MessageArrived: _on_message,
         ev.DecodeRoomInit: _on_room_init,
         ev.DecodeRoomRegister: _on_room_register,

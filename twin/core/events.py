@@ -12,13 +12,11 @@ from dataclasses import dataclass
 
 from twin.core.wire import Message
 
-_ev = dataclass(frozen=True, slots=True, kw_only=True)
-
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MessageArrived:
     """A control frame from ``src`` was delivered (already decoded)."""
 
@@ -26,7 +24,7 @@ class MessageArrived:
     msg: Message
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeRoomInit:
     """Decode pre-allocated KV for a room (``pop_preallocated``) and is about to send metadata.
 
@@ -41,14 +39,14 @@ class DecodeRoomInit:
     total_pages: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeRoomRegister:
     """The late registration point (``extend``); only used with ``late-decode-registration``."""
 
     room: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ScatterDone:
     """The scatter of ``alloc_id`` (room, chunk) finished on the decode device."""
 
@@ -57,12 +55,12 @@ class ScatterDone:
     alloc_id: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Tick:
     """Time advanced; check timeouts."""
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomAborted:
     """The request was aborted (client, router, or the other side failed it)."""
 
@@ -70,7 +68,7 @@ class RoomAborted:
     reason: str = "aborted"
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomBootstrapped:
     """Prefill received the decode metadata of a room: one target per decode session."""
 
@@ -78,7 +76,7 @@ class RoomBootstrapped:
     targets: tuple[Target, ...]
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Target:
     """One decode session a prefill rank writes a room's KV to."""
 
@@ -88,14 +86,14 @@ class Target:
     decode_prefix_len: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prefetch:
     """The prefill scheduler formed a batch with this room: prefetch STAGING_REQs."""
 
     room: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SendKV:
     """The prefill scheduler sends KV ``[start_send_idx, end_idx)`` of a room (``send_kv_chunk``).
 
@@ -108,14 +106,14 @@ class SendKV:
     last: bool
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerPoll:
     """Transfer worker ``worker`` may pop its queue (woken, or its deferral wait ended)."""
 
     worker: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TransferDone:
     """The staged WRITE posted by ``worker`` settled."""
 
@@ -124,7 +122,7 @@ class TransferDone:
     error: str = ""
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SendFailed:
     """The driver could not send ``msg`` (socket error)."""
 
@@ -135,7 +133,7 @@ class SendFailed:
 # ---------------------------------------------------------------------------------------------
 # Effects
 # ---------------------------------------------------------------------------------------------
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Send:
     """Send ``msg`` to node ``dst``."""
 
@@ -143,7 +141,7 @@ class Send:
     msg: Message
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SendMetadata:
     """Decode tells the room's prefill ranks where to write (bootstrap metadata).
 
@@ -160,7 +158,7 @@ class SendMetadata:
     register_at: float | None = None
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AbortNotice:
     """Tell the other side that a room failed here so it stops working on it."""
 
@@ -169,7 +167,7 @@ class AbortNotice:
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Allocated:
     room: int
     chunk_idx: int
@@ -179,7 +177,7 @@ class Allocated:
     size: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Freed:
     alloc_id: int
     room: int
@@ -187,7 +185,7 @@ class Freed:
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WatermarkMoved:
     """The ring's watermark moved; ``lag_bytes`` is how far it trails the allocation head."""
 
@@ -196,7 +194,7 @@ class WatermarkMoved:
     lag_bytes: int = 0
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StartScatter:
     """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``.
 
@@ -216,7 +214,7 @@ class StartScatter:
     writer_bytes: tuple[int, ...] = ()
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StartTransfer:
     """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
 
@@ -243,7 +241,7 @@ class StartTransfer:
     decode_rank: int = 0
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Deferred:
     """The chunk at the head of ``worker``'s queue is not ready and was re-enqueued.
 
@@ -262,12 +260,12 @@ class Deferred:
     retry_at: float | None = None
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerIdle:
     worker: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WakeWorkers:
     """Allocation or watermark news: feed each of ``workers`` a ``WorkerPoll`` at ``at``.
 
@@ -278,7 +276,7 @@ class WakeWorkers:
     at: float = 0.0
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TargetsKnown:
     """Prefill learned a room's decode sessions: ``sessions`` so far (one per metadata)."""
 
@@ -286,7 +284,7 @@ class TargetsKnown:
     sessions: tuple[str, ...]
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkQueued:
     worker: int
     room: int
@@ -296,14 +294,14 @@ class ChunkQueued:
     is_last: bool
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkSkipped:
     room: int
     page_start: int
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomConcluded:
     """A room ended on this rank: ``status`` is ``"Success"`` or ``"Failed"``."""
 
@@ -312,12 +310,12 @@ class RoomConcluded:
     reason: str = ""
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomTornDown:
     room: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Dropped:
     """An input was ignored, with why (a warning in SGLang's logs)."""
 
@@ -326,14 +324,14 @@ class Dropped:
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SetTimer:
     """Feed this rank a ``Tick`` at time ``at``: a timeout may fire then."""
 
     at: float
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankCrashed:
     """The rank raised out of its scheduler loop; it handles nothing from now on."""
 

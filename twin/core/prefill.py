@@ -9,7 +9,9 @@ that is not ready (allocation pending or watermark behind) is re-enqueued at the
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
@@ -435,7 +437,7 @@ class PrefillRank:
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
 
-    _DISPATCH = {
+    _DISPATCH: dict[type, Callable[[PrefillRank, Any, list[ev.Effect]], None]] = {
         ev.MessageArrived: _on_message,
         ev.RoomBootstrapped: _on_bootstrapped,
         ev.Prefetch: _on_prefetch,

@@ -13,8 +13,6 @@ from typing import NamedTuple
 from twin.core.allocator import ALLOC_OVERSIZED
 from twin.core.states import DecodeRoomState, PrefillRoomState
 
-_view = dataclass(frozen=True, slots=True, kw_only=True)
-
 
 class StagingInfo(NamedTuple):
     """A chunk's region in a decode ring, as STAGING_RSP reported it."""
@@ -34,7 +32,7 @@ class StagingInfo(NamedTuple):
         return self.offset < 0 and not self.oversized
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkView:
     room: int
     chunk_idx: int
@@ -43,14 +41,14 @@ class ChunkView:
     is_last: bool
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerView:
     busy: ChunkView | None
     queue: tuple[ChunkView, ...]
     waiting: bool
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TargetView:
     session: str
     decode_rank: int
@@ -58,7 +56,7 @@ class TargetView:
     staging: dict[int, StagingInfo]
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillRoomView:
     room: int
     state: PrefillRoomState
@@ -69,7 +67,7 @@ class PrefillRoomView:
     fail_reason: str
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillSnapshot:
     node: str
     now: float
@@ -78,7 +76,7 @@ class PrefillSnapshot:
     rooms: dict[int, PrefillRoomView]
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AllocationView:
     alloc_id: int
     offset: int
@@ -86,7 +84,7 @@ class AllocationView:
     round: int
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkAllocView:
     alloc_id: int
     offset: int
@@ -95,7 +93,7 @@ class ChunkAllocView:
     chunk_pages: int
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeRoomView:
     room: int
     state: DecodeRoomState
@@ -108,7 +106,7 @@ class DecodeRoomView:
     fail_reason: str
 
 
-@_view
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeSnapshot:
     node: str
     now: float

@@ -36,8 +36,6 @@ from twin.hw.rank import (
     rank_main,
 )
 
-MERGE_WINDOW_S = 2.0
-
 
 @dataclass
 class HwOptions:
@@ -97,6 +95,7 @@ class Launcher:
         self._pending: list[_Pending] = []
         self._order = 0
         self._written_t = 0.0
+        self._sent_upto: dict[str, float] = {}  # node -> time up to which it sent every record
         self.clamped = 0
         self.inputs = 0
         self.states: dict[str, Any] = {}
@@ -198,7 +197,7 @@ class Launcher:
         self.pump(0)
         if self.clamped and self.writer is not None:
             self.sys({"type": "Note", "text": f"{self.clamped} record(s) reached the coordinator "
-                      f"more than {MERGE_WINDOW_S:g} s late; their times were raised to keep "
+                      f"after later ones were written; their times were raised to keep "
                       f"the trace in time order"}, t=self._written_t)
         self.flush_records(final=True)
         self.sock.close()
@@ -232,7 +231,8 @@ class Launcher:
             tag = bytes(frames[0])
             if tag == RECORDS:
                 node = frames[1].decode()
-                records, reports = pickle.loads(frames[2])
+                records, reports, upto = pickle.loads(frames[2])
+                self._sent_upto[node] = upto
                 self._records(node, records)
                 for r in reports:
                     self._report(r)
@@ -265,11 +265,15 @@ class Launcher:
                                                "driver", "sys", record))
 
     def flush_records(self, final: bool = False) -> None:
-        """Write records older than the merge window (all of them when ``final``)."""
+        """Write the records every rank has sent up to the same time (all of them when ``final``)."""
         if self.writer is None:
             self._pending.clear()
             return
-        horizon = float("inf") if final else self.now() - MERGE_WINDOW_S
+        if final:
+            horizon = float("inf")
+        else:  # every rank has sent all its records up to the slowest one's report
+            horizon = min((self._sent_upto.get(n, 0.0) for n in self.endpoints), default=0.0)
+            horizon = min(horizon, self.now())
         while self._pending and self._pending[0].t <= horizon:
             p = heapq.heappop(self._pending)
             t = p.t

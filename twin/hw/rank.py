@@ -50,6 +50,7 @@ HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
     b"TWIN_STATE", b"TWIN_STOP")
 META, ABORT = b"TWIN_META", b"TWIN_ABORT"
 IDLE_WAIT_MS = 20
+FLUSH_IDLE_S = 0.05
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
 
 
@@ -131,6 +132,7 @@ class RankProcess:
         self.timers: list[tuple[float, int, Any, tuple[Any, ...]]] = []
         self._timer_seq = 0
         self._last_input: Any = None
+        self._flushed_at = 0.0
         self.in_flight: dict[int, Any] = {}
         self.scatters_done: list[ev.ScatterDone] = []
         self.rooms: dict[int, dict[str, Any]] = {}
@@ -452,9 +454,13 @@ class RankProcess:
 
     # -- streaming records to the coordinator --------------------------------------------------
     def _flush(self) -> None:
-        if self.outbox or self.reports:
-            body = pickle.dumps((self.outbox, self.reports))
+        """Send new records, and at least every ``FLUSH_IDLE_S`` the time up to which this
+        rank has sent everything (the coordinator merges ranks' records up to the minimum)."""
+        now = self.now()
+        if self.outbox or self.reports or now - self._flushed_at >= FLUSH_IDLE_S:
+            body = pickle.dumps((self.outbox, self.reports, now))
             self.outbox, self.reports = [], []
+            self._flushed_at = now
             self.sock.send(self.coordinator, [RECORDS, self.spec.node.encode(), body])
 
     def close(self) -> None:

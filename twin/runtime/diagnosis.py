@@ -216,28 +216,28 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
                 details.append(text)
                 g.charge(g.chunk_root(c.room, c.chunk_idx, session), c.room)
     for node, dec in sorted(g.decodes.items()):
-        for room in sorted(dec.rooms.values(), key=lambda r: r.room):
-            if room.room not in unfinished:
+        for droom in sorted(dec.rooms.values(), key=lambda r: r.room):
+            if droom.room not in unfinished:
                 continue
-            if not room.registered:
-                details.append(f"{node}: room {room.room} is not registered yet")
-                key = g.root(("unregistered", node, room.room),
-                             f"{node}: room {room.room} was never registered")
-            elif room.state is DecodeRoomState.WAITING:
-                missing = sorted(set(room.prefill_ranks) - room.success_ranks)
-                details.append(f"{node}: room {room.room} waits for transfer status from "
+            if not droom.registered:
+                details.append(f"{node}: room {droom.room} is not registered yet")
+                key = g.root(("unregistered", node, droom.room),
+                             f"{node}: room {droom.room} was never registered")
+            elif droom.state is DecodeRoomState.WAITING:
+                missing = sorted(set(droom.prefill_ranks) - droom.success_ranks)
+                details.append(f"{node}: room {droom.room} waits for transfer status from "
                                f"{', '.join(missing)}")
-                key = _status_root(g, node, room.room, missing)
-            elif room.chunks:
-                chunks = ", ".join(str(c) for c in sorted(room.chunks))
-                details.append(f"{node}: room {room.room} has all-ranks Success but chunks "
+                key = _status_root(g, node, droom.room, missing)
+            elif droom.chunks:
+                chunks = ", ".join(str(c) for c in sorted(droom.chunks))
+                details.append(f"{node}: room {droom.room} has all-ranks Success but chunks "
                                f"{chunks} were never scattered (no CHUNK_READY)")
-                key = g.root(("no-chunk-ready", node, room.room),
-                             f"{node}: room {room.room} chunks {chunks} never got their "
-                             f"CHUNK_READY", fault_room=room.room)
+                key = g.root(("no-chunk-ready", node, droom.room),
+                             f"{node}: room {droom.room} chunks {chunks} never got their "
+                             f"CHUNK_READY", fault_room=droom.room)
             else:
                 continue
-            g.charge(key, room.room)
+            g.charge(key, droom.room)
     return Diagnosis(roots=_root_lines(g), details=details)
 
 
