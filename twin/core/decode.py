@@ -64,14 +64,6 @@ class DecodeRoom:
     def expected_responses(self) -> int:
         return len(self.prefill_ranks)
 
-    @property
-    def failed(self) -> bool:
-        return self.state is DecodeRoomState.FAILED
-
-    @property
-    def all_success(self) -> bool:
-        return self.state is DecodeRoomState.ALL_SUCCESS
-
 
 class DecodeRank:
     """One decode attention-TP rank with its staging ring (``session`` is its agent name)."""

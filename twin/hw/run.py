@@ -24,7 +24,7 @@ from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
 from twin.core.sendplan import early_send_end
 from twin.hw.launcher import HwOptions, Launcher
 from twin.runtime.diagnosis import diagnose
-from twin.runtime.outcome import RunStatus, decide, exit_code
+from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
@@ -62,6 +62,14 @@ class HwResult:
     @property
     def exit_code(self) -> int:
         return exit_code(self.status)
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict(status=self.status, requests=self.requests,
+                       completed=sum(r.status == "Success" for r in self.done),
+                       failed=sum(r.status == "Failed" for r in self.done),
+                       unfinished=len(self.unfinished), diagnosis=self.diagnosis + self.errors,
+                       corruption=self.corruption[:50])
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.done if r.status == "Success"]
@@ -305,8 +313,4 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
 
 
 def _outcome(result: HwResult) -> dict[str, Any]:
-    s = result.summary()
-    status = RunStatus.INTERRUPTED if result.status == RunStatus.UNTIL else result.status
-    return {"status": status.value, "completed": s["completed"], "failed": s["failed"],
-            "requests": s["requests"], "diagnosis": s["diagnosis"] + s["errors"],
-            "corruption": s["corruption"]}
+    return result.verdict.record()

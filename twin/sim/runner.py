@@ -13,7 +13,7 @@ from twin.core.defects import Defects
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec
 from twin.runtime.header import trace_header
-from twin.runtime.outcome import RunStatus, decide, exit_code
+from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import Recorder
 from twin.sim.engine import Simulation
@@ -45,6 +45,16 @@ class SimResult:
     def status(self) -> RunStatus:
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
                       unfinished=self.sim.unfinished, stopped=RunStatus.UNTIL)
+
+    @property
+    def verdict(self) -> Verdict:
+        sim = self.sim
+        done = sim.metrics.done
+        return Verdict(status=self.status, requests=len(sim.workload.requests),
+                       completed=sum(r.status == "Success" for r in done),
+                       failed=sum(r.status == "Failed" for r in done),
+                       unfinished=sim.unfinished, diagnosis=list(self.diagnosis),
+                       corruption=self.corruption[:50])
 
     def summary(self) -> dict[str, Any]:
         sim = self.sim
@@ -84,15 +94,10 @@ def _failure_reasons(sim: Simulation) -> dict[str, int]:
 
 def outcome_record(result: SimResult) -> dict[str, Any]:
     """The trace's closing ``Outcome`` record for ``result``."""
-    s = result.summary()
-    status = s["status"]
-    diagnosis = list(s["diagnosis"])
-    if status == RunStatus.UNTIL:
-        status = RunStatus.INTERRUPTED.value
-        diagnosis.append(f"stopped at --until {s['sim_seconds']:g} s with "
-                         f"{s['unfinished']} request(s) in flight")
-    return {"status": status, "completed": s["completed"], "failed": s["failed"],
-            "requests": s["requests"], "diagnosis": diagnosis, "corruption": s["corruption"]}
+    v = result.verdict
+    note = (f"stopped at --until {result.sim.env.now:g} s with {v.unfinished} request(s) in "
+            f"flight" if v.status is RunStatus.UNTIL else "")
+    return v.record(note)
 
 
 def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
