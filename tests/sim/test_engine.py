@@ -71,10 +71,11 @@ def test_different_seed_changes_jitter_dependent_results(tmp_path: Path) -> None
     rb = _run(DEFAULT, seed=1, trace_out=b)
     assert a.read_bytes() != b.read_bytes()
     sa, sb = ra.summary(), rb.summary()
-    # Same protocol outcome, different control-plane jitter.
+    # Same protocol outcome, different control-plane jitter. TTFT and the end of the run
+    # fall on decode-loop iterations, which microseconds of jitter rarely move; transfer
+    # spans move with every frame.
     assert sa["completed"] == sb["completed"] == 128
-    assert (sa["latency"]["ttft_s"], sa["sim_seconds"]) != (sb["latency"]["ttft_s"],
-                                                            sb["sim_seconds"])
+    assert sa["latency"]["transfer_s"] != sb["latency"]["transfer_s"]
 
 
 def test_zero_jitter_makes_the_seed_irrelevant() -> None:
@@ -122,7 +123,8 @@ def test_delay_chunk_ready_adds_latency() -> None:
     base = _run(DEFAULT).summary()["latency"]["ttft_s"]["p50"]
     s = _run(DEFAULT, faults=("delay:CHUNK_READY:ms=20",)).summary()
     assert s["completed"] == 128
-    assert s["latency"]["ttft_s"]["p50"] >= base + 0.015
+    # 20 ms later, seen at the decode loop's next iteration (a decode step is ~8 ms here).
+    assert s["latency"]["ttft_s"]["p50"] >= base + 0.010
 
 
 def test_dup_staging_rsp_is_harmless() -> None:
@@ -166,12 +168,10 @@ def test_crash_of_a_decode_rank_is_diagnosed() -> None:
 
 # -- closed loop, radix caches ----------------------------------------------------------------
 def _max_in_flight(result: SimResult) -> int:
-    step = result.sim.params.decode_step_s
     edges = []
     for q in result.sim.metrics.done:
-        # The slot frees when the room concludes (kv_done_s less the first decode step);
-        # the tolerance absorbs float rounding of that subtraction.
-        edges += [(q.arrival_s, 1), (q.kv_done_s - step - 1e-9, -1)]
+        # The client's slot frees when the request's last token streamed.
+        edges += [(q.arrival_s, 1), (q.end_s, -1)]
     live = peak = 0
     for _, d in sorted(edges, key=lambda e: (e[0], e[1])):
         live += d
@@ -228,11 +228,16 @@ def test_metrics_written(tmp_path: Path) -> None:
     r = _run(DEFAULT)
     paths = r.sim.metrics.write(tmp_path / "m")
     names = sorted(p.name for p in paths)
-    assert names == ["metrics.json", "occupancy.csv", "requests.csv", "watermark_lag.csv"]
+    assert names == ["decode_batch.csv", "metrics.json", "occupancy.csv", "prefill_pool.csv",
+                     "requests.csv", "watermark_lag.csv"]
     with (tmp_path / "m" / "requests.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 128 and {r["status"] for r in rows} == {"Success"}
     assert all(float(x["ttft_s"]) > 0 for x in rows)
+    assert all(float(x["e2e_s"]) > float(x["ttft_s"]) and float(x["tpot_s"]) > 0 for x in rows)
+    with (tmp_path / "m" / "decode_batch.csv").open() as f:
+        steps = list(csv.DictReader(f))
+    assert max(int(x["batch"]) for x in steps) > 1 and steps[-1]["kv_tokens"] == "0"
     data = json.loads((tmp_path / "m" / "metrics.json").read_text())
     assert data == json.loads(json.dumps(r.sim.metrics.summary()))
     assert max(data["peak_ring_bytes"].values()) > 0
@@ -244,7 +249,8 @@ def test_metrics_written(tmp_path: Path) -> None:
 def test_plots_written(tmp_path: Path) -> None:
     r = _run(DEFAULT)
     paths = write_plots(r.sim.metrics, tmp_path / "p")
-    assert sorted(p.name for p in paths) == ["deferrals.png", "latency.png", "ring.png"]
+    assert sorted(p.name for p in paths) == ["decode.png", "deferrals.png", "latency.png",
+                                             "ring.png"]
     for p in paths:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000

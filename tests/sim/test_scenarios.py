@@ -48,9 +48,12 @@ def test_multi_target_retry_finding_corrupts_todays_protocol() -> None:
     assert "overwrite" in kinds
     first = next(v for v in r.sim.integrity.violations if v.kind == "overwrite")
     assert first.node == "d0g0r0" and "unscattered data of room" in first.detail
-    # Without the slow decode rank the same traffic is clean: the race needs the skew.
-    clean = run_sim(sc.config, sc.workload(), params=sc.params)
-    assert clean.status == "completed"
+    # The skew makes the race certain. Without it the race is timing-dependent: with frees
+    # once per decode-loop iteration (SGLang's cadence) some seeds corrupt on their own and
+    # some run clean.
+    plain = {run_sim(sc.config, sc.workload(), params=sc.params, seed=s).status.value
+             for s in range(5)}
+    assert plain == {"completed", "corrupted"}
 
 
 def test_default_is_clean_and_has_no_defects() -> None:

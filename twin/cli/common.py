@@ -65,6 +65,15 @@ fault_option = click.option(
          " fail-transfer:p=0.01, crash:d0g0r0:at=2, abort:room=3:at=1.5.")
 
 
+model_option = click.option(
+    "--model", "model", default=None, metavar="NAME|config.json",
+    help="Served model: a catalogue name (`twin models`) or a Hugging Face config.json; sets "
+         "the KV geometry, weights and (with --gpu) measured compute costs.")
+gpu_option = click.option(
+    "--gpu", "gpu", default=None, metavar="NAME",
+    help="GPU of both servers (H200, H100, B200, A100, L40S): memory and measured costs.")
+
+
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
 
@@ -112,7 +121,8 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
                 defects: tuple[str, ...], faults: tuple[str, ...],
                 prefill_args: str | None = None, decode_args: str | None = None,
                 env_items: tuple[str, ...] = (), max_concurrency: int | None = None,
-                sglang_defaults_for_own_workload: bool = True) -> RunInputs:
+                sglang_defaults_for_own_workload: bool = True, model: str | None = None,
+                gpu: str | None = None) -> RunInputs:
     """Shared by ``twin sim`` and ``twin hw``: scenario (default ``default``), then the config
     file (with its ``[sim]`` costs and ``[launch]`` lines), flags, workload cut and defects.
 
@@ -135,6 +145,13 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
     cfg = apply_launch(cfg, prefill_args, decode_args, env_items, config_path)
+    try:
+        from twin.models.costs import Deployment, configure
+
+        cfg = configure(cfg, model, gpu)
+        Deployment.build(cfg, params)  # the model fits the GPU, the profile exists, ...
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
     workload = load_workload(workload_spec) if workload_spec else sc.workload()
     if first_n is not None or slowdown is not None:
         workload = cut_workload(workload, first_n, slowdown)

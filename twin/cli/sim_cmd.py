@@ -12,6 +12,8 @@ from twin.cli.common import (
     defect_option,
     emit_json,
     fault_option,
+    gpu_option,
+    model_option,
     resolve_run,
 )
 from twin.core.config import TwinConfig
@@ -33,16 +35,18 @@ def describe(cfg: TwinConfig) -> str:
 
 def _print_human(result: SimResult) -> None:
     s = result.summary()
-    lat = s["latency"].get("ttft_s", {})
     click.echo(f"deployment  {describe(result.sim.cfg)}")
+    click.echo(f"serving     {result.sim.deployment.describe()}")
     click.echo(f"status      {s['status']}  ({s['stop_reason']})")
     click.echo(f"requests    {s['requests']}: {s['completed']} completed, {s['failed']} failed, "
                f"{s['unfinished']} unfinished")
     click.echo(f"simulated   {s['sim_seconds']:.3f} s in {s['wall_seconds']:.3f} s wall, "
                f"{s['events']} core events")
-    if lat:
-        click.echo(f"TTFT        p50 {lat['p50'] * 1e3:.1f} ms  p90 {lat['p90'] * 1e3:.1f} ms  "
-                   f"p99 {lat['p99'] * 1e3:.1f} ms")
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        lat = s["latency"].get(key, {})
+        if lat:
+            click.echo(f"{label:<11} p50 {lat['p50'] * 1e3:.1f} ms  p90 {lat['p90'] * 1e3:.1f} "
+                       f"ms  p99 {lat['p99'] * 1e3:.1f} ms")
     if s["deferrals"]:
         click.echo(f"deferrals   {sum(s['deferrals'].values())} (backpressure waits)")
     if s["defects"]:
@@ -74,6 +78,8 @@ def _print_human(result: SimResult) -> None:
               help="Decode server launch arguments, e.g. '--tp-size 2'.")
 @click.option("--env", "env_items", multiple=True, metavar="KEY=VALUE",
               help="Staging environment variable, e.g. SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64.")
+@model_option
+@gpu_option
 @defect_option
 @fault_option
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -89,7 +95,7 @@ def _print_human(result: SimResult) -> None:
               help="Write latency.png, ring.png and deferrals.png here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
 def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n, slowdown,
-                prefill_args, decode_args, env_items, defects, faults, seed, until,
+                prefill_args, decode_args, env_items, model, gpu, defects, faults, seed, until,
                 max_concurrency, trace_out, metrics_out, plot_dir, as_json) -> None:
     """Simulate a staged PD deployment and report wedges, corruption and latency.
 
@@ -100,7 +106,7 @@ def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n,
                       config_path=config_path, workload_spec=workload_spec, first_n=first_n,
                       slowdown=slowdown, defects=defects, faults=faults,
                       prefill_args=prefill_args, decode_args=decode_args, env_items=env_items,
-                      max_concurrency=max_concurrency)
+                      max_concurrency=max_concurrency, model=model, gpu=gpu)
     result = run_sim(
         run.cfg, run.workload, defects=run.defects, faults=run.faults, seed=seed,
         params=run.params, until=until, progress=not as_json, request_overrides=run.overrides,

@@ -65,7 +65,7 @@ def compare_with_simulation(trace: Trace) -> dict[str, Any]:
                      faults=[parse_fault(f) for f in header.get("faults", [])],
                      seed=header.get("seed") or 0, params=params, request_overrides=overrides,
                      max_concurrency=run.get("max_concurrency"))
-    simulated = {r.room: {"kv_done_s": r.kv_done_s - r.arrival_s - params.decode_step_s,
+    simulated = {r.room: {"kv_done_s": r.kv_done_s - r.arrival_s,
                           "transfer_s": r.last_transfer_s - r.first_transfer_s}
                  for r in result.sim.metrics.done if r.status == "Success"}
     measured = room_phases(trace)

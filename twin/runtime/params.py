@@ -1,16 +1,25 @@
-"""Cost model of the simulated deployment: every latency, bandwidth and cadence, with defaults.
+"""Cost model of the simulated deployment, and the serving knobs of each server.
 
-Defaults describe one H100/H200-class node pair on a 400 Gb/s RDMA fabric serving an 8B-class
-GQA model. Override any field in the config's ``[sim]`` table; ``docs/simulator.md`` lists them.
+``SimParams``: every latency, bandwidth and cadence, with defaults. Defaults describe one
+H100/H200-class node pair on a 400 Gb/s RDMA fabric serving an 8B-class GQA model (Llama-3.1-8B's
+KV shape). Override any field in the config's ``[sim]`` table; ``docs/simulator.md`` lists them.
+
+``ServingArgs``: what each server's scheduler is told at launch, under SGLang's names
+(``--max-total-tokens``, ``--mem-fraction-static``, ``--max-running-requests``, ...), plus the
+named model and GPU. They live in the config's ``[serving]`` table (``[serving.prefill]``,
+``[serving.decode]``, ``model``, ``gpu``), which ``--prefill-args``/``--decode-args``,
+``--model`` and ``--gpu`` fill.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from twin.core.config import ConfigError
+
+COMPUTE_COSTS = ("auto", "analytic", "profile")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +41,19 @@ class SimParams:
     forward_overhead_s: float = 4e-3
     prefill_s_per_token: float = 6.0e-6
     prefill_s_per_token_ctx: float = 1.5e-10
-    # Decode: scheduler loop cadence (scatter events are polled once per iteration), one
-    # decode step for the first token, pre-allocation delay before metadata is sent.
+    # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
+    # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,
+    # staging freed and requests admitted once per iteration. With no batch to run the loop
+    # iterates every decode_poll_interval_s.
     decode_poll_interval_s: float = 2e-3
-    decode_step_s: float = 12e-3
+    decode_step_s: float = 7e-3
+    decode_s_per_seq: float = 1.5e-5
+    decode_s_per_ctx_token: float = 1.2e-9
     decode_prealloc_s: float = 1e-3
+    # Where prefill forward and decode step times come from: "profile" (measured per-operator
+    # tables of the named model and GPU, see twin/models), "analytic" (the formulas above), or
+    # "auto" (a profile where one exists for the model, GPU and TP size, else analytic).
+    compute_costs: str = "auto"
     # Radix caches (tokens); 0 disables a side's cache.
     prefill_radix_tokens: int = 2_000_000
     decode_radix_tokens: int = 0
@@ -54,6 +71,12 @@ class SimParams:
                 raise ConfigError(f"{source}: field 'sim.{key}': unknown; known: "
                                   f"{', '.join(sorted(fields))}")
             want = fields[key].type
+            if want == "str":
+                if value not in COMPUTE_COSTS:
+                    raise ConfigError(f"{source}: field 'sim.{key}': expected one of "
+                                      f"{', '.join(COMPUTE_COSTS)}, got {value!r}")
+                kwargs[key] = value
+                continue
             if want == "bool":
                 ok = isinstance(value, bool)
             elif want == "int":
@@ -71,3 +94,112 @@ class SimParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> SimParams:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs:
+    """One server's memory and scheduling knobs, under SGLang's names. ``None``: derived as
+    SGLang derives it (from the GPU's memory, the model's weights and KV size)."""
+
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    num_reserved_decode_tokens: int = 512
+    disaggregation_decode_polling_interval: int = 1
+    kv_cache_dtype: str = "auto"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+                   "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8": 1}
+"""``--kv-cache-dtype`` values and the bytes per element they store (None: the model's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServingArgs:
+    """Both servers' knobs plus the named model and GPU (the config's ``[serving]`` table).
+
+    ``model``: a catalogue name (``twin models``) or a config.json path; ``model_config``: the
+    fields read from that file, kept so that a trace replays without it. ``gpu``: a GPU name.
+    Empty strings mean "not named": the config's ``[model]`` shape and the default GPU.
+    """
+
+    prefill: ServerArgs = field(default_factory=ServerArgs)
+    decode: ServerArgs = field(default_factory=ServerArgs)
+    model: str = ""
+    gpu: str = ""
+    model_config: dict[str, Any] | None = None
+    cost_source: str = ""  # informational: written by the run that resolved it
+
+    @classmethod
+    def from_config(cls, extra: dict[str, Any], source: str = "<config>") -> ServingArgs:
+        """From a config's ``extra`` (its unknown tables); ``ConfigError`` names the field."""
+        table = extra.get("serving", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: field 'serving': expected a table")
+        kw: dict[str, Any] = {}
+        for key, value in table.items():
+            if key in ("prefill", "decode"):
+                kw[key] = _server_args(value, f"serving.{key}", source)
+            elif key in ("model", "gpu", "cost_source"):
+                if not isinstance(value, str):
+                    raise ConfigError(f"{source}: field 'serving.{key}': expected a string")
+                kw[key] = value
+            elif key == "model_config":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{source}: field 'serving.model_config': expected a table")
+                kw[key] = value
+            else:
+                raise ConfigError(f"{source}: field 'serving.{key}': unknown; known: cost_source, "
+                                  f"decode, gpu, model, model_config, prefill")
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()}
+        for key in ("model", "gpu", "cost_source"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        if self.model_config is not None:
+            out["model_config"] = dict(self.model_config)
+        return out
+
+    def side(self, role: str) -> ServerArgs:
+        return self.prefill if role == "prefill" else self.decode
+
+    def replace(self, **changes: Any) -> ServingArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _server_args(data: Any, where: str, source: str) -> ServerArgs:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: field {where!r}: expected a table")
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    kw: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"{source}: field '{where}.{key}': unknown; known: "
+                              f"{', '.join(sorted(fields))}")
+        want = fields[name].type
+        if name == "kv_cache_dtype":
+            if value not in KV_CACHE_DTYPES:
+                raise ConfigError(f"{source}: field '{where}.{key}': expected one of "
+                                  f"{', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+        elif "float" in want:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 < value <= 1:
+                raise ConfigError(f"{source}: field '{where}.{key}': expected a fraction in "
+                                  f"(0, 1], got {value!r}")
+            value = float(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < (
+                0 if name == "num_reserved_decode_tokens" else 1):
+            raise ConfigError(f"{source}: field '{where}.{key}': expected a positive integer, "
+                              f"got {value!r}")
+        kw[name] = value
+    return ServerArgs(**kw)

@@ -29,8 +29,12 @@ class RequestState:
     prefill_done_s: float = -1.0
     first_transfer_s: float = -1.0
     last_transfer_s: float = -1.0
-    kv_done_s: float = -1.0
+    kv_done_s: float = -1.0  # every decode rank concluded the room (all KV landed)
+    first_token_s: float = -1.0  # the request joined a decode batch and streamed its first token
+    end_s: float = -1.0  # last token streamed (or the request failed)
     deferrals: int = 0
+    retractions: int = 0
+    prefill_concluded: set[str] = field(default_factory=set)
 
     def note_targets(self, node: str, known: int, want: int, group_size: int) -> bool:
         """Prefill ``node`` knows ``known`` of its ``want`` decode targets. True exactly once:
@@ -53,6 +57,33 @@ class RequestState:
     def finished(self) -> bool:
         return self.status != "pending"
 
+    def note_prefill_concluded(self, node: str, group_size: int) -> bool:
+        """Prefill ``node`` concluded the room; True exactly once, when all ``group_size``
+        prefill ranks of the group have (the prefill server then releases the request's KV)."""
+        if node in self.prefill_concluded:
+            return False
+        self.prefill_concluded.add(node)
+        return len(self.prefill_concluded) == group_size
+
     @property
     def ttft_s(self) -> float:
-        return self.kv_done_s - self.arrival_s if self.status == "Success" else -1.0
+        """Arrival to first token; where no token was streamed (a driver without a decode
+        loop), arrival to all KV landed; -1 unless the transfer succeeded."""
+        if self.status != "Success":
+            return -1.0
+        end = self.first_token_s if self.first_token_s >= 0 else self.kv_done_s
+        return end - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        """Arrival to last token (-1 unless the request completed)."""
+        if self.status != "Success" or self.end_s < 0 or self.first_token_s < 0:
+            return -1.0
+        return self.end_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (-1 for fewer than two tokens)."""
+        if self.e2e_s < 0 or self.output_len < 2:
+            return -1.0
+        return (self.end_s - self.first_token_s) / (self.output_len - 1)

@@ -3,13 +3,14 @@
 ``Simulation`` owns one core rank per prefill and decode attention-TP rank and carries out their
 effects with modelled costs (``SimParams``): control frames over ZMQ with latency and jitter
 (FIFO per link), staged WRITEs over NICs shared by ranks, gather and scatter kernels, the prefill
-scheduler's chunked forwards, and the decode scheduler's polling of scatter events. Randomness
-comes from streams seeded from one root seed, so a seed reproduces a run exactly.
+scheduler's chunked forwards with its KV pool, and the decode scheduler's loop (continuous
+batching, KV pool, retraction, scatter polling once per iteration; ``decode_loop.py``).
+Compute costs and pools come from the deployment (``twin.models.costs``). Randomness comes from
+streams seeded from one root seed, so a seed reproduces a run exactly.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -24,11 +25,13 @@ from twin.core.defects import Defects
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
+from twin.models.costs import Deployment
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
 from twin.runtime.runtime import Recorder, Runtime
+from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
 from twin.workloads import Request, Workload
@@ -42,11 +45,13 @@ class Simulation:
                  faults: list[FaultSpec] | None = None, seed: int = 0,
                  params: SimParams | None = None, recorder: Recorder | None = None,
                  request_overrides: dict[int, dict[str, int]] | None = None,
-                 max_concurrency: int | None = None) -> None:
+                 max_concurrency: int | None = None,
+                 deployment: Deployment | None = None) -> None:
         self.cfg = cfg
         self.workload = workload
         self.defects = defects or Defects()
         self.params = params or SimParams()
+        self.deployment = deployment or Deployment.build(cfg, self.params)
         self.seed = seed
         self.recorder = recorder
         self.env = simpy.Environment()
@@ -65,7 +70,13 @@ class Simulation:
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, RequestState] = {}
-        self.schedulers = [PrefillScheduler(self, i) for i in range(len(self.topo.prefill_groups))]
+        self.schedulers = [PrefillScheduler(self, i, self.deployment.prefill)
+                           for i in range(len(self.topo.prefill_groups))]
+        self.decode_loops = [DecodeLoop(self, i, self.deployment.decode)
+                             for i in range(len(self.topo.decode_groups))]
+        self.metrics.loops = [loop.series for loop in self.decode_loops]
+        self._loop_of = {n.id: self.decode_loops[i] for i, g in enumerate(self.topo.decode_groups)
+                         for n in g.nodes}
         self.placement = Placement(cfg, self.topo, self.params, request_overrides)
         self.link_last: dict[tuple[str, str], float] = {}
         self.nic_free: dict[str, float] = {}
@@ -188,10 +199,9 @@ class Simulation:
         finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
         self.stream_free[node] = finish
         self.at(start - self.env.now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
-        poll = p.decode_poll_interval_s
-        observed = math.ceil(finish / poll) * poll if poll > 0 else finish
-        self.at(observed - self.env.now, self.feed, node,
-                ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+        # The scatter's event is seen by the decode loop's next poll after it finished.
+        self._loop_of[node].scatter_started(
+            node, finish, ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _note_fault(self, room: int, note: str) -> None:
         notes = self.fault_notes.setdefault(room, [])
@@ -218,13 +228,18 @@ class Simulation:
 
     def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
         req = self.requests.get(e.room)
-        if req is None or self.topo.nodes[node].role != "decode":
+        if req is None:
+            return
+        if self.topo.nodes[node].role != "decode":
+            group = len(self.topo.prefill_groups[req.prefill_group].nodes)
+            if req.note_prefill_concluded(node, group):
+                self.schedulers[req.prefill_group].transfer_done(req)
             return
         self.integrity.on_concluded(node, e.room, e.status, self.placement.total_pages(req))
         group = len(self.topo.decode_groups[req.decode_group].nodes)
         status = req.note_concluded(node, e.status, e.reason, group)
         if status is not None:
-            self.finish(req, status, req.reason)
+            self.conclude(req, status, req.reason)
 
     def _on_allocated(self, node: str, e: ev.Allocated) -> None:
         self.alloc_span[(node, e.alloc_id)] = (e.offset, e.size)
@@ -246,10 +261,16 @@ class Simulation:
         req = self.placement.place(r, self.env.now)
         self.requests[req.room] = req
         self.sys("driver", self.placement.arrival_record(req))
-        self.at(self.params.decode_prealloc_s, self._decode_init, req)
+        self.at(self.params.decode_prealloc_s, self._decode_arrive, req)
         self.at(self.cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)
 
-    def _decode_init(self, req: RequestState) -> None:
+    def _decode_arrive(self, req: RequestState) -> None:
+        if not req.finished:
+            self.decode_loops[req.decode_group].arrived(req)
+
+    def decode_admitted(self, req: RequestState) -> None:
+        """The decode loop pre-allocated the request's KV: register the room on every decode
+        rank of its group (each sends its metadata to prefill)."""
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
         init_pages = self.placement.total_pages(req)
@@ -273,17 +294,33 @@ class Simulation:
         nodes += [n.id for n in self.topo.decode_groups[req.decode_group].nodes]
         for n in nodes:
             self.feed(n, ev.RoomAborted(room=room, reason=reason))
+        if not req.finished and self.decode_loops[req.decode_group].abandon(req):
+            # Still waiting for decode KV pages: no decode rank knows the room.
+            self.conclude(req, "Failed", reason)
+            self.request_ended(req)
 
-    def finish(self, req: RequestState, status: str, reason: str = "") -> None:
+    def conclude(self, req: RequestState, status: str, reason: str = "") -> None:
+        """Every decode rank of the group concluded the room: its KV landed (or it failed).
+        The decode loop picks it up at its next poll."""
         req.status = status
         req.reason = reason
-        req.kv_done_s = self.env.now + (self.params.decode_step_s if status == "Success" else 0)
+        req.kv_done_s = self.env.now
+        self.mark_progress()
+        self.decode_loops[req.decode_group].room_concluded(req)
+
+    def first_token(self, req: RequestState) -> None:
+        req.first_token_s = self.env.now
+
+    def request_ended(self, req: RequestState) -> None:
+        """The request's last token streamed, or it failed: the client has its answer."""
+        req.end_s = self.env.now
         self.unfinished -= 1
+        self.mark_progress()
         self.metrics.request_done(req)
         slot = self._slot_req.pop(req.rid, None)
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
-        if status == "Success":
+        if req.status == "Success":
             self.placement.decode_done(self.workload.requests[req.rid])
         if self.unfinished == 0 and not self.done.triggered:
             self.stop_reason = "all requests ended"
@@ -356,4 +393,21 @@ class Simulation:
             self.stop_reason = "event queue empty"
         if not self.stop_reason:
             self.stop_reason = "until"
+        self.metrics.prefill_pools = [s.series for s in self.schedulers]
+        self.metrics.serving = self.serving_summary()
         return self.stop_reason
+
+    def serving_summary(self) -> dict[str, Any]:
+        """The deployment's model, GPU, pools and cost source, and what the pools did."""
+        d = self.deployment
+        return {
+            "model": d.model.name, "gpu": d.gpu.name, "costs": d.source,
+            "prefill": {"max_total_tokens": d.prefill.max_total_tokens,
+                        "max_running_requests": d.prefill.max_running_requests,
+                        "peak_kv_tokens": max((s.peak_used for s in self.schedulers), default=0),
+                        "blocked_s": round(sum(s.blocked_s for s in self.schedulers), 6)},
+            "decode": {"max_total_tokens": d.decode.max_total_tokens,
+                       "max_running_requests": d.decode.max_running_requests,
+                       "steps": sum(x.steps_run for x in self.decode_loops),
+                       "retractions": sum(x.retractions for x in self.decode_loops)},
+        }

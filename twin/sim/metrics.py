@@ -1,4 +1,5 @@
-"""Run metrics: latency distributions, ring occupancy and watermark lag, deferrals, NIC use."""
+"""Run metrics: latency distributions (TTFT, TPOT, end to end, transfer), ring occupancy and
+watermark lag, decode batch and KV pools over time, deferrals, NIC use."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import csv
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from twin.core.topology import Topology
 from twin.runtime.requests import RequestState
+
+if TYPE_CHECKING:
+    from twin.sim.decode_loop import LoopSeries
 
 
 class Metrics:
@@ -29,6 +33,9 @@ class Metrics:
         self.transfer_s: list[float] = []
         self.bytes_moved = 0
         self._nic_cache: dict[str, str] = {}
+        self.loops: list[LoopSeries] = []  # decode loop of each decode group
+        self.prefill_pools: list[list[tuple[float, int, int]]] = []  # per prefill group
+        self.serving: dict[str, Any] = {}  # pools, retractions, blocked time (set at the end)
 
     def nic_of(self, node: str, ranks_per_nic: int) -> str:
         nic = self._nic_cache.get(node)
@@ -65,6 +72,8 @@ class Metrics:
         out: dict[str, dict[str, float]] = {}
         series = {
             "ttft_s": [r.ttft_s for r in ok],
+            "tpot_s": [r.tpot_s for r in ok if r.tpot_s >= 0],
+            "e2e_s": [r.e2e_s for r in ok if r.e2e_s >= 0],
             "transfer_s": [r.last_transfer_s - r.first_transfer_s for r in ok
                            if r.first_transfer_s >= 0],
             "kv_wait_s": [r.kv_done_s - r.prefill_done_s for r in ok if r.prefill_done_s >= 0],
@@ -91,13 +100,33 @@ class Metrics:
         p = out_dir / "requests.csv"
         with p.open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["rid", "status", "arrival_s", "input_len", "decode_prefix_len",
-                        "prefill_prefix_len", "prefill_done_s", "kv_done_s", "ttft_s",
-                        "deferrals", "reason"])
+            w.writerow(["rid", "status", "arrival_s", "input_len", "output_len",
+                        "decode_prefix_len", "prefill_prefix_len", "prefill_done_s", "kv_done_s",
+                        "first_token_s", "end_s", "ttft_s", "tpot_s", "e2e_s", "deferrals",
+                        "retractions", "reason"])
             for r in sorted(self.done, key=lambda r: r.rid):
-                w.writerow([r.rid, r.status, f"{r.arrival_s:.6f}", r.input_len,
+                w.writerow([r.rid, r.status, f"{r.arrival_s:.6f}", r.input_len, r.output_len,
                             r.decode_prefix_len, r.prefill_prefix_len, f"{r.prefill_done_s:.6f}",
-                            f"{r.kv_done_s:.6f}", f"{r.ttft_s:.6f}", r.deferrals, r.reason])
+                            f"{r.kv_done_s:.6f}", f"{r.first_token_s:.6f}", f"{r.end_s:.6f}",
+                            f"{r.ttft_s:.6f}", f"{r.tpot_s:.6f}", f"{r.e2e_s:.6f}", r.deferrals,
+                            r.retractions, r.reason])
+        paths.append(p)
+        p = out_dir / "decode_batch.csv"
+        with p.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["group", "t_s", "batch", "kv_tokens", "queued", "retracted"])
+            for g, loop in enumerate(self.loops):
+                for row in zip(loop.t, loop.batch, loop.kv_tokens, loop.queued, loop.retracted,
+                               strict=True):
+                    w.writerow([g, f"{row[0]:.6f}", *row[1:]])
+        paths.append(p)
+        p = out_dir / "prefill_pool.csv"
+        with p.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["group", "t_s", "kv_tokens", "requests"])
+            for g, series in enumerate(self.prefill_pools):
+                for t, tokens, reqs in series:
+                    w.writerow([g, f"{t:.6f}", tokens, reqs])
         paths.append(p)
         for name, series in (("occupancy.csv", self.occ), ("watermark_lag.csv", self.lag)):
             p = out_dir / name
@@ -113,9 +142,35 @@ class Metrics:
         paths.append(p)
         return paths
 
+    def decode_summary(self) -> dict[str, Any]:
+        """Decode batch size and KV-pool use over the run, per decode group (time-weighted
+        means over the time the loop ran a batch, and peaks)."""
+        out: dict[str, Any] = {}
+        for g, loop in enumerate(self.loops):
+            if len(loop.t) < 2:
+                out[str(g)] = {"steps": 0}
+                continue
+            t = np.asarray(loop.t)
+            dt = np.diff(t)
+            b = np.asarray(loop.batch[:-1])
+            kv = np.asarray(loop.kv_tokens[:-1])
+            busy = dt[b > 0].sum()
+            out[str(g)] = {
+                "steps": int((np.asarray(loop.batch) > 0).sum()),
+                "mean_batch": round(float((b * dt).sum() / busy), 3) if busy > 0 else 0.0,
+                "peak_batch": int(max(loop.batch)),
+                "mean_kv_tokens": round(float((kv * dt).sum() / dt.sum()), 1)
+                if dt.sum() > 0 else 0.0,
+                "peak_kv_tokens": int(max(loop.kv_tokens)),
+                "peak_queued": int(max(loop.queued)),
+            }
+        return out
+
     def summary(self) -> dict[str, Any]:
         return {
             "latency": self.latency_percentiles(),
+            "decode": self.decode_summary(),
+            "serving": self.serving,
             "deferrals": dict(sorted(self.deferrals.items())),
             "nic_bytes": dict(sorted(self.nic_bytes.items())),
             "peak_ring_bytes": {n: max((v for _, v in s), default=0)

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from twin.sim.decode_plots import write_decode_plot  # noqa: E402
 from twin.sim.metrics import Metrics  # noqa: E402
 
 
@@ -72,4 +73,4 @@ def write_plots(metrics: Metrics, out_dir: Path) -> list[Path]:
     paths.append(out_dir / "deferrals.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
-    return paths
+    return paths + write_decode_plot(metrics, out_dir)

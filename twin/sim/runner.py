@@ -10,6 +10,7 @@ from typing import Any
 
 from twin.core.config import TwinConfig
 from twin.core.defects import Defects
+from twin.models.costs import Deployment
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec
 from twin.runtime.header import trace_header
@@ -92,6 +93,14 @@ def _failure_reasons(sim: Simulation) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def with_cost_source(cfg: TwinConfig, params: SimParams) -> TwinConfig:
+    """``cfg`` with ``serving.cost_source`` saying where compute costs come from (the trace
+    header's record of it; a replay recomputes it)."""
+    source = Deployment.build(cfg, params).source
+    serving = {**cfg.extra.get("serving", {}), "cost_source": source}
+    return cfg.replace(extra={**cfg.extra, "serving": serving})
+
+
 def outcome_record(result: SimResult) -> dict[str, Any]:
     """The trace's closing ``Outcome`` record for ``result``."""
     v = result.verdict
@@ -111,7 +120,7 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     if trace_out is not None:
         from twin.trace.format import TraceWriter
 
-        header = trace_header(cfg, workload, defects=defects or Defects(),
+        header = trace_header(with_cost_source(cfg, params or SimParams()), workload, defects=defects or Defects(),
                               faults=list(faults or []), seed=seed, params=params or SimParams(),
                               request_overrides=request_overrides or {},
                               max_concurrency=max_concurrency)

@@ -1,0 +1,333 @@
+"""The decode scheduler of one attention group: continuous batching around the transfer.
+
+SGLang's decode event loop (``disaggregation/decode.py``, ``event_loop_*_disagg_decode`` and
+``process_decode_queue``), one iteration at a time:
+
+1. resume retracted requests that fit again; **while any request is retracted, nothing else
+   happens in this step** (no pre-allocation, no scatter polling, no frees, no admission);
+2. every ``disaggregation_decode_polling_interval`` iterations: pre-allocate KV pages for
+   waiting requests (FIFO, as many as the pool admits; each admitted request's room is
+   initialised on every decode rank, which sends its metadata), poll the scatter events that
+   finished (``ScatterDone``: staging freed, watermark broadcast), and move requests whose KV
+   fully landed to the waiting queue (failed ones release their pages);
+3. merge waiting requests into the running batch (up to ``max_running_requests``): each
+   streams its first token now (computed by prefill, carried with the KV);
+4. make room for one more token per running request, retracting the most recently admitted
+   requests when the KV pool is short (their KV is backed up and restored on resume);
+5. run one decode step for the whole batch (``ServerCosts.decode_step_s(batch, context)``);
+   requests that produced their last token free their pages when it ends.
+
+With nothing to run, the loop iterates every ``decode_poll_interval_s`` while work is pending,
+and sleeps when nothing can change until an outside event (an arrival, a scatter, a room
+concluding). Decode is simulated per batch step, not per request token: a step costs O(1)
+plus the requests it admits or finishes.
+
+KV accounting is in tokens (page rounding ignored): a request holds its private prompt tokens
+(those after the decode radix hit) from pre-allocation and one more per decoded token.
+Admission follows ``pop_preallocated``: the pool less ``num_reserved_decode_tokens`` per active
+request (or the largest remaining need of a running request, if larger) and the retracted
+requests' needs must cover the prompt.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from twin.core import events as ev
+from twin.core.topology import Topology
+from twin.models.costs import ServerCosts
+from twin.runtime.params import SimParams
+from twin.runtime.requests import RequestState
+
+RETRACT_DECODE_STEPS = 20
+"""After a retraction the batch keeps room for this many more steps (SGLang's constant)."""
+
+
+class LoopHost(Protocol):
+    """What a decode loop needs from its simulation (``Simulation`` provides it)."""
+
+    params: SimParams
+    topo: Topology
+
+    def time(self) -> float: ...
+    def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None: ...
+    def feed(self, node: str, event: ev.Input) -> None: ...
+    def mark_progress(self) -> None: ...
+    def decode_admitted(self, req: RequestState) -> None: ...
+    def first_token(self, req: RequestState) -> None: ...
+    def request_ended(self, req: RequestState) -> None: ...
+
+
+@dataclass(slots=True)
+class _Slot:
+    """A request in the running batch (or retracted from it)."""
+
+    req: RequestState
+    held: int  # KV tokens held at ``since``
+    since: int  # step number when it joined the batch
+    generated: int  # tokens produced before ``since``
+    seq: int  # admission order (retraction takes the newest)
+
+    def held_at(self, step: int) -> int:
+        return self.held + (step - self.since)
+
+
+@dataclass
+class LoopSeries:
+    """One group's decode loop over time (one point per decode step or state change)."""
+
+    t: list[float] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    kv_tokens: list[int] = field(default_factory=list)
+    queued: list[int] = field(default_factory=list)  # waiting for pre-allocation
+    retracted: list[int] = field(default_factory=list)
+
+
+class DecodeLoop:
+    """One decode attention group's scheduler loop (see the module docstring)."""
+
+    def __init__(self, sim: LoopHost, group: int, costs: ServerCosts) -> None:
+        self.sim = sim
+        self.group = group
+        self.nodes = [n.id for n in sim.topo.decode_groups[group].nodes]
+        self.costs = costs
+        self.capacity = costs.max_total_tokens
+        self.max_running = costs.max_running_requests
+        self.reserve = costs.args.num_reserved_decode_tokens
+        self.poll_every = max(1, costs.args.disaggregation_decode_polling_interval)
+        self.idle_s = sim.params.decode_poll_interval_s
+        self.prealloc: deque[RequestState] = deque()
+        self.transfer: dict[int, RequestState] = {}
+        self.concluded: list[RequestState] = []
+        self.waiting: deque[_Slot] = deque()
+        self.running: dict[int, _Slot] = {}
+        self.retracted: deque[_Slot] = deque()
+        self.scatters: dict[str, deque[tuple[float, ev.ScatterDone]]] = {
+            n: deque() for n in self.nodes}
+        self.used = 0  # KV tokens held by pre-allocated, waiting and running requests
+        self.ctx = 0  # KV tokens of the running batch
+        self.step = 0
+        self.polls = 0
+        self.seq = 0
+        self.steps_run = 0
+        self.retractions = 0
+        self._ends: list[tuple[int, int, int]] = []  # (last step, seq, room) of running slots
+        self._busy = False  # an iteration or a step is scheduled
+        self.series = LoopSeries()
+
+    # -- what the simulation tells the loop ----------------------------------------------------
+    def arrived(self, req: RequestState) -> None:
+        """The request reached this decode server (handshake done): wait for KV pages."""
+        self.prealloc.append(req)
+        self._kick()
+
+    def scatter_started(self, node: str, finish: float, done: ev.ScatterDone) -> None:
+        """A scatter was launched on ``node``'s stream; its event fires at ``finish``."""
+        self.scatters[node].append((finish, done))
+        self._kick()
+
+    def room_concluded(self, req: RequestState) -> None:
+        """Every decode rank of the group concluded the room (Success or Failed)."""
+        self.concluded.append(req)
+        self._kick()
+
+    def abandon(self, req: RequestState) -> bool:
+        """Drop a request still waiting for pre-allocation (aborted); True if it was there."""
+        try:
+            self.prealloc.remove(req)
+        except ValueError:
+            return False
+        return True
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _kick(self) -> None:
+        if self._busy:
+            return
+        self._busy = True
+        now = self.sim.time()
+        p = self.idle_s
+        at = math.ceil(now / p - 1e-9) * p if p > 0 else now
+        self.sim.at(at - now, self._iterate)
+
+    def _iterate(self) -> None:
+        now = self.sim.time()
+        self._resume_retracted()
+        if not self.retracted:
+            self.polls = (self.polls + 1) % self.poll_every
+            if self.polls == 0:
+                self._pop_preallocated()
+                self._poll_scatters(now)
+                self._pop_transferred()
+        self._merge_waiting()
+        if self.running:
+            self._make_room()
+        self._record(now)
+        if self.running:
+            duration = self.costs.decode_step_s(len(self.running), self.ctx)
+            self.sim.at(duration, self._step_done)
+            return
+        self._idle(now)
+
+    def _idle(self, now: float) -> None:
+        """Nothing to run: iterate again while something can change, else sleep."""
+        p = self.idle_s
+        if self.concluded or self.waiting or self.retracted:
+            self.sim.at(p, self._iterate)
+            return
+        finish = min((q[0][0] for q in self.scatters.values() if q), default=None)
+        if finish is not None:
+            at = math.ceil(finish / p - 1e-9) * p if p > 0 else finish
+            self.sim.at(max(at, now + p if at <= now else at) - now, self._iterate)
+            return
+        self._busy = False  # sleep; an arrival, scatter or conclusion wakes the loop
+
+    def _step_done(self) -> None:
+        self.step += 1
+        self.steps_run += 1
+        n = len(self.running)
+        self.ctx += n
+        self.used += n
+        ends = self._ends
+        while ends and ends[0][0] <= self.step:
+            _, seq, room = heapq.heappop(ends)
+            slot = self.running.get(room)
+            if slot is None or slot.seq != seq:
+                continue  # retracted since; its entry is stale
+            del self.running[room]
+            held = slot.held_at(self.step)
+            self.ctx -= held
+            self.used -= held
+            self.sim.request_ended(slot.req)
+        self.sim.mark_progress()
+        self._iterate()
+
+    # -- SGLang's steps ------------------------------------------------------------------------
+    def _active(self) -> int:
+        return len(self.running) + len(self.transfer) + len(self.waiting) + len(self.concluded)
+
+    def _allocatable(self, count_retracted: bool) -> int:
+        need_single = 0
+        if self.running:
+            retractable = self.ctx
+            need_single = max(s.req.input_len + s.req.output_len for s in
+                              self.running.values()) - retractable
+        free = self.capacity - self.used
+        out = free - max(self.reserve * self._active(), need_single)
+        if count_retracted:
+            out -= sum(self._need(s) for s in self.retracted)
+        return out
+
+    def _need(self, slot: _Slot) -> int:
+        return slot.held + self.reserve
+
+    def _pop_preallocated(self) -> None:
+        if not self.prealloc:
+            return
+        budget = self._allocatable(count_retracted=True)
+        while self.prealloc:
+            req = self.prealloc[0]
+            if req.finished:  # aborted while it waited
+                self.prealloc.popleft()
+                continue
+            if self._active() >= self.max_running:
+                break
+            need = self._private_tokens(req)
+            if need > budget:
+                break
+            self.prealloc.popleft()
+            budget -= need + self.reserve
+            self.used += need
+            self.transfer[req.room] = req
+            self.sim.decode_admitted(req)
+
+    def _private_tokens(self, req: RequestState) -> int:
+        return max(1, req.input_len - req.decode_prefix_len)
+
+    def _poll_scatters(self, now: float) -> None:
+        for node in self.nodes:
+            q = self.scatters[node]
+            while q and q[0][0] <= now:
+                self.sim.feed(node, q.popleft()[1])
+
+    def _pop_transferred(self) -> None:
+        if not self.concluded:
+            return
+        done, self.concluded = self.concluded, []
+        for req in done:
+            if self.transfer.pop(req.room, None) is None:
+                continue
+            need = self._private_tokens(req)
+            if req.status != "Success":
+                self.used -= need
+                self.sim.request_ended(req)
+                continue
+            self.seq += 1
+            self.waiting.append(_Slot(req, need, 0, 0, self.seq))
+
+    def _merge_waiting(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            slot = self.waiting.popleft()
+            req = slot.req
+            if slot.generated == 0:
+                slot.generated = 1
+                self.sim.first_token(req)
+            left = req.output_len - slot.generated
+            if left <= 0:
+                self.used -= slot.held
+                self.sim.request_ended(req)
+                continue
+            slot.since = self.step
+            self.running[req.room] = slot
+            self.ctx += slot.held
+            heapq.heappush(self._ends, (self.step + left, slot.seq, req.room))
+
+    def _make_room(self) -> None:
+        """``check_decode_mem``/``retract_decode``: one token per running request must fit;
+        when it does not, retract the newest until RETRACT_DECODE_STEPS more steps fit."""
+        if self.capacity - self.used >= len(self.running):
+            return
+        while self.running and \
+                self.capacity - self.used < len(self.running) * RETRACT_DECODE_STEPS:
+            room = next(reversed(self.running))
+            slot = self.running.pop(room)
+            held = slot.held_at(self.step)
+            self.ctx -= held
+            self.used -= held
+            slot.generated += self.step - slot.since
+            slot.held = held
+            slot.req.retractions += 1
+            self.retractions += 1
+            self.retracted.append(slot)
+            if len(self.running) <= 1:
+                break
+
+    def _resume_retracted(self) -> None:
+        if not self.retracted:
+            return
+        budget = self._allocatable(count_retracted=False)
+        while self.retracted and self._active() < self.max_running:
+            slot = self.retracted[0]
+            if self._need(slot) > budget:
+                break
+            self.retracted.popleft()
+            budget -= self._need(slot)
+            self.used += slot.held
+            self.seq += 1
+            slot.seq = self.seq
+            self.waiting.append(slot)
+
+    def _record(self, now: float) -> None:
+        s = self.series
+        if s.t and s.batch[-1] == 0 == len(self.running) and s.kv_tokens[-1] == self.used \
+                and s.queued[-1] == len(self.prealloc):
+            return  # an idle iteration that changed nothing
+        s.t.append(now)
+        s.batch.append(len(self.running))
+        s.kv_tokens.append(self.used)
+        s.queued.append(len(self.prealloc))
+        s.retracted.append(len(self.retracted))
