@@ -48,12 +48,15 @@ def test_multi_target_retry_finding_corrupts_todays_protocol() -> None:
     assert "overwrite" in kinds
     first = next(v for v in r.sim.integrity.violations if v.kind == "overwrite")
     assert first.node == "d0g0r0" and "unscattered data of room" in first.detail
-    # The skew makes the race certain. Without it the race is timing-dependent: with frees
-    # once per decode-loop iteration (SGLang's cadence) some seeds corrupt on their own and
-    # some run clean.
-    plain = {run_sim(sc.config, sc.workload(), params=sc.params, seed=s).status.value
-             for s in range(5)}
-    assert plain == {"completed", "corrupted"}
+    # Without the slow decode rank, the decode loop's cadence decides: staging is freed once
+    # per decode step, and a slower step holds watermarks back the way the injected delay
+    # does. At the default step (3.2 ms) the traffic runs clean; at 10 ms (a larger batch or
+    # model) it corrupts on its own.
+    for step, want in ((sc.params.decode_step_s, "completed"), (0.010, "corrupted")):
+        params = sc.params.replace(decode_step_s=step)
+        got = {run_sim(sc.config, sc.workload(), params=params, seed=s).status.value
+               for s in range(3)}
+        assert got == {want}, (step, got)
 
 
 def test_default_is_clean_and_has_no_defects() -> None:

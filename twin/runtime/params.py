@@ -1,8 +1,7 @@
 """Cost model of the simulated deployment, and the serving knobs of each server.
 
-``SimParams``: every latency, bandwidth and cadence, with defaults. Defaults describe one
-H100/H200-class node pair on a 400 Gb/s RDMA fabric serving an 8B-class GQA model (Llama-3.1-8B's
-KV shape). Override any field in the config's ``[sim]`` table; ``docs/simulator.md`` lists them.
+``SimParams``: every latency, bandwidth and cadence, with defaults. Defaults describe one H200
+node pair on a 400 Gb/s RDMA fabric serving Llama-3.1-8B (the config's default KV shape). Override any field in the config's ``[sim]`` table; ``docs/simulator.md`` lists them.
 
 ``ServingArgs``: what each server's scheduler is told at launch, under SGLang's names
 (``--max-total-tokens``, ``--mem-fraction-static``, ``--max-running-requests``, ...), plus the
@@ -37,18 +36,21 @@ class SimParams:
     gather_bandwidth_Bps: float = 600e9
     scatter_bandwidth_Bps: float = 600e9
     kernel_launch_s: float = 15e-6
-    # Prefill compute: forward = overhead + tokens * s_per_token + tokens * context * s_per_ctx.
-    forward_overhead_s: float = 4e-3
-    prefill_s_per_token: float = 6.0e-6
-    prefill_s_per_token_ctx: float = 1.5e-10
+    # Analytic compute costs (compute_costs "analytic", or nothing named). Defaults: a
+    # least-squares fit (relative error) to the measured profile of Llama-3.1-8B on H200,
+    # prefill at TP4 and decode at TP2, within 8% of it from 256 to 8192 tokens.
+    # Prefill: forward = overhead + tokens * s_per_token + tokens * context * s_per_ctx.
+    forward_overhead_s: float = 1.9e-3
+    prefill_s_per_token: float = 8.1e-6
+    prefill_s_per_token_ctx: float = 2.1e-10
     # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
     # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,
     # staging freed and requests admitted once per iteration. With no batch to run the loop
     # iterates every decode_poll_interval_s.
     decode_poll_interval_s: float = 2e-3
-    decode_step_s: float = 7e-3
-    decode_s_per_seq: float = 1.5e-5
-    decode_s_per_ctx_token: float = 1.2e-9
+    decode_step_s: float = 3.2e-3
+    decode_s_per_seq: float = 7.1e-6
+    decode_s_per_ctx_token: float = 1.46e-8
     decode_prealloc_s: float = 1e-3
     # Where prefill forward and decode step times come from: "profile" (measured per-operator
     # tables of the named model and GPU, see twin/models), "analytic" (the formulas above), or
