@@ -78,8 +78,11 @@ COMMANDS = [trace_group, perfetto_command]
 @click.option("--mode", type=click.Choice(["sim", "hw"]), default="sim", show_default=True,
               help="sim: fresh cores fed the recorded inputs at the recorded times; "
                    "hw: real rank processes, NIXL and kernels.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="A hardware trace's timing comparison simulates with this "
+                                 "config's [sim] costs (e.g. from `twin calibrate`).")
 @click.option("--json", "as_json", is_flag=True)
-def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
+def replay_command(trace_path: str, mode: str, config_path: str | None, as_json: bool) -> None:
     """Replay a trace and check that it reaches the same outcome.
 
     Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
@@ -91,9 +94,14 @@ def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
 
         result = replay_hw(trace)
     else:
+        from twin.calibrate import costs_from
         from twin.replay import replay_sim
 
-        result = replay_sim(trace)
+        try:
+            params = costs_from(config_path)
+        except ValueError as exc:  # ConfigError
+            raise BadInput(str(exc)) from None
+        result = replay_sim(trace, params)
     if as_json:
         from twin.cli.common import emit_json
 

@@ -24,6 +24,7 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
+from twin.runtime.params import SimParams
 from twin.trace.codec import event_to_json
 from twin.trace.compat import comparable
 from twin.trace.format import FORMAT_VERSION, Record, Trace
@@ -222,12 +223,13 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
     return status.value, completed, failed, unfinished
 
 
-def replay_sim(trace: Trace) -> ReplayResult:
+def replay_sim(trace: Trace, params: SimParams | None = None) -> ReplayResult:
     """Replay ``trace`` in simulation (see the module docstring). For a hardware trace the
-    result also says how far a fresh simulation's timings are from the measured ones."""
+    result also says how far a fresh simulation's timings are from the measured ones (with
+    ``params`` as the cost model, else the trace's own ``[sim]`` table)."""
     result = Replayer(trace).run()
     if trace.header.get("mode") == "hw":
         from twin.replay.timing import compare_with_simulation
 
-        result.timing = compare_with_simulation(trace)
+        result.timing = compare_with_simulation(trace, params)
     return result

@@ -48,8 +48,9 @@ def room_phases(trace: Trace) -> dict[int, dict[str, float]]:
     return out
 
 
-def compare_with_simulation(trace: Trace) -> dict[str, Any]:
-    """Simulate the trace's run afresh and compare per-room timings (ratios sim / trace)."""
+def compare_with_simulation(trace: Trace, params: SimParams | None = None) -> dict[str, Any]:
+    """Simulate the trace's run afresh and compare per-room timings (ratios sim / trace);
+    ``params`` replaces the trace's own ``[sim]`` costs."""
     from twin.sim.runner import run_sim
 
     header = trace.header
@@ -58,7 +59,8 @@ def compare_with_simulation(trace: Trace) -> dict[str, Any]:
     except WorkloadError as exc:
         return {"error": f"the trace does not carry its workload: {exc}"}
     extra = trace.config.extra
-    params = SimParams.from_dict(extra.get("sim", {}), f"{trace.path} header")
+    if params is None:
+        params = SimParams.from_dict(extra.get("sim", {}), f"{trace.path} header")
     run = extra.get("run", {})
     overrides = {int(k): v for k, v in run.get("request_overrides", {}).items()}
     result = run_sim(trace.config, workload, defects=Defects.of(header.get("defects", [])),

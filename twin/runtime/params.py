@@ -30,6 +30,9 @@ class SimParams:
     zmq_jitter_s: float = 20e-6
     # Data plane (RDMA WRITE): latency plus bytes / NIC bandwidth; ranks share NICs.
     rdma_latency_s: float = 8e-6
+    # Mean of an exponential extra latency per WRITE (0: none); calibrated on hosts where
+    # WRITEs wait on process scheduling (the hardware mode on a shared CPU host).
+    transfer_jitter_s: float = 0.0
     nic_bandwidth_Bps: float = 50e9
     ranks_per_nic: int = 2
     # Device copies: gather on prefill, scatter on decode (HBM-bound kernels).
@@ -43,6 +46,13 @@ class SimParams:
     forward_overhead_s: float = 1.9e-3
     prefill_s_per_token: float = 8.1e-6
     prefill_s_per_token_ctx: float = 2.1e-10
+    # Requests one prefill forward may take (0: as many as the token budget holds, as SGLang
+    # does; 1: one request per forward, as the hardware mode's scheduler does).
+    prefill_requests_per_forward: int = 0
+    # Mean of an exponential delay before each prefill rank sees the scheduler's calls
+    # (Prefetch, send_kv_chunk), FIFO per rank. 0: the ranks move in lockstep, as SGLang's TP
+    # ranks do; the hardware mode's coordinator reaches its rank processes one by one.
+    prefill_command_jitter_s: float = 0.0
     # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
     # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,
     # staging freed and requests admitted once per iteration. With no batch to run the loop

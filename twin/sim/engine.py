@@ -66,6 +66,7 @@ class Simulation:
                                    ev.RoomConcluded: self._on_concluded,
                                })
         self.rng_net = random.Random(f"{seed}:net")
+        self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.metrics = Metrics(self.topo)
@@ -176,6 +177,8 @@ class Simulation:
         self.nic_free[nic] = start + wire_s
         self.metrics.nic_busy(nic, wire_s, e.nbytes)
         done = start + wire_s + p.rdma_latency_s
+        if p.transfer_jitter_s > 0:
+            done += self.rng_data.expovariate(1 / p.transfer_jitter_s)
         self.at(done - self.env.now, self._transfer_done, node, e, self.env.now)
 
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:

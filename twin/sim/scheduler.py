@@ -17,6 +17,7 @@ of each request in the batch, the final one with ``last=True``.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ class SchedulerHost(Protocol):
     cfg: TwinConfig
     params: SimParams
     topo: Topology
+    seed: int
 
     def time(self) -> float: ...
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None: ...
@@ -66,6 +68,9 @@ class PrefillScheduler:
         self._blocked_since = -1.0
         self.series: list[tuple[float, int, int]] = []  # (t, KV tokens held, requests held)
         self._starting = False  # inside _start (its feeds may conclude rooms synchronously)
+        self._jitter = sim.params.prefill_command_jitter_s
+        self._rng = random.Random(f"{sim.seed}:commands:{group}")
+        self._cmd_last: dict[str, float] = {}
 
     def admit(self, req: RequestState) -> None:
         self.waiting.append(req)
@@ -79,8 +84,15 @@ class PrefillScheduler:
             self._start()
 
     def _all(self, event: ev.Input) -> None:
+        if self._jitter <= 0:
+            for node in self.nodes:
+                self.sim.feed(node, event)
+            return
+        now = self.sim.time()
         for node in self.nodes:
-            self.sim.feed(node, event)
+            at = max(now + self._rng.expovariate(1 / self._jitter), self._cmd_last.get(node, 0.0))
+            self._cmd_last[node] = at
+            self.sim.at(at - now, self.sim.feed, node, event)
 
     def _release(self) -> None:
         for req in self.released:
@@ -117,8 +129,9 @@ class PrefillScheduler:
         sim = self.sim
         self._release()
         budget = self.budget
+        per_forward = sim.params.prefill_requests_per_forward or len(self.waiting)
         batch: list[tuple[RequestState, int]] = []
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(batch) < per_forward:
             req = self.waiting[0]
             if req.finished:
                 self.waiting.popleft()

@@ -1,0 +1,71 @@
+"""Calibration: measuring a hardware-mode trace, fitting the [sim] costs, replaying with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from twin.calibrate import calibrate, costs_from, direct_params, measure, write_costs
+from twin.cli import cli
+from twin.trace.format import read_trace
+
+TRACES = Path(__file__).resolve().parents[2] / "traces"
+HW = TRACES / "hw-tp2-tp1.jsonl.gz"
+
+
+def test_measure_reads_every_part_of_the_cost_model() -> None:
+    m = measure(read_trace(HW))
+    s = m.summary()
+    assert len(m.phases) == 12
+    assert s["frames_s"]["n"] > 100  # every SGLang frame matched send -> arrival
+    assert s["write_s"]["n"] == 72 and s["scatter_s"]["n"] == 36
+    assert s["bootstrap_s"]["n"] == 12 and s["forward_gap_s"]["n"] > 0
+    assert s["rank_skew_s"]["n"] > 0
+    assert 0 < s["frames_s"]["p10"] <= s["frames_s"]["p50"] <= s["frames_s"]["p90"]
+
+
+def test_direct_parameters_describe_the_hardware_mode() -> None:
+    p = direct_params([measure(read_trace(HW))])
+    # The hardware mode forwards one request at a time and decodes nothing.
+    assert p.prefill_requests_per_forward == 1
+    assert p.decode_step_s == p.decode_s_per_seq == p.decode_s_per_ctx_token == 0
+    assert p.prefill_s_per_token == p.prefill_s_per_token_ctx == 0
+    assert 0 < p.zmq_latency_s < p.forward_overhead_s < 0.1
+    assert p.gather_bandwidth_Bps > 0 and p.scatter_bandwidth_Bps > 0
+
+
+def test_calibration_reproduces_its_own_trace(tmp_path: Path) -> None:
+    cal = calibrate([read_trace(HW)], seeds=(0,), steps=(1,))
+    (fit,) = cal.fit
+    for phase in ("kv_done_s", "transfer_s"):
+        assert 0.7 <= fit["ratio_p50"][phase] <= 1.4, fit
+    out = write_costs(cal, tmp_path / "costs.toml")
+    text = out.read_text()
+    assert text.startswith("# Cost model fitted by `twin calibrate`") and "[sim]" in text
+    params = costs_from(str(out))
+    assert params is not None
+    assert params.forward_overhead_s == pytest.approx(cal.params.forward_overhead_s, rel=1e-5)
+
+
+def test_calibrate_and_replay_commands(tmp_path: Path) -> None:
+    runner = CliRunner()
+    costs = tmp_path / "costs.toml"
+    r = runner.invoke(cli, ["calibrate", str(HW), "-o", str(costs), "--seeds", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert report["out"] == str(costs) and report["params"]["prefill_requests_per_forward"] == 1
+    r = runner.invoke(cli, ["replay", str(HW), "--config", str(costs), "--json"])
+    assert r.exit_code == 0, r.output
+    timing = json.loads(r.output)["timing"]
+    assert timing["rooms_compared"] == 12
+    assert 0.5 < timing["kv_done_s"]["ratio_p50"] < 2.0
+    sim_trace = TRACES / "clean-default.jsonl.gz"
+    r = runner.invoke(cli, ["calibrate", str(sim_trace), "-o", str(costs)])
+    assert r.exit_code == 2 and "hardware-mode traces" in r.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sim]\nnic_bandwidth_Bps = -1\n")
+    r = runner.invoke(cli, ["replay", str(HW), "--config", str(bad)])
+    assert r.exit_code == 2 and "sim.nic_bandwidth_Bps" in r.output

@@ -1,0 +1,409 @@
+"""Fit the simulator's cost model to hardware-mode traces (``twin calibrate``).
+
+A hardware trace records every input each rank handled and every effect it returned, on one
+clock. ``measure`` reads the pieces of the cost model straight out of it:
+
+* control plane: each SGLang frame's ``Send`` on its source to its ``MessageArrived`` on its
+  destination (``zmq_latency_s`` from the fast end, ``zmq_jitter_s`` the exponential whose
+  median matches the median);
+* bootstrap: arrival to the last prefill rank's ``RoomBootstrapped`` (``decode_prealloc_s``,
+  which also absorbs the metadata path);
+* kernels and transfers: ``StartScatter`` to ``ScatterDone`` and ``StartTransfer`` to
+  ``TransferDone`` against their byte counts (launch cost and bandwidth; the scatter's excess
+  over its kernel time is the decode loop's polling, ``decode_poll_interval_s``);
+* prefill cadence: the gap between a room's successive ``SendKV`` calls
+  (``forward_overhead_s``; the hardware mode's scheduler forwards one request at a time for a
+  fixed time, and decodes nothing, so per-token and decode compute costs are zero).
+
+``calibrate`` then simulates each trace's own workload with those costs and scales the three
+parameters the measurement pins down least (control-plane jitter, the forward cadence and the
+polling interval) so that the simulated per-room p50 transfer span and time until all KV landed
+match the measured ones across the traces. ``write_costs`` writes the ``[sim]`` table; ``twin
+replay TRACE --config costs.toml`` compares any hardware trace with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from twin.core import wire
+from twin.runtime.params import SimParams
+from twin.trace.format import Trace
+
+PHASES = ("kv_done_s", "transfer_s")
+"""What calibration matches: per room, arrival to all KV landed, and first StartTransfer to
+last TransferDone (the phases ``twin replay`` compares)."""
+
+
+@dataclass
+class Measured:
+    """What one hardware trace says about each part of the cost model (seconds, bytes)."""
+
+    path: str
+    frames: list[float] = field(default_factory=list)
+    bootstrap: list[float] = field(default_factory=list)
+    transfers: list[tuple[int, float]] = field(default_factory=list)
+    transfer_busy: list[tuple[int, float]] = field(default_factory=list)  # per node: bytes, busy s
+    scatters: list[tuple[int, float]] = field(default_factory=list)
+    forward_gaps: list[float] = field(default_factory=list)
+    rank_skew: list[float] = field(default_factory=list)  # one scheduler call, across ranks
+    phases: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        def q(values: list[float]) -> dict[str, float]:
+            if not values:
+                return {}
+            a = np.asarray(values)
+            return {"n": int(a.size), "p10": float(np.percentile(a, 10)),
+                    "p50": float(np.median(a)), "p90": float(np.percentile(a, 90))}
+        return {"frames_s": q(self.frames), "bootstrap_s": q(self.bootstrap),
+                "write_s": q([d for _, d in self.transfers]),
+                "scatter_s": q([d for _, d in self.scatters]),
+                "forward_gap_s": q(self.forward_gaps), "rank_skew_s": q(self.rank_skew),
+                **{p: q([v[p] for v in self.phases.values() if p in v]) for p in PHASES}}
+
+
+def measure(trace: Trace) -> Measured:
+    """Read the cost model's pieces out of a hardware trace (see the module docstring)."""
+    from twin.replay.timing import room_phases
+
+    m = Measured(str(trace.path))
+    arrival: dict[int, float] = {}
+    booted: dict[int, float] = {}
+    frames = _FrameMatcher()
+    xfers: dict[tuple[str, int], tuple[float, int]] = {}
+    scatters: dict[tuple[str, int, int], tuple[float, int]] = {}
+    per_room: dict[tuple[str, int], list[float]] = defaultdict(list)
+    spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    calls: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for rec in trace.events:
+        t, kind = rec.t, rec.type
+        if kind == "RequestArrived":
+            arrival[rec.data["room"]] = t
+            continue
+        if rec.dir not in ("in", "out"):
+            continue
+        e = rec.event
+        if kind == "Send":
+            frames.sent(t, rec.node, e.dst, e.msg)
+        elif kind == "MessageArrived":
+            frames.arrived(t, e.src, rec.node, e.msg)
+        elif kind == "RoomBootstrapped":
+            booted[e.room] = max(booted.get(e.room, 0.0), t)
+        elif kind == "StartTransfer":
+            xfers[(rec.node, e.worker)] = (t, e.nbytes)
+        elif kind == "TransferDone":
+            start = xfers.pop((rec.node, e.worker), None)
+            if start is not None and e.ok:
+                m.transfers.append((start[1], t - start[0]))
+                spans[rec.node].append((start[0], t, start[1]))
+        elif kind == "StartScatter":
+            scatters[(rec.node, e.room, e.chunk_idx)] = (t, e.nbytes)
+        elif kind == "ScatterDone":
+            start = scatters.pop((rec.node, e.room, e.chunk_idx), None)
+            if start is not None:
+                m.scatters.append((start[1], t - start[0]))
+        elif kind in ("Prefetch", "SendKV"):
+            calls[(kind, e.room, getattr(e, "end_idx", -1))].append(t)
+            per_room[(rec.node, e.room)].append(t)
+    m.frames = frames.latencies
+    m.bootstrap = [booted[r] - arrival[r] for r in booted if r in arrival]
+    m.rank_skew = [max(v) - min(v) for v in calls.values() if len(v) > 1]
+    # A rank's calls for one room come a forward apart, but commands delayed by scheduling
+    # arrive in bunches: the room's mean gap is its cadence.
+    m.forward_gaps = [(v[-1] - v[0]) / (len(v) - 1) for v in per_room.values() if len(v) > 1]
+    for node_spans in spans.values():
+        busy, end = 0.0, -math.inf
+        for a, b, _ in sorted(node_spans):
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        m.transfer_busy.append((sum(n for _, _, n in node_spans), busy))
+    m.phases = room_phases(trace)
+    return m
+
+
+class _FrameMatcher:
+    """Pairs each frame's ``Send`` (source, time) with its ``MessageArrived`` at the
+    destination: same destination and bytes, in order; the source too where the arrival names
+    it (a hardware rank does not know the sender of every socket's frames)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[str, tuple[bytes, ...]], deque[tuple[float, str]]] = \
+            defaultdict(deque)
+        self.latencies: list[float] = []
+
+    def sent(self, t: float, src: str, dst: str, msg: wire.Message) -> None:
+        self._sent[(dst, tuple(wire.encode(msg)))].append((t, src))
+
+    def arrived(self, t: float, src: str, dst: str, msg: wire.Message) -> None:
+        q = self._sent.get((dst, tuple(wire.encode(msg))))
+        if not q:
+            return
+        for i, (t0, s) in enumerate(q):
+            if not src or s == src:
+                del q[i]
+                self.latencies.append(t - t0)
+                return
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(intercept, seconds per byte)`` through the median duration of each byte size
+    (least squares when there are several sizes; proportional when there is one)."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for b, d in points:
+        by[b].append(d)
+    xs = np.array(sorted(by), dtype=float)
+    ys = np.array([float(np.median(by[int(b)])) for b in xs])
+    if len(xs) >= 2:
+        slope, intercept = np.polyfit(xs, ys, 1)
+        if slope > 0 and intercept >= 0:
+            return float(intercept), float(slope)
+    return 0.0, float(np.median(ys / xs))
+
+
+def direct_params(measured: list[Measured], base: SimParams | None = None) -> SimParams:
+    """Cost parameters read straight from the traces (before the joint fit)."""
+    base = base or SimParams()
+    frames = [x for m in measured for x in m.frames]
+    boot = [x for m in measured for x in m.bootstrap]
+    gaps = [x for m in measured for x in m.forward_gaps]
+    scat = [x for m in measured for x in m.scatters]
+    xfer = [x for m in measured for x in m.transfers]
+    changes: dict[str, Any] = {
+        # The hardware mode's prefill: one request per forward, a fixed time per forward; no
+        # decode compute.
+        "prefill_s_per_token": 0.0, "prefill_s_per_token_ctx": 0.0,
+        "prefill_requests_per_forward": 1, "decode_step_s": 0.0, "decode_s_per_seq": 0.0,
+        "decode_s_per_ctx_token": 0.0, "ranks_per_nic": 1,
+    }
+    if frames:
+        lo = float(np.percentile(frames, 5))
+        changes["zmq_latency_s"] = lo
+        changes["zmq_jitter_s"] = max(0.0, (float(np.median(frames)) - lo) / math.log(2))
+    if boot:
+        changes["decode_prealloc_s"] = max(0.0, float(np.median(boot))
+                                           - changes.get("zmq_latency_s", base.zmq_latency_s))
+    if gaps:
+        changes["forward_overhead_s"] = float(np.median(gaps))
+    skew = [x for m in measured for x in m.rank_skew]
+    if skew:
+        # Two ranks' exponential delays of mean mu differ by an exponential of mean mu.
+        changes["prefill_command_jitter_s"] = float(np.median(skew)) / math.log(2)
+    launch = base.kernel_launch_s
+    if scat:
+        # The kernel: the fast end of each size; the rest is waiting for the next poll, on
+        # average half the polling interval.
+        fast = [(b, d) for b, d in scat if d <= np.percentile([x for y, x in scat if y == b], 25)]
+        launch, per_byte = _fit_line(fast or scat)
+        launch = max(launch, 1e-6)
+        changes["kernel_launch_s"] = launch
+        changes["scatter_bandwidth_Bps"] = 1.0 / per_byte if per_byte > 0 else 1e15
+        kernel = [launch + b * per_byte for b, _ in scat]
+        excess = float(np.median([d - k for (_, d), k in zip(scat, kernel, strict=True)]))
+        changes["decode_poll_interval_s"] = max(1e-4, 2 * excess)
+    if xfer:
+        # A WRITE's time against its size (median per size). On a host where WRITEs overlap
+        # and wait on process scheduling more than on bytes, that time is latency: per-byte
+        # cost goes to the gather (which does not queue), the rest to the WRITE's latency,
+        # and the NIC is not the bottleneck. A rank's busy time (``transfer_busy``) says so:
+        # its bytes over the time any WRITE was in flight is far below a NIC's bandwidth.
+        # The fast end (p10 of each size) is the WRITE itself; the median's excess over it
+        # is an exponential wait (its median is ln 2 times its mean).
+        fast = [(b, d) for b, d in xfer if d <= np.percentile([x for y, x in xfer if y == b], 10)]
+        intercept, per_byte = _fit_line(fast or xfer)
+        changes["gather_bandwidth_Bps"] = 1.0 / per_byte if per_byte > 0 else 1e15
+        changes["rdma_latency_s"] = max(0.0, intercept - launch)
+        changes["nic_bandwidth_Bps"] = 1e15
+        fit = [intercept + b * per_byte for b, _ in xfer]
+        excess = float(np.median([d - f for (_, d), f in zip(xfer, fit, strict=True)]))
+        changes["transfer_jitter_s"] = max(0.0, excess / math.log(2))
+    return base.replace(**changes)
+
+
+class _Frames:
+    """A simulation recorder keeping each SGLang frame's latency, matched as ``measure``
+    matches them in a hardware trace."""
+
+    def __init__(self) -> None:
+        self.matcher = _FrameMatcher()
+
+    @property
+    def latencies(self) -> list[float]:
+        return self.matcher.latencies
+
+    def write_input(self, t: float, node: str, event: Any) -> None:
+        if type(event).__name__ == "MessageArrived":
+            self.matcher.arrived(t, event.src, node, event.msg)
+
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None:
+        for e in effects:
+            if type(e).__name__ == "Send":
+                self.matcher.sent(t, node, e.dst, e.msg)
+
+    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None:
+        pass
+
+
+def simulate_phases(trace: Trace, params: SimParams, seeds: tuple[int, ...] = (0,)
+                    ) -> dict[str, float]:
+    """The p50 of each phase over the rooms of ``trace``'s run simulated with ``params``
+    (the median over ``seeds``), and of the frame latency (``frame_s``)."""
+    from twin.core.defects import Defects
+    from twin.runtime.faults import parse_fault
+    from twin.sim.runner import run_sim
+    from twin.workloads import Workload
+
+    header = trace.header
+    workload = Workload.from_jsonable(header.get("workload", {}))
+    run = trace.config.extra.get("run", {})
+    overrides = {int(k): v for k, v in run.get("request_overrides", {}).items()}
+    out: dict[str, list[float]] = {p: [] for p in (*PHASES, "frame_s")}
+    for seed in seeds:
+        frames = _Frames()
+        result = run_sim(trace.config, workload, defects=Defects.of(header.get("defects", [])),
+                         faults=[parse_fault(f) for f in header.get("faults", [])], seed=seed,
+                         params=params, request_overrides=overrides,
+                         max_concurrency=run.get("max_concurrency"), recorder=frames)
+        if frames.latencies:
+            out["frame_s"].append(float(np.median(frames.latencies)))
+        done = [r for r in result.sim.metrics.done if r.status == "Success"]
+        if done:
+            out["kv_done_s"].append(float(np.median([r.kv_done_s - r.arrival_s for r in done])))
+            spans = [r.last_transfer_s - r.first_transfer_s for r in done
+                     if r.first_transfer_s >= 0]
+            if spans:
+                out["transfer_s"].append(float(np.median(spans)))
+    return {p: float(np.median(v)) for p, v in out.items() if v}
+
+
+def measured_phases(m: Measured) -> dict[str, float]:
+    """The p50 of each phase over the trace's rooms, and of its frame latencies."""
+    out = {}
+    for p in PHASES:
+        values = [v[p] for v in m.phases.values() if p in v]
+        if values:
+            out[p] = float(np.median(values))
+    if m.frames:
+        out["frame_s"] = float(np.median(m.frames))
+    return out
+
+
+@dataclass
+class Calibration:
+    """The fitted parameters and how well they reproduce each calibration trace."""
+
+    params: SimParams
+    direct: SimParams
+    scales: dict[str, float]
+    fit: list[dict[str, Any]]
+    measured: list[Measured]
+
+    def report(self) -> dict[str, Any]:
+        return {"params": _fitted(self.params), "scales": self.scales, "traces": self.fit}
+
+
+FITTED = ("zmq_latency_s", "zmq_jitter_s", "rdma_latency_s", "transfer_jitter_s",
+          "nic_bandwidth_Bps",
+          "ranks_per_nic", "gather_bandwidth_Bps", "scatter_bandwidth_Bps", "kernel_launch_s",
+          "forward_overhead_s", "prefill_s_per_token", "prefill_s_per_token_ctx",
+          "prefill_requests_per_forward", "prefill_command_jitter_s", "decode_poll_interval_s", "decode_step_s",
+          "decode_s_per_seq", "decode_s_per_ctx_token", "decode_prealloc_s")
+"""The ``[sim]`` fields calibration sets."""
+
+SCALED = ("zmq_latency_s", "zmq_jitter_s", "prefill_command_jitter_s", "forward_overhead_s",
+          "decode_poll_interval_s")
+"""Fields the joint fit scales (the ones a trace's measurement pins down least)."""
+
+
+def _fitted(p: SimParams) -> dict[str, Any]:
+    d = p.to_dict()
+    return {k: (float(f"{d[k]:.6g}") if isinstance(d[k], float) else d[k]) for k in FITTED}
+
+
+def _scaled(p: SimParams, scales: dict[str, float]) -> SimParams:
+    return p.replace(**{k: getattr(p, k) * s for k, s in scales.items()})
+
+
+def _loss(traces: list[Trace], targets: list[dict[str, float]], params: SimParams,
+          seeds: tuple[int, ...]) -> tuple[float, list[dict[str, float]]]:
+    total = 0.0
+    sims = []
+    for trace, want in zip(traces, targets, strict=True):
+        got = simulate_phases(trace, params, seeds)
+        sims.append(got)
+        for p in (*PHASES, "frame_s"):
+            if p in want and got.get(p, 0) > 0:
+                total += math.log(got[p] / want[p]) ** 2
+            elif p in want:
+                total += 100.0
+    return total, sims
+
+
+def calibrate(traces: list[Trace], base: SimParams | None = None,
+              seeds: tuple[int, ...] = (0, 1, 2), steps: tuple[float, ...] = (2, 1, 0.5, 0.25)
+              ) -> Calibration:
+    """Measure the traces, then scale ``SCALED`` to match every trace's p50 phases: a
+    coordinate search in log2 space, each step size (``steps``) until no move helps.
+
+    The measured frame latencies already include the waits of per-link FIFO order, which the
+    simulator adds again to each drawn latency; the jitter scale is how much of the measured
+    spread is left for the draw."""
+    measured = [measure(t) for t in traces]
+    direct = direct_params(measured, base)
+    targets = [measured_phases(m) for m in measured]
+    scales = dict.fromkeys(SCALED, 1.0)
+    best, sims = _loss(traces, targets, direct, seeds)
+    for step in steps:
+        improved = True
+        while improved and best > 1e-4:
+            improved = False
+            for name in SCALED:
+                for sign in (1, -1):
+                    factor = scales[name] * 2 ** (sign * step)
+                    if not 2 ** -8 <= factor <= 2 ** 4:
+                        continue
+                    trial = {**scales, name: factor}
+                    loss, trial_sims = _loss(traces, targets, _scaled(direct, trial), seeds)
+                    if loss < best - 1e-9:
+                        best, scales, sims, improved = loss, trial, trial_sims, True
+                        break
+    params = _scaled(direct, scales)
+    fit = [{"trace": m.path, "measured_p50": targets[i], "simulated_p50": sims[i],
+            "ratio_p50": {p: round(sims[i][p] / targets[i][p], 4) for p in (*PHASES, "frame_s")
+                          if p in targets[i] and p in sims[i]}}
+           for i, m in enumerate(measured)]
+    return Calibration(params, direct, {k: round(v, 4) for k, v in scales.items()}, fit,
+                       measured)
+
+
+def write_costs(cal: Calibration, path: str | Path) -> Path:
+    """Write the ``[sim]`` table (with a comment naming the traces and the fit)."""
+    import tomli_w
+
+    p = Path(path)
+    lines = ["# Cost model fitted by `twin calibrate` to hardware-mode traces:"]
+    for f in cal.fit:
+        ratio = ", ".join(f"{k} {v:.3f}" for k, v in f["ratio_p50"].items())
+        lines.append(f"#   {f['trace']}: simulated/measured p50 {ratio}")
+    lines.append(f"# joint-fit scales: {', '.join(f'{k} x{v:g}' for k, v in cal.scales.items())}")
+    body = tomli_w.dumps({"sim": _fitted(cal.params)})
+    p.write_text("\n".join(lines) + "\n" + body)
+    return p
+
+
+def costs_from(config_path: str | None) -> SimParams | None:
+    """The ``[sim]`` costs of a config file (``twin replay --config``); None without one.
+    ``ConfigError`` names the file and field."""
+    if config_path is None:
+        return None
+    from twin.core.config import TwinConfig
+
+    cfg = TwinConfig.from_toml(config_path)
+    return SimParams.from_dict(cfg.extra.get("sim", {}), config_path)
