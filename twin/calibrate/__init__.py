@@ -347,8 +347,8 @@ def _loss(traces: list[Trace], targets: list[dict[str, float]], params: SimParam
 
 
 def calibrate(traces: list[Trace], base: SimParams | None = None,
-              seeds: tuple[int, ...] = (0, 1, 2), steps: tuple[float, ...] = (2, 1, 0.5, 0.25)
-              ) -> Calibration:
+              seeds: tuple[int, ...] = (0, 1, 2), steps: tuple[float, ...] = (2, 1, 0.5, 0.25),
+              scaled: tuple[str, ...] = SCALED) -> Calibration:
     """Measure the traces, then scale ``SCALED`` to match every trace's p50 phases: a
     coordinate search in log2 space, each step size (``steps``) until no move helps.
 
@@ -358,13 +358,13 @@ def calibrate(traces: list[Trace], base: SimParams | None = None,
     measured = [measure(t) for t in traces]
     direct = direct_params(measured, base)
     targets = [measured_phases(m) for m in measured]
-    scales = dict.fromkeys(SCALED, 1.0)
+    scales = dict.fromkeys(scaled, 1.0)
     best, sims = _loss(traces, targets, direct, seeds)
     for step in steps:
         improved = True
         while improved and best > 1e-4:
             improved = False
-            for name in SCALED:
+            for name in scaled:
                 for sign in (1, -1):
                     factor = scales[name] * 2 ** (sign * step)
                     if not 2 ** -8 <= factor <= 2 ** 4:

@@ -18,7 +18,7 @@ import functools
 import gzip
 import json
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,8 @@ class Profile:
     decode_linear_ms: list[float]
     decode_attn_ms: list[list[float]]  # [ctx][batch]
     check: dict[str, list[list[float]]]
+    _by_batch: dict[int, tuple[float, list[float]]] = field(default_factory=dict, repr=False,
+                                                            compare=False)
 
     @property
     def source(self) -> str:
@@ -87,10 +89,12 @@ class Profile:
         """One decode step of ``batch`` requests holding ``ctx_tokens`` context tokens in all."""
         if batch <= 0:
             return 0.0
-        per = ctx_tokens / batch
-        cols = [interp(DECODE_BATCH, row, batch) for row in self.decode_attn_ms]
-        return (interp(DECODE_BATCH, self.decode_linear_ms, batch)
-                + interp(DECODE_CTX, cols, per)) * 1e-3
+        at = self._by_batch.get(batch)
+        if at is None:  # the attention column and linear part of this batch size, once
+            cols = [interp(DECODE_BATCH, row, batch) for row in self.decode_attn_ms]
+            at = self._by_batch[batch] = (interp(DECODE_BATCH, self.decode_linear_ms, batch),
+                                          cols)
+        return (at[0] + interp(DECODE_CTX, at[1], ctx_tokens / batch)) * 1e-3
 
 
 @functools.lru_cache(maxsize=16)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,12 @@ from twin.core.topology import Topology
 from twin.models.costs import ServerCosts
 from twin.runtime.params import SimParams
 from twin.runtime.requests import RequestState
+
+MAX_RUN = 256
+"""Most decode steps one scheduled callback covers."""
+
+RECORD_EVERY_S = 0.01
+"""Time resolution of the loop's recorded series while only the KV tokens change."""
 
 RETRACT_DECODE_STEPS = 20
 """After a retraction the batch keeps room for this many more steps (SGLang's constant)."""
@@ -117,8 +124,12 @@ class DecodeLoop:
         self.steps_run = 0
         self.retractions = 0
         self._ends: list[tuple[int, int, int]] = []  # (last step, seq, room) of running slots
-        self._busy = False  # an iteration or a step is scheduled
+        self._busy = False  # an iteration or a run of steps is scheduled
+        self._token = 0
+        self._next_at = 0.0
+        self._run_times: list[float] = []  # step ends of the run in flight
         self.series = LoopSeries()
+        self.iterations: list[float] | None = None  # set to a list to record every iteration
 
     # -- what the simulation tells the loop ----------------------------------------------------
     def arrived(self, req: RequestState) -> None:
@@ -129,7 +140,7 @@ class DecodeLoop:
     def scatter_started(self, node: str, finish: float, done: ev.ScatterDone) -> None:
         """A scatter was launched on ``node``'s stream; its event fires at ``finish``."""
         self.scatters[node].append((finish, done))
-        self._kick()
+        self._kick(finish)
 
     def room_concluded(self, req: RequestState) -> None:
         """Every decode rank of the group concluded the room (Success or Failed)."""
@@ -145,53 +156,107 @@ class DecodeLoop:
         return True
 
     # -- the loop ------------------------------------------------------------------------------
-    def _kick(self) -> None:
-        if self._busy:
-            return
-        self._busy = True
-        now = self.sim.time()
+    # Scheduling: one pending callback at a time (``_token`` cancels a superseded one). A run
+    # of decode steps during which nothing the loop polls can change is one callback, not one
+    # per step: it ends at the first request's last token, when the KV pool would run short,
+    # at the first step boundary after a scatter finishes, or after MAX_RUN steps; an outside
+    # event (arrival, scatter, conclusion) cuts it at the first boundary the per-step loop
+    # would have seen it. The result is the same as iterating step by step.
+
+    def _grid(self, t: float) -> float:
         p = self.idle_s
-        at = math.ceil(now / p - 1e-9) * p if p > 0 else now
-        self.sim.at(at - now, self._iterate)
+        return math.ceil(t / p - 1e-9) * p if p > 0 else t
+
+    def _schedule(self, at: float, fn: Callable[..., None], *args: Any) -> None:
+        self._token += 1
+        self._next_at = at
+        self._busy = True
+        self.sim.at(at - self.sim.time(), self._fire, self._token, fn, args)
+
+    def _fire(self, token: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        if token == self._token:
+            fn(*args)
+
+    def _kick(self, due: float | None = None) -> None:
+        """Something the next poll must see happens at ``due`` (default now)."""
+        now = self.sim.time()
+        due = now if due is None else max(due, now)
+        if not self._busy:
+            self._schedule(max(self._grid(due), now), self._iterate)
+        elif self._run_times:  # cut a run of steps at the first boundary at or after ``due``
+            times = self._run_times
+            j = bisect_left(times, due)
+            if j < len(times) - 1:
+                del times[j + 1:]
+                self._schedule(times[j], self._steps_done, j + 1)
+        elif self._grid(due) < self._next_at:  # an idle poll, due earlier
+            self._schedule(max(self._grid(due), now), self._iterate)
 
     def _iterate(self) -> None:
         now = self.sim.time()
-        self._resume_retracted()
+        if self.iterations is not None:
+            self.iterations.append(now)
+        if self.retracted:
+            self._resume_retracted()
         if not self.retracted:
             self.polls = (self.polls + 1) % self.poll_every
             if self.polls == 0:
-                self._pop_preallocated()
+                if self.prealloc:
+                    self._pop_preallocated()
                 self._poll_scatters(now)
-                self._pop_transferred()
-        self._merge_waiting()
-        if self.running:
+                if self.concluded:
+                    self._pop_transferred()
+        if self.waiting:
+            self._merge_waiting()
+        if self.running and self.capacity - self.used < len(self.running):
             self._make_room()
         self._record(now)
         if self.running:
-            duration = self.costs.decode_step_s(len(self.running), self.ctx)
-            self.sim.at(duration, self._step_done)
+            self._run_steps(now)
             return
         self._idle(now)
+
+    def _run_steps(self, now: float) -> None:
+        n = len(self.running)
+        steps = 1
+        if self.poll_every == 1 and not self.prealloc and not self.retracted:
+            ends = self._ends
+            while ends and (ends[0][2] not in self.running
+                            or self.running[ends[0][2]].seq != ends[0][1]):
+                heapq.heappop(ends)  # stale: retracted since
+            steps = min(MAX_RUN, max(1, (self.capacity - self.used) // n),
+                        ends[0][0] - self.step if ends else MAX_RUN)
+        due = min((q[0][0] for q in self.scatters.values() if q), default=math.inf)
+        times = self._run_times = []
+        t, ctx, step_s = now, self.ctx, self.costs.decode_step_s
+        for _ in range(max(1, steps)):
+            t += step_s(n, ctx)
+            ctx += n
+            times.append(t)
+            if t >= due:
+                break
+        self._schedule(t, self._steps_done, len(times))
 
     def _idle(self, now: float) -> None:
         """Nothing to run: iterate again while something can change, else sleep."""
         p = self.idle_s
         if self.concluded or self.waiting or self.retracted:
-            self.sim.at(p, self._iterate)
+            self._schedule(now + p, self._iterate)
             return
         finish = min((q[0][0] for q in self.scatters.values() if q), default=None)
         if finish is not None:
-            at = math.ceil(finish / p - 1e-9) * p if p > 0 else finish
-            self.sim.at(max(at, now + p if at <= now else at) - now, self._iterate)
+            at = self._grid(finish)
+            self._schedule(at if at > now else now + p, self._iterate)
             return
         self._busy = False  # sleep; an arrival, scatter or conclusion wakes the loop
 
-    def _step_done(self) -> None:
-        self.step += 1
-        self.steps_run += 1
+    def _steps_done(self, count: int) -> None:
+        self._run_times = []
         n = len(self.running)
-        self.ctx += n
-        self.used += n
+        self.step += count
+        self.steps_run += count
+        self.ctx += n * count
+        self.used += n * count
         ends = self._ends
         while ends and ends[0][0] <= self.step:
             _, seq, room = heapq.heappop(ends)
@@ -322,10 +387,14 @@ class DecodeLoop:
             self.waiting.append(slot)
 
     def _record(self, now: float) -> None:
+        """One point per change of batch, queue or retractions, and at least every
+        ``RECORD_EVERY_S`` while the KV pool moves (not one per step: a long run has
+        hundreds of thousands of steps)."""
         s = self.series
-        if s.t and s.batch[-1] == 0 == len(self.running) and s.kv_tokens[-1] == self.used \
-                and s.queued[-1] == len(self.prealloc):
-            return  # an idle iteration that changed nothing
+        if s.t and s.batch[-1] == len(self.running) and s.queued[-1] == len(self.prealloc) \
+                and s.retracted[-1] == len(self.retracted) and (
+                    s.kv_tokens[-1] == self.used or now - s.t[-1] < RECORD_EVERY_S):
+            return
         s.t.append(now)
         s.batch.append(len(self.running))
         s.kv_tokens.append(self.used)
