@@ -15,6 +15,11 @@ source's own values where the grid has none, for the accuracy test) and the prov
 Run (needs the optional ``profiles`` extra: ``pip install 'staging-twin[profiles]'``)::
 
     python -m twin.models.derive [--gpu H200 ...] [--model Llama-3.1-8B ...] [-o DIR]
+    python -m twin.models.derive --check --gpu H200 --model Llama-3.1-8B --tp 4
+
+``--check`` compares the shipped profiles with the source at every token count from 256 to
+8,192 (prefill, batch 1) and on a dense grid of decode batches and contexts, and prints the
+largest relative error.
 """
 
 from __future__ import annotations
@@ -165,12 +170,38 @@ def derive_gpu(gpu: str, models: list[str]) -> dict[str, Any]:
     return out
 
 
+def check(gpu: str, models: list[str], tps: list[int]) -> None:
+    """Print the largest relative error of the shipped profiles against the source."""
+    from twin.models.profile import find_profile
+
+    src = Source(GPUS[gpu].aiconfigurator_system)
+    for name in models:
+        for tp in tps:
+            prof = find_profile(name, gpu, tp)
+            if prof is None:
+                continue
+            model = src.model(MODELS[name], tp)
+            pre = max(abs(prof.prefill_s([(t, 0)]) / (src.prefill(model, t, 0)[0] * 1e-3) - 1)
+                      for t in range(256, 8193))
+            dec = max(abs(prof.decode_s(b, b * c) / (src.decode(model, b, c)[0] * 1e-3) - 1)
+                      for b in (1, 2, 3, 5, 7, 10, 20, 33, 50, 64, 77, 100, 128, 150, 200, 256,
+                                300, 400, 512) for c in range(256, 8193, 301))
+            print(f"{gpu} {name} TP{tp}: prefill 256-8192 tokens max error {pre:.4%}; "
+                  f"decode max error {dec:.4%}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="append", choices=sorted(GPUS))
     ap.add_argument("--model", action="append", choices=sorted(MODELS))
+    ap.add_argument("--tp", action="append", type=int, choices=TPS)
+    ap.add_argument("--check", action="store_true", help="compare shipped profiles with the source")
     ap.add_argument("-o", "--out", type=Path, default=PROFILE_DIR)
     args = ap.parse_args(argv)
+    if args.check:
+        for gpu in args.gpu or ["H200"]:
+            check(gpu, args.model or ["Llama-3.1-8B"], args.tp or list(TPS))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     for gpu in args.gpu or ["H200", "H100", "B200"]:
         data = derive_gpu(gpu, args.model or list(MODELS))
