@@ -93,6 +93,7 @@ class LoopSeries:
     kv_tokens: list[int] = field(default_factory=list)
     queued: list[int] = field(default_factory=list)  # waiting for pre-allocation
     retracted: list[int] = field(default_factory=list)
+    steps: int = 0  # decode steps run
 
 
 class DecodeLoop:
@@ -255,6 +256,7 @@ class DecodeLoop:
         n = len(self.running)
         self.step += count
         self.steps_run += count
+        self.series.steps += count
         self.ctx += n * count
         self.used += n * count
         ends = self._ends

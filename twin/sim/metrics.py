@@ -148,7 +148,7 @@ class Metrics:
         out: dict[str, Any] = {}
         for g, loop in enumerate(self.loops):
             if len(loop.t) < 2:
-                out[str(g)] = {"steps": 0}
+                out[str(g)] = {"steps": loop.steps}
                 continue
             t = np.asarray(loop.t)
             dt = np.diff(t)
@@ -156,7 +156,7 @@ class Metrics:
             kv = np.asarray(loop.kv_tokens[:-1])
             busy = dt[b > 0].sum()
             out[str(g)] = {
-                "steps": int((np.asarray(loop.batch) > 0).sum()),
+                "steps": loop.steps,
                 "mean_batch": round(float((b * dt).sum() / busy), 3) if busy > 0 else 0.0,
                 "peak_batch": int(max(loop.batch)),
                 "mean_kv_tokens": round(float((kv * dt).sum() / dt.sum()), 1)
