@@ -192,3 +192,18 @@ def test_same_seed_same_trace_with_a_named_model(tmp_path: Any) -> None:
 def test_scatter_done_event_type_is_unchanged() -> None:
     """The loop feeds the core's own ScatterDone (no new input type in traces)."""
     assert ev.ScatterDone in ev.INPUT_TYPES
+
+
+def test_a_run_stopped_while_requests_decode_replays_to_the_same_outcome(tmp_path: Any) -> None:
+    """``completed`` counts transfers that completed (what a replay recounts), even when the
+    request is still decoding at ``--until``."""
+    from twin.replay import replay_sim
+    from twin.trace.format import read_trace
+
+    path = tmp_path / "until.jsonl"
+    r = run_sim(_cfg(), poisson(40, 40.0, 1024, 400, seed=13), params=QUIET, until=0.6,
+                trace_out=path)
+    s = r.summary()
+    assert s["status"] == "until" and s["decoding"] > 0
+    assert s["completed"] + s["failed"] + s["unfinished"] == s["requests"]
+    assert replay_sim(read_trace(path)).same_outcome

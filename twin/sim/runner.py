@@ -47,26 +47,33 @@ class SimResult:
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
                       unfinished=self.sim.unfinished, stopped=RunStatus.UNTIL)
 
+    def _counts(self) -> tuple[int, int]:
+        """Requests whose KV transfer completed, and that failed (the protocol's outcome, as
+        a replay recounts it; a completed request may still be decoding at ``--until``)."""
+        reqs = self.sim.requests.values()
+        return (sum(r.status == "Success" for r in reqs), sum(r.status == "Failed" for r in reqs))
+
     @property
     def verdict(self) -> Verdict:
         sim = self.sim
-        done = sim.metrics.done
+        completed, failed = self._counts()
         return Verdict(status=self.status, requests=len(sim.workload.requests),
-                       completed=sum(r.status == "Success" for r in done),
-                       failed=sum(r.status == "Failed" for r in done),
-                       unfinished=sim.unfinished, diagnosis=list(self.diagnosis),
+                       completed=completed, failed=failed,
+                       unfinished=len(sim.workload.requests) - completed - failed,
+                       diagnosis=list(self.diagnosis),
                        corruption=self.corruption[:50])
 
     def summary(self) -> dict[str, Any]:
         sim = self.sim
-        done = sim.metrics.done
+        completed, failed = self._counts()
         return {
             "status": self.status.value,
             "requests": len(sim.workload.requests),
             "arrived": sim.arrived,
-            "completed": sum(r.status == "Success" for r in done),
-            "failed": sum(r.status == "Failed" for r in done),
-            "unfinished": sim.unfinished,
+            "completed": completed,
+            "failed": failed,
+            "unfinished": len(sim.workload.requests) - completed - failed,
+            "decoding": sim.unfinished - (len(sim.workload.requests) - completed - failed),
             "wedged": self.wedged,
             "corrupted": bool(self.corruption),
             "diagnosis": self.diagnosis,
