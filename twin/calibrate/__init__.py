@@ -66,6 +66,7 @@ class Measured:
                 "write_s": q([d for _, d in self.transfers]),
                 "scatter_s": q([d for _, d in self.scatters]),
                 "forward_gap_s": q(self.forward_gaps), "rank_skew_s": q(self.rank_skew),
+                "rank_write_Bps": q([b / t for b, t in self.transfer_busy if t > 0]),
                 **{p: q([v[p] for v in self.phases.values() if p in v]) for p in PHASES}}
 
 

@@ -12,8 +12,7 @@ dense BF16 tensor throughput), the same values aiconfigurator's system files use
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -227,36 +226,3 @@ def check_tp(model: ModelSpec, tp: int, role: str) -> None:
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise ConfigError(f"{role}: {model.name} has {kv} KV heads: attention TP size {tp} must "
                           f"divide them or be a multiple of them")
-
-
-def with_kv_dtype(model: ModelSpec, kv_bytes: int | None) -> ModelSpec:
-    return model if kv_bytes is None else replace(model, dtype_bytes=kv_bytes)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def log_interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear interpolation in log-log space, extrapolated linearly (in x) past
-    either end from the last segment (tables of positive, increasing ``xs``)."""
-    if x <= 0:
-        return ys[0]
-    n = len(xs)
-    if n == 1:
-        return ys[0] * x / xs[0]
-    if x >= xs[-1]:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return ys[-1] + slope * (x - xs[-1])
-    if x <= xs[0]:
-        return ys[0] * (x / xs[0]) ** max(0.0, math.log(ys[1] / ys[0]) / math.log(xs[1] / xs[0]))
-    lo, hi = 0, n - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if xs[mid] <= x:
-            lo = mid
-        else:
-            hi = mid
-    x0, x1, y0, y1 = xs[lo], xs[hi], ys[lo], ys[hi]
-    f = math.log(x / x0) / math.log(x1 / x0)
-    return float(math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0))))
