@@ -57,7 +57,8 @@ class HwResult:
     @property
     def status(self) -> RunStatus:
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
-                      unfinished=len(self.unfinished), crashed=bool(self.errors))
+                      unfinished=len(self.unfinished), crashed=bool(self.errors),
+                      failed=sum(r.status == "Failed" for r in self.done))
 
     @property
     def exit_code(self) -> int:

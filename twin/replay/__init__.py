@@ -215,7 +215,7 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
     rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
     wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
     status = decide(corrupted=bool(corruption), wedged=wedged, unfinished=len(unfinished),
-                    stopped=rec)
+                    failed=failed, stopped=rec)
     return status.value, completed, failed, unfinished
 
 

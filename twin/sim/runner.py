@@ -26,6 +26,7 @@ class SimResult:
     stop_reason: str
     wall_seconds: float
     diagnosis: list[str] = field(default_factory=list)
+    stopped: RunStatus = RunStatus.UNTIL  # INTERRUPTED after Ctrl-C, SIGTERM or SIGHUP
 
     @property
     def wedged(self) -> bool:
@@ -41,8 +42,9 @@ class SimResult:
 
     @property
     def status(self) -> RunStatus:
+        failed = sum(r.status == "Failed" for r in self.sim.metrics.done)
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
-                      unfinished=self.sim.unfinished, stopped=RunStatus.UNTIL)
+                      unfinished=self.sim.unfinished, failed=failed, stopped=self.stopped)
 
     def summary(self) -> dict[str, Any]:
         sim = self.sim
@@ -150,13 +152,16 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
 
         sim.progress_cb = tick
     t0 = time.perf_counter()
+    stopped = RunStatus.UNTIL
     try:
         reason = sim.run(until=until)
+    except KeyboardInterrupt:
+        reason, stopped = "interrupted", RunStatus.INTERRUPTED
     finally:
         if bar is not None:
             bar.close()
     wall = time.perf_counter() - t0
-    result = SimResult(sim, reason, wall)
+    result = SimResult(sim, reason, wall, stopped=stopped)
     if result.wedged:
         unfinished = {r.room for r in sim.requests.values() if not r.finished}
         result.diagnosis = diagnose(sim.ranks, sim.crashed, unfinished, sim.last_dropped)

@@ -77,7 +77,7 @@ DRIVER = "driver"
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
-OUTCOME_STATUSES = ("completed", "wedged", "corrupted", "interrupted", "crashed")
+OUTCOME_STATUSES = ("completed", "failed", "wedged", "corrupted", "interrupted", "crashed")
 GZIP_MAGIC = b"\x1f\x8b"
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
