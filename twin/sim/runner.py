@@ -11,7 +11,7 @@ from typing import Any
 from twin.core.config import TwinConfig
 from twin.core.defects import Defects
 from twin.runtime.diagnosis import diagnose
-from twin.runtime.faults import FaultSpec
+from twin.runtime.faults import FaultSpec, fault_report
 from twin.runtime.outcome import RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.sim.engine import Recorder, Simulation
@@ -67,10 +67,24 @@ class SimResult:
             "seed": sim.seed,
             "defects": sim.defects.sorted(),
             "faults": [f.text for f in sim.injector.specs],
+            "fault_report": fault_report(sim.injector.specs, _fired(sim)),
             "failures": _failure_reasons(sim),
             **sim.metrics.summary(),
             "nic_utilisation": sim.metrics.nic_utilisation(sim.env.now),
         }
+
+
+def _fired(sim: Simulation) -> list[int]:
+    """How often each fault fired. Message and transfer faults are counted as they fire; a
+    timed one fired if the run reached its time (an abort: if it aborted its room)."""
+    fired = list(sim.injector.fired)
+    aborted = {r.reason for r in sim.metrics.done if r.reason.startswith("aborted by fault ")}
+    for i, spec in enumerate(sim.injector.specs):
+        if spec.action == "abort":
+            fired[i] = int(f"aborted by fault {spec.text}" in aborted)
+        elif spec.action in ("crash", "restart"):
+            fired[i] = int(sim.env.now >= (spec.at or 0.0))
+    return fired
 
 
 def _failure_reasons(sim: Simulation) -> dict[str, int]:
