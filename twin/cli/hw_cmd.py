@@ -20,7 +20,7 @@ from twin.cli.common import (
     run_options,
     write_error,
 )
-from twin.runtime.outcome import EXIT_CODES_HELP
+from twin.runtime.outcome import EXIT_CODES_HELP, EXIT_ERROR
 
 
 def _gpus(text: str | None, flag: str) -> list[int] | None:
@@ -80,7 +80,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     run and its ranks; the ranks also die with this process.
     """
     from twin.cli.common import check_output_dir
-    from twin.hw.launcher import HwOptions, PoolError, plan_pool
+    from twin.hw.launcher import HwOptions, LaunchError, PoolError, plan_pool
     from twin.hw.run import HwInputError, run_hw
 
     check_output_file(trace_out, "--trace-out")
@@ -119,6 +119,14 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
                         max_concurrency=concurrency, echo=None if as_json else click.echo)
     except HwInputError as exc:
         raise BadInput(str(exc)) from None
+    except KeyboardInterrupt as exc:  # during start-up; the run itself handles its own
+        why = exc.args[0] if exc.args else "Ctrl-C"
+        click.echo(f"status      interrupted by {why} while starting the ranks; ranks stopped")
+        sys.exit(EXIT_ERROR)
+    except LaunchError as exc:
+        click.echo("status      crashed (the ranks did not start)")
+        click.echo(f"error       {exc}")
+        sys.exit(EXIT_ERROR)
     except OSError as exc:
         if trace_out is None or exc.errno not in WRITE_ERRNOS:
             raise

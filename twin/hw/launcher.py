@@ -120,6 +120,37 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def _check_gpu_memory(topo: Topology, per_rank: dict[str, int], options: HwOptions, pages: int,
+                      longest: int) -> None:
+    """Every GPU's ranks must fit in its free memory."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        counters = {"prefill": 0, "decode": 0}
+        need: dict[str, int] = {}
+        for n in topo.nodes.values():
+            dev = options.device_of(n.role, counters[n.role])
+            counters[n.role] += 1
+            need[dev] = need.get(dev, 0) + per_rank[n.id]
+        for dev, nbytes in need.items():
+            index = int(dev.split(":")[1])
+            if index >= torch.cuda.device_count():
+                raise PoolError(f"{dev}: no such GPU ({torch.cuda.device_count()} visible)")
+            free = torch.cuda.mem_get_info(index)[0]
+            if nbytes > 0.95 * free:
+                raise PoolError(f"{dev}: its ranks would allocate {nbytes / (1 << 30):.1f} GiB "
+                                f"(KV pools of {pages} pages, buffers, rings) but "
+                                f"{free / (1 << 30):.1f} GiB is free; lower --max-concurrency "
+                                f"or --kv-pool-pages (at least {longest}), or spread the ranks "
+                                f"over more GPUs")
+    except PoolError:
+        raise
+    except Exception:  # noqa: BLE001 - a failed probe must not block a run
+        return
+
+
 def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, dict[str, int]],
               options: HwOptions, pages: int | None, max_concurrency: int) -> PoolPlan:
     """The KV pool pages per rank: ``pages`` if given (it must hold the longest request),
@@ -151,7 +182,9 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
                 nbytes += core.buffer_bytes * len(core.workers)
         per_rank[n.id] = nbytes
     plan = PoolPlan(pages, longest, auto, per_rank)
-    if options.device != "cuda":
+    if options.device == "cuda":
+        _check_gpu_memory(topo, per_rank, options, pages, longest)
+    else:
         avail = _available_host_bytes()
         total = sum(per_rank.values())
         if avail is not None and total > 0.9 * avail:
@@ -286,6 +319,7 @@ class Launcher:
                                   f"{self.options.start_timeout_s:g} s")
             dead = [n for n, p in self.procs.items() if not p.is_alive()]
             if dead:
+                self.failed_nodes.update(dead)
                 raise LaunchError(f"rank {dead[0]} exited during {phase} "
                                   f"({_exit_text(self.procs[dead[0]].exitcode)}); its log: "
                                   f"{self.log_of(dead[0])}")

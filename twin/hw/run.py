@@ -88,7 +88,7 @@ class HwResult:
         return {
             "status": self.status.value, "mode": "hw", "requests": self.requests,
             "completed": len(ok), "failed": sum(r.status == "Failed" for r in self.done),
-            "unfinished": len(self.unfinished), "wedged": self.wedged,
+            "unfinished": self.requests - len(self.done), "wedged": self.wedged,
             "corrupted": bool(self.corruption), "diagnosis": self.diagnosis,
             "corruption": self.corruption[:50], "sim_seconds": round(self.run_seconds, 6),
             "wall_seconds": round(self.wall_seconds, 3), "events": self.events,
@@ -335,9 +335,8 @@ class HwRun:
             lau.check_alive()
             if lau.errors:
                 if self.echo is not None:
-                    for line in lau.errors:
-                        self.echo(f"error       {line}")
-                    self.echo("stopping the other ranks ...")
+                    self.echo(f"{lau.errors[0].split(':')[0]} failed; stopping the other "
+                              f"ranks ...")
                 return False
             if not pending and all(r.finished for r in self.reqs.values()):
                 return False
