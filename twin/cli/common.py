@@ -14,11 +14,12 @@ Layers, later ones win field by field:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -127,6 +128,23 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ERO
 def write_error(exc: OSError, flag: str, path: Any) -> BadInput:
     """A ``BadInput`` for an output that could not be written (a full disk, a lost folder)."""
     return BadInput(f"{flag} {str(path)!r}: cannot write: {exc.strerror or exc}")
+
+
+@contextlib.contextmanager
+def writing(flag: str, path: Any) -> Iterator[None]:
+    """Check ``path`` as an output file for ``flag``, then turn a failed write inside the block
+    (a full disk, a folder removed meanwhile) into ``BadInput``::
+
+        with writing("--out", out_path):
+            write_perfetto(trace, out_path)
+    """
+    check_output_file(path, flag)
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        raise write_error(exc, flag, path) from None
 
 
 # -- small loaders ----------------------------------------------------------------------------

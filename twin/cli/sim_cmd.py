@@ -129,7 +129,7 @@ def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args,
 @click.command("scenarios")
 @click.option("--check", is_flag=True,
               help="Run every scenario with its defects on and off and check the symptom.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def scenarios_command(check: bool, as_json: bool) -> None:
     """List the built-in scenarios (one per upstream defect) or check them all."""
     from twin.sim.scenarios import check_scenario

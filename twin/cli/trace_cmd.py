@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from twin.cli.common import BadInput
+from twin.cli.common import BadInput, writing
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
@@ -66,7 +66,8 @@ def perfetto_command(trace_path: str, out_path: str) -> None:
     """Write a Perfetto-viewable timeline of a trace."""
     from twin.trace.perfetto import write_perfetto
 
-    write_perfetto(_read(trace_path), out_path)
+    with writing("--out", out_path):
+        write_perfetto(_read(trace_path), out_path)
     click.echo(f"wrote {out_path} (open it in ui.perfetto.dev)")
 
 
@@ -78,12 +79,12 @@ COMMANDS = [trace_group, perfetto_command]
 @click.option("--mode", type=click.Choice(["sim", "hw"]), default="sim", show_default=True,
               help="sim: fresh cores fed the recorded inputs at the recorded times; "
                    "hw: real rank processes, NIXL and kernels.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
     """Replay a trace and check that it reaches the same outcome.
 
     Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
-    4 corruption (reproduced).
+    4 corruption, 5 failed requests (reproduced).
     """
     trace = _read(trace_path)
     if mode == "hw":
