@@ -184,6 +184,7 @@ def test_outputs_in_a_missing_folder(tmp_path_factory: pytest.TempPathFactory, n
     ("sim", "--decode-args", "--disaggregation-mode prefill"),
     ("sim", "--prefill-args", "'unclosed"),
     ("sim", "--scenario", "warmup-stal"),
+    ("sim", "--scenario-defects"),
     ("hw", "--fault", "crash:d0g0r0:at=1"),
     ("hw", "--fault", "fail-transfer:p=0.5"),
     ("hw", "--prefill-gpus", "0,x"),

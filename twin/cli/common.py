@@ -399,6 +399,9 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
     sc, cfg, params = resolve_deployment(
         scenario=scenario, config_path=config_path, workload_spec=workload_spec,
         prefill_args=prefill_args, decode_args=decode_args, env_items=env_items)
+    if scenario_defects and not sc.defects:
+        raise BadInput(f"--scenario-defects: scenario {sc.name!r} reproduces no defect; name "
+                       f"one with --scenario (see `twin scenarios`)")
     workload = load_workload(workload_spec) if workload_spec else sc.workload()
     total = len(workload.requests)
     cut = ""
@@ -406,6 +409,8 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
         workload = cut_workload(workload, first_n, slowdown)
         if first_n is not None and first_n < total:
             cut += f" (first {first_n} of {total})"
+        elif first_n is not None and first_n > total:
+            cut += f" (all of them; --first-n {first_n} asked for more)"
         if slowdown is not None:
             cut += f" (arrivals stretched x{slowdown:g})"
     names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)

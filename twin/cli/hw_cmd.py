@@ -133,7 +133,8 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         raise write_error(exc, "--trace-out", trace_out) from None
     s = result.summary()
     if as_json:
-        emit_json(s)
+        emit_json({**s, "deployment": describe(run.cfg), "workload_line": run.workload_line(),
+                   "kv_pool": plan.describe(), "notes": run.notes + s["notes"]})
     else:
         from twin.cli.sim_cmd import print_faults
 

@@ -115,7 +115,8 @@ def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args,
             ("--metrics-out", metrics_out)
         raise write_error(exc, flag, path) from None
     if as_json:
-        emit_json(result.summary())
+        emit_json({**result.summary(), "deployment": describe(run.cfg),
+                   "workload_line": run.workload_line(), "notes": run.notes})
     else:
         _print_human(result, run)
         if trace_out:

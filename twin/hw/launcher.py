@@ -59,7 +59,7 @@ class HwOptions:
     prefill_gpus: list[int] | None = None
     decode_gpus: list[int] | None = None
     kv_pool_pages: int = 2048
-    wedge_window_s: float = 5.0
+    wedge_window_s: float | None = None  # None: the run's SimParams.wedge_window_s
     timeout_s: float = 120.0
     start_timeout_s: float = 120.0
     max_concurrency: int = 4

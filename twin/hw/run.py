@@ -137,6 +137,12 @@ class HwRun:
         self.fired = [0] * len(self.faults)
         self.pool_free = {n: launcher.options.kv_pool_pages for n in self.topo.nodes}
         self.pool_held: dict[tuple[str, int], int] = {}
+        # (node, room) whose KV pages a rank is still allocating and filling: a rank busy with
+        # that is working, not wedged, however long the pattern fill takes on a loaded host.
+        self.setting_up: set[tuple[str, int]] = set()
+        opts = launcher.options
+        self.wedge_window_s = (opts.wedge_window_s if opts.wedge_window_s is not None
+                               else params.wedge_window_s)
         self.stopped = RunStatus.INTERRUPTED
         launcher.on_records = self._records
         launcher.on_report = self._report
@@ -181,6 +187,7 @@ class HwRun:
                     self.placement.decode_done(self.workload.requests[req.rid])
         elif kind == "setup-done":
             self.last_progress = self.launcher.now()
+            self.setting_up.discard((r["node"], r["room"]))
         elif kind == "crashed":
             self.crashed[r["node"]] = r["reason"]
         elif kind == "fault":
@@ -242,6 +249,7 @@ class HwRun:
         setup = {"op": "request", "room": req.room, "rid": req.rid,
                  "input_len": req.input_len, "decode_prefix_len": req.decode_prefix_len}
         for n in (*pg.nodes, *dg.nodes):
+            self.setting_up.add((n.id, req.room))
             self.launcher.command(n.id, setup)
         total = self.placement.total_pages(req)
         for d in dg.nodes:
@@ -340,7 +348,8 @@ class HwRun:
                 return False
             if not pending and all(r.finished for r in self.reqs.values()):
                 return False
-            if in_flight and now - self.last_progress > opts.wedge_window_s:
+            if in_flight and not self.setting_up and \
+                    now - self.last_progress > self.wedge_window_s:
                 return True
             if pending and not in_flight and not self._fits(pending[0]):
                 self.notes.append(f"request {pending[0]} does not fit the KV pools with "
@@ -355,7 +364,7 @@ class HwRun:
                 return False
 
     def _result(self, wedged: bool, t_start: float) -> HwResult:
-        lau, opts = self.launcher, self.launcher.options
+        lau = self.launcher
         unfinished = sorted(r.room for r in self.reqs.values() if not r.finished)
         diagnosis: list[str] = []
         if wedged:
@@ -364,7 +373,7 @@ class HwRun:
             silent = sorted(set(lau.endpoints) - set(cores))
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
-                                f"progress for {opts.wedge_window_s:g} s (rooms "
+                                f"progress for {self.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
         rooms = sorted(self.corrupted_rooms)
         return HwResult(
