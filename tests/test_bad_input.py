@@ -128,7 +128,7 @@ CONFIG_KEY = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_siz
 KNOWN_TOP = {"model", "prefill", "decode", "sim", "launch", "chunked_prefill_size", "page_size",
              "staging_pool_size_mb", "staging_pool_size_bytes", "transfer_queue_size",
              "prefill_staging_buffer_pages", "waiting_timeout_s", "bootstrap_timeout_s",
-             "enable_prefill_context_parallel"}
+             "enable_prefill_context_parallel", "deferral_wait_s", "late_register_delay_s"}
 BAD_CONFIG = st.one_of(
     st.binary(min_size=1, max_size=200).map(lambda b: b"\xff\xfe\x00" + b),
     st.builds(lambda k: f"{k} = 1\n".encode(), CONFIG_KEY.filter(lambda k: k not in KNOWN_TOP)),
@@ -148,7 +148,7 @@ BAD_CONFIG = st.one_of(
     st.builds(lambda k, v: f"[sim]\n{k} = {v}\n".encode(),
               st.sampled_from(["nic_bandwidth_Bps", "gather_bandwidth_Bps",
                                "scatter_bandwidth_Bps", "decode_poll_interval_s",
-                               "deferral_wait_s", "wedge_window_s"]),
+                               "wedge_window_s"]),
               st.sampled_from(["0", "0.0", "nan", "-1", "inf", "-inf", '"fast"'])),
     st.builds(lambda heads, tp: f"[model]\nnum_kv_heads = {heads}\n[prefill]\ntp_size = {tp}\n"
               .encode(), st.sampled_from([4, 8]), st.sampled_from([3, 5, 6, 7])),

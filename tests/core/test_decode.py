@@ -54,7 +54,7 @@ def test_registration_sends_metadata_and_arms_timeout():
     (meta,) = of(out, ev.SendMetadata)
     assert meta.prefill_ranks == WRITERS and meta.total_pages == 8
     assert of(out, ev.SetTimer)[0].at > CFG.waiting_timeout_s
-    assert d.rooms[1].registered
+    assert d.snapshot().rooms[1].registered
 
 
 def test_unaligned_decode_prefix_fails_only_that_room():
@@ -64,7 +64,7 @@ def test_unaligned_decode_prefix_fails_only_that_room():
     (abort,) = of(out, ev.AbortNotice)
     assert abort.room == 2 and "page-aligned" in abort.reason
     assert ev.RoomConcluded(room=2, status="Failed", reason=abort.reason) in out
-    assert 2 not in d.rooms and 1 in d.rooms and d.crashed is None
+    assert 2 not in d.snapshot().rooms and 1 in d.snapshot().rooms and d.snapshot().crashed is None
     assert of(req(d, room=1), ev.Allocated)  # room 1 still served
 
 
@@ -129,7 +129,7 @@ def test_scatter_done_frees_and_broadcasts_to_every_subscriber():
     (sc,) = of(ready(d, src="p1"), ev.StartScatter)
     out = d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.0)
     assert of(out, ev.Freed)[0].reason == "scattered"
-    assert of(out, ev.WatermarkMoved) == [ev.WatermarkMoved(round=0, tail=REGION)]
+    assert of(out, ev.WatermarkMoved) == [ev.WatermarkMoved(round=0, tail=REGION, lag_bytes=REGION)]
     assert sorted(s.dst for s in sent(out, wire.Watermark)) == ["p0", "p1", "p2", "p3"]
 
 
@@ -145,7 +145,7 @@ def test_completion_needs_all_success_and_every_scatter():
     assert not of(d.handle(ev.Tick(), 1.0), ev.RoomConcluded)  # scatter in flight
     out = d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 1.0)
     assert ev.RoomConcluded(room=1, status="Success") in out
-    assert 1 not in d.rooms
+    assert 1 not in d.snapshot().rooms
 
 
 def test_completion_timeout_after_success():
@@ -162,7 +162,7 @@ def test_completion_timeout_after_success():
     assert done.status == "Failed" and "not complete" in done.reason
     # release_room freed the never-scattered allocation
     assert [f.reason for f in of(out, ev.Freed)] == ["released"]
-    assert not d.allocator.live()
+    assert not d.snapshot().live
 
 
 def test_waiting_timeout_without_result_fails_and_notifies_prefill():
@@ -178,12 +178,12 @@ def test_prefill_failure_releases_unscattered_allocations():
     init(d)
     req(d, chunk=0)
     req(d, chunk=1)
-    assert len(d.allocator.live()) == 2
+    assert len(d.snapshot().live) == 2
     out = status(d, src="p1", st=wire.KVPoll.Failed)
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
     assert sorted(f.chunk_idx for f in of(out, ev.Freed)) == [0, 1]
-    assert not d.allocator.live()
-    assert d.allocator.get_watermark() == (1, 0)
+    assert not d.snapshot().live
+    assert d.watermark == (1, 0)
 
 
 def test_abort_releases_room():
@@ -191,7 +191,7 @@ def test_abort_releases_room():
     init(d)
     req(d)
     out = d.handle(ev.RoomAborted(room=1), 0.0)
-    assert of(out, ev.Freed) and not d.allocator.live()
+    assert of(out, ev.Freed) and not d.snapshot().live
 
 
 def test_late_chunk_ready_after_unregister_is_dropped():

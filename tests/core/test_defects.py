@@ -12,6 +12,7 @@ import pytest
 from twin.core import events as ev
 from twin.core import wire
 from twin.core.config import ModelShape, ServerSide, TwinConfig
+from twin.core.decode import DecodeRank
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
     LATE_DECODE_REGISTRATION,
@@ -88,7 +89,7 @@ def _wrap_after_empty_ring(*defects: str) -> Cluster:
 def test_stale_empty_ring_watermark_on_wedges_the_wrapping_room():
     c = _wrap_after_empty_ring(STALE_EMPTY_RING_WATERMARK)
     assert c.outcome(1) == "pending"
-    assert {r.allocator.get_watermark() for r in c.ranks.values() if hasattr(r, "allocator")} \
+    assert {r.watermark for r in c.ranks.values() if isinstance(r, DecodeRank)} \
         == {(0, REGION * 3 // 4)}
     finish(c)
     assert c.outcome(1) == "Failed"
@@ -113,7 +114,7 @@ def test_no_subscriber_snapshot_on_new_group_waits_from_zero():
     c = _second_prefill_group(NO_SUBSCRIBER_SNAPSHOT)
     assert outcomes(c) == {0: "Success", 1: "pending"}
     second = [r for n, r in c.ranks.items() if n.startswith("p1")]
-    assert all(r.watermarks.get(s, (0, 0)) == (0, 0) for r in second for s in ("d0g0r0",))
+    assert all(r.snapshot().watermarks.get(s, (0, 0)) == (0, 0) for r in second for s in ("d0g0r0",))
     finish(c)
     assert c.outcome(1) == "Failed"
 
@@ -149,7 +150,7 @@ def test_late_decode_registration_on_drops_staging_req():
     dropped = [e for _, n, e in c.log if isinstance(e, ev.MessageArrived)
                and isinstance(e.msg, wire.StagingReq)]
     assert dropped and c.outcome(0) == "pending"
-    assert all(not r.allocator.live() for n, r in c.ranks.items() if n.startswith("d"))
+    assert all(not r.snapshot().live for n, r in c.ranks.items() if n.startswith("d"))
     finish(c)
     assert c.outcome(0) == "Failed"
 
@@ -185,8 +186,8 @@ def _abort_with_unscattered_allocation(*defects: str) -> Cluster:
 def test_no_release_room_on_pins_watermark_and_wedges_later_rooms():
     c = _abort_with_unscattered_allocation(NO_RELEASE_ROOM)
     assert c.outcome(0) == "Failed" and c.outcome(1) == "pending"
-    assert c.ranks["d0g0r0"].allocator.get_watermark() == (0, 0)
-    assert len(c.ranks["d0g0r0"].allocator.live()) == 2
+    assert c.ranks["d0g0r0"].watermark == (0, 0)
+    assert len(c.ranks["d0g0r0"].snapshot().live) == 2
 
 
 def test_no_release_room_off_frees_and_later_rooms_run():
@@ -225,7 +226,7 @@ def test_swallowed_chunk_ready_error_on_room_stalls_to_timeout():
 def test_swallowed_chunk_ready_error_off_room_fails_at_once():
     c = _chunk_ready_send_fails()
     assert c.outcome(0) == "Failed"
-    assert all(not r.allocator.live() for n, r in c.ranks.items() if n.startswith("d"))
+    assert all(not r.snapshot().live for n, r in c.ranks.items() if n.startswith("d"))
 
 
 # -- silent-slice-fallback -----------------------------------------------------------------------
@@ -242,13 +243,13 @@ def test_silent_slice_fallback_on_leaks_allocation_and_pins_watermark():
     c = _oversized_first_send(SILENT_SLICE_FALLBACK)
     assert c.outcome(0) == "pending"
     d = c.ranks["d0g0r0"]
-    assert d.allocator.live() and d.allocator.get_watermark() == (0, 0)
+    assert d.snapshot().live and d.watermark == (0, 0)
 
 
 def test_silent_slice_fallback_off_fails_the_room():
     c = _oversized_first_send()
     assert c.outcome(0) == "Failed"
-    assert all(not r.allocator.live() for n, r in c.ranks.items() if n.startswith("d"))
+    assert all(not r.snapshot().live for n, r in c.ranks.items() if n.startswith("d"))
 
 
 # -- no-grid-alignment ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_staging_rsp_bookkeeping():
     p = PrefillRank(CFG, "p0", 0, 0)
     boot(p)
     rsp(p, chunk=1, offset=4096, rnd=2, end=8192)
-    assert p.rooms[1].targets[0].staging == {1: (4096, 2, 8192)}
+    assert p.snapshot().rooms[1].targets[0].staging == {1: (4096, 2, 8192)}
     assert of(rsp(p, room=99), ev.Dropped)
 
 
@@ -69,9 +69,9 @@ def test_watermark_is_monotonic_per_session():
     wm(p, 1, 100)
     wm(p, 1, 50)
     wm(p, 0, 999)
-    assert p.watermarks == {"d0": (1, 100)}
+    assert p.snapshot().watermarks == {"d0": (1, 100)}
     wm(p, 2, 0, session="d1")
-    assert p.watermarks == {"d0": (1, 100), "d1": (2, 0)}
+    assert p.snapshot().watermarks == {"d0": (1, 100), "d1": (2, 0)}
 
 
 def test_sends_floored_to_grid_anchored_at_decode_prefix():
@@ -80,7 +80,7 @@ def test_sends_floored_to_grid_anchored_at_decode_prefix():
     out = send(p, end=150)
     assert [(q.page_start, q.num_pages, q.chunk_idx) for q in of(out, ev.ChunkQueued)] == [
         (0, 4, 0)]
-    assert p.rooms[1].start_send_idx == 96
+    assert p.snapshot().rooms[1].start_send_idx == 96
     out = send(p, end=200, last=True)
     assert [(q.page_start, q.num_pages, q.chunk_idx, q.is_last)
             for q in of(out, ev.ChunkQueued)] == [(4, 4, 1, False), (8, 3, 2, True)]
@@ -92,7 +92,7 @@ def test_non_last_send_shorter_than_a_slot_sends_nothing():
     out = send(p, end=60)  # floored to the base: an empty chunk, no write
     assert [q.num_pages for q in of(out, ev.ChunkQueued)] == [0]
     assert not of(out, ev.StartTransfer) and not of(out, ev.Deferred)
-    assert p.rooms[1].start_send_idx == 0 and p.rooms[1].outstanding == 0
+    assert p.snapshot().rooms[1].start_send_idx == 0 and p.snapshot().rooms[1].outstanding == 0
 
 
 def test_prefill_radix_hit_early_send_split_per_slot():
@@ -117,7 +117,7 @@ def test_deferral_requeues_at_tail_without_head_of_line_blocking():
     assert [s.room for s in starts] == [2]
     deferred = of(out, ev.Deferred)
     assert [x.room for x in deferred] == [1]
-    assert [c.room for c in p.workers[0].queue] == [1]
+    assert [c.room for c in p.snapshot().workers[0].queue] == [1]
 
 
 def test_watermark_behind_defers_until_it_moves():
@@ -190,7 +190,7 @@ def test_last_chunk_concludes_success_to_each_target_then_tears_down():
     assert of(out, ev.RoomConcluded) == [ev.RoomConcluded(room=1, status="Success")]
     assert sorted((s.dst, s.msg.status) for s in sent(out, wire.TransferStatus)) == [
         ("d0", wire.KVPoll.Success), ("d1", wire.KVPoll.Success)]
-    assert of(out, ev.RoomTornDown) and 1 not in p.rooms
+    assert of(out, ev.RoomTornDown) and 1 not in p.snapshot().rooms
 
 
 def test_teardown_waits_for_outstanding_deferred_chunk():
@@ -201,16 +201,16 @@ def test_teardown_waits_for_outstanding_deferred_chunk():
     assert [d.chunk_idx for d in of(out, ev.Deferred)] == [0]
     out = p.handle(ev.WorkerPoll(worker=0), 0.0)
     assert [t.chunk_idx for t in of(out, ev.StartTransfer)] == [1]
-    assert p.rooms[1].outstanding == 2
+    assert p.snapshot().rooms[1].outstanding == 2
     out = done(p)
     assert of(out, ev.RoomConcluded)[0].status == "Success"
-    assert not of(out, ev.RoomTornDown) and p.rooms[1].outstanding == 1
+    assert not of(out, ev.RoomTornDown) and p.snapshot().rooms[1].outstanding == 1
     rsp(p, chunk=0)
     out = p.handle(ev.WorkerPoll(worker=0), 0.0)
     assert [t.chunk_idx for t in of(out, ev.StartTransfer)] == [0]
     out = done(p)
     assert [s.msg.chunk_idx for s in sent(out, wire.ChunkReady)] == [0]
-    assert of(out, ev.RoomTornDown) and 1 not in p.rooms
+    assert of(out, ev.RoomTornDown) and 1 not in p.snapshot().rooms
 
 
 def test_abort_skips_queued_chunks_and_tears_down():
@@ -220,7 +220,7 @@ def test_abort_skips_queued_chunks_and_tears_down():
     out = p.handle(ev.RoomAborted(room=1), 0.0)
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
     out = p.handle(ev.WorkerPoll(worker=0), 0.0)
-    assert of(out, ev.ChunkSkipped) and of(out, ev.RoomTornDown) and 1 not in p.rooms
+    assert of(out, ev.ChunkSkipped) and of(out, ev.RoomTornDown) and 1 not in p.snapshot().rooms
 
 
 def test_failed_chunk_ready_send_fails_the_room():

@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from twin.core.config import ModelShape, ServerSide, TwinConfig
 from twin.core.layout import compute_staging_layout
+from twin.core.snapshot import DecodeSnapshot
 from twin.explore.loopback import Cluster
 
 MODEL = ModelShape(num_layers=2, num_kv_heads=8, head_dim=4, dtype_bytes=2)
@@ -155,11 +156,11 @@ class ClusterMachine(RuleBasedStateMachine):
             return
         ring = self.c.cfg.ring_bytes
         for node, rank in self.c.ranks.items():
-            allocator = getattr(rank, "allocator", None)
-            if allocator is None:
+            snap = rank.snapshot()
+            if not isinstance(snap, DecodeSnapshot):
                 continue
-            spans = sorted((r * ring + off, r * ring + off + size)
-                           for _, off, size, r in allocator.live())
+            spans = sorted((a.round * ring + a.offset, a.round * ring + a.offset + a.size)
+                           for a in snap.live)
             for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False):
                 assert b_start >= a_end, (node, spans)
 
@@ -174,10 +175,10 @@ class ClusterMachine(RuleBasedStateMachine):
             # Liveness: with every defect off and every chunk fitting the ring, nothing times out.
             assert set(outcomes.values()) <= {"Success"}, outcomes
         for node, rank in self.c.ranks.items():
-            assert not rank.rooms, (node, sorted(rank.rooms))
-            allocator = getattr(rank, "allocator", None)
-            if allocator is not None:
-                assert not allocator.live(), (node, allocator.live())
+            snap = rank.snapshot()
+            assert not snap.rooms, (node, sorted(snap.rooms))
+            if isinstance(snap, DecodeSnapshot):
+                assert not snap.live, (node, snap.live)
 
 
 ClusterMachine.TestCase.settings = settings(

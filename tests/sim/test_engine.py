@@ -277,7 +277,8 @@ def test_wedge_detected_when_the_event_queue_empties() -> None:
     assert result.wedged and result.exit_code == EXIT_WEDGE and result.status == "wedged"
     unfinished = {q.room for q in sim.requests.values() if not q.finished}
     assert unfinished
-    lines = diagnose(sim.ranks, sim.crashed, unfinished, sim.last_dropped)
+    snapshots = {n: r.snapshot() for n, r in sim.ranks.items()}
+    lines = diagnose(snapshots, sim.crashed, unfinished, sim.last_dropped).lines()
     assert any("crashed" in x and "not page-aligned" in x for x in lines)
 
 

@@ -197,7 +197,7 @@ def test_codec_covers_every_class_and_nested_shapes() -> None:
                                                           total_pages=2, decode_prefix_len=0),))
     assert event_to_json(boot)["targets"][0]["session"] == D
     assert event_to_json(ev.WakeWorkers(workers=(0, 2))) == {"type": "WakeWorkers",
-                                                             "workers": [0, 2]}
+                                                             "workers": [0, 2], "at": 0.0}
     with pytest.raises(TypeError):
         event_to_json(object())
 

@@ -106,7 +106,7 @@ def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args,
             from twin.sim.plots import write_plots
 
             write_plots(result.sim.metrics, Path(plot_dir), stopped_at=result.sim.env.now,
-                        wedged=result.wedged, last_progress=result.sim.last_progress)
+                        wedged=result.wedged, last_progress=result.sim.runtime.last_progress)
             written.append(("plots", Path(plot_dir)))
     except OSError as exc:
         if exc.errno not in WRITE_ERRNOS:

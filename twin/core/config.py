@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,11 @@ class TwinConfig:
     ``prefill_staging_buffer_pages``: pages each prefill transfer worker's staging buffer holds;
     None sizes it to one grid slot as SGLang does today. A larger value models the pre-fix,
     fixed-size buffer that let oversized (unaligned) sends through.
+
+    Protocol timing the core decides (every driver waits exactly this long):
+    ``deferral_wait_s`` is the transfer worker's bounded wait before re-polling a deferred chunk
+    (SGLang's 1 ms condition-variable wait); ``late_register_delay_s`` is how long after the
+    metadata the pre-fix registration point comes (only with ``late-decode-registration``).
     """
 
     model: ModelShape = field(default_factory=ModelShape)
@@ -85,6 +91,8 @@ class TwinConfig:
     prefill_staging_buffer_pages: int | None = None
     waiting_timeout_s: float = 300.0
     bootstrap_timeout_s: float = 300.0
+    deferral_wait_s: float = 1e-3
+    late_register_delay_s: float = 5e-3
     enable_prefill_context_parallel: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -184,8 +192,8 @@ def _unknown(source: str, name: str, key: str, known: list[str]) -> ConfigError:
 
 
 def _typed(source: str, name: str, value: Any, want: Any) -> Any:
-    if isinstance(value, float) and value != value:
-        raise ConfigError(f"{source}: field {name!r}: expected a number, got nan")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: field {name!r}: expected a finite number, got {value}")
     if want in (bool, "bool"):
         if not isinstance(value, bool):
             raise ConfigError(f"{source}: field {name!r}: expected true/false, got {value!r}")
@@ -213,10 +221,21 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     return kwargs
 
 
+# Protocol timing that lived in the ``[sim]`` table before it moved into the core's config;
+# configs and traces written then still carry it there.
+_MOVED_FROM_SIM = ("deferral_wait_s", "late_register_delay_s")
+
+
 def _from_dict(data: dict[str, Any], source: str, base: TwinConfig | None = None,
                tables: tuple[str, ...] = ("sim", "launch", "run")) -> TwinConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a table of fields")
+    sim = data.get("sim")
+    if isinstance(sim, dict) and any(k in sim for k in _MOVED_FROM_SIM):
+        data = {**data, "sim": {k: v for k, v in sim.items() if k not in _MOVED_FROM_SIM}}
+        for k in _MOVED_FROM_SIM:
+            if k in sim and k not in data:
+                data[k] = sim[k]
     top: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     scalar_fields = {
@@ -251,7 +270,7 @@ def _from_dict(data: dict[str, Any], source: str, base: TwinConfig | None = None
 
 
 def _positive(name: str, value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # also rejects NaN
         raise ConfigError(f"field {name!r}: must be positive, got {value}")
 
 
@@ -307,3 +326,7 @@ def validate(cfg: TwinConfig) -> None:
         _positive("prefill_staging_buffer_pages", cfg.prefill_staging_buffer_pages)
     _positive("waiting_timeout_s", cfg.waiting_timeout_s)
     _positive("bootstrap_timeout_s", cfg.bootstrap_timeout_s)
+    _positive("deferral_wait_s", cfg.deferral_wait_s)
+    if not cfg.late_register_delay_s >= 0:
+        raise ConfigError(f"field 'late_register_delay_s': must be >= 0, got "
+                          f"{cfg.late_register_delay_s}")

@@ -1,14 +1,16 @@
 """Decode rank: staging ring, STAGING_REQ allocation, CHUNK_READY fan-in, scatter, completion.
 
 Mirrors sglang 0.5.23 ``DecodeStagingHandler`` and ``handle_staging_req``. Feed inputs with
-``handle(event, now)``; it returns effects for the driver. Timeouts are checked on every input;
-``next_deadline()`` tells the driver when a ``Tick`` could change something.
+``handle(event, now)``; it returns effects for the driver. Each timeout comes out as a
+``SetTimer`` effect; the driver answers it with a ``Tick`` input at that time.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
@@ -23,6 +25,10 @@ from twin.core.defects import (
     Defects,
 )
 from twin.core.layout import num_tp_writers
+from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
+from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
+
+_S, _T = DecodeRoomState, DecodeTrigger
 
 
 @dataclass(slots=True)
@@ -45,9 +51,8 @@ class DecodeRoom:
     total_pages: int
     registered: bool
     registered_at: float
-    failed: bool = False
+    state: DecodeRoomState = DecodeRoomState.WAITING
     fail_reason: str = ""
-    all_success: bool = False
     success_at: float = 0.0
     success_ranks: set[str] = field(default_factory=set)
     chunks: dict[int, ChunkAlloc] = field(default_factory=dict)
@@ -69,20 +74,43 @@ class DecodeRank:
         self.session = session
         self.rank = attn_tp_rank
         self.defects = defects or Defects()
-        self.allocator = StagingAllocator(cfg.ring_bytes, self.defects)
-        self.rooms: dict[int, DecodeRoom] = {}
-        self.subscribers: dict[tuple[str, ...], str] = {}
-        self.crashed: str | None = None
+        self._allocator = StagingAllocator(cfg.ring_bytes, self.defects)
+        self._rooms: dict[int, DecodeRoom] = {}
+        self._subscribers: dict[tuple[str, ...], str] = {}
+        self._crashed: str | None = None
         self.now = 0.0
         self._dirty: set[int] = set()
         self._deadlines: list[tuple[float, int]] = []
+
+    @property
+    def watermark(self) -> tuple[int, int]:
+        """The ring's current watermark ``(round, tail)``."""
+        return self._allocator.get_watermark()
+
+    def snapshot(self) -> DecodeSnapshot:
+        """A read-only copy of this rank's ring, rooms and subscribers."""
+        a = self._allocator
+        rooms = {r.room: DecodeRoomView(
+            room=r.room, state=r.state, registered=r.registered, prefill_ranks=r.prefill_ranks,
+            success_ranks=frozenset(r.success_ranks), fail_reason=r.fail_reason,
+            chunks={i: ChunkAllocView(alloc_id=c.alloc_id, offset=c.offset, round=c.round,
+                                      end=c.end, chunk_pages=c.chunk_pages)
+                    for i, c in r.chunks.items()},
+            arrivals={i: len(v) for i, v in r.arrivals.items()},
+            scattering=dict(r.scattering)) for r in self._rooms.values()}
+        return DecodeSnapshot(
+            node=self.session, now=self.now, crashed=self._crashed, ring_bytes=a.total_size,
+            head=a.head, round=a.round, watermark=a.get_watermark(),
+            live=tuple(AllocationView(alloc_id=i, offset=o, size=n, round=r)
+                       for i, o, n, r in a.live()),
+            rooms=rooms, subscribers=dict(self._subscribers))
 
     # -- dispatch ----------------------------------------------------------------------------
     def handle(self, event: ev.Input, now: float) -> list[ev.Effect]:
         """Consume one input at time ``now``; return the effects, in order."""
         assert now >= self.now - 1e-12, (now, self.now)
         self.now = now
-        if self.crashed is not None:
+        if self._crashed is not None:
             return [ev.Dropped(what=type(event).__name__, room=-1, reason="rank crashed")]
         out: list[ev.Effect] = []
         handler = self._DISPATCH.get(type(event))
@@ -115,7 +143,7 @@ class DecodeRank:
 
     # -- registration ------------------------------------------------------------------------
     def _on_room_init(self, e: ev.DecodeRoomInit, out: list[ev.Effect]) -> None:
-        if e.room in self.rooms:
+        if e.room in self._rooms:
             out.append(ev.Dropped(what="DecodeRoomInit", room=e.room, reason="room exists"))
             return
         late = self.defects.on(LATE_DECODE_REGISTRATION)
@@ -124,20 +152,21 @@ class DecodeRank:
             decode_prefix_len=e.decode_prefix_len, total_pages=e.total_pages,
             registered=not late, registered_at=self.now,
         )
-        self.rooms[e.room] = room
+        self._rooms[e.room] = room
         self._arm(room, self.now, out)
         if not late:
             self._register(room, out)
-            if self.crashed is not None:
+            if self._crashed is not None:
                 return
         out.append(ev.SendMetadata(
             room=e.room, prefill_ranks=e.prefill_ranks, session=self.session,
             decode_rank=self.rank, decode_prefix_len=e.decode_prefix_len,
             total_pages=e.total_pages,
+            register_at=self.now + self.cfg.late_register_delay_s if late else None,
         ))
 
     def _on_room_register(self, e: ev.DecodeRoomRegister, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
+        room = self._rooms.get(e.room)
         if room is None or room.registered:
             return
         room.registered = True
@@ -148,14 +177,14 @@ class DecodeRank:
             reason = (f"decode prefix length {room.decode_prefix_len} is not page-aligned "
                       f"(page_size={self.cfg.page_size})")
             if self.defects.on(RAISE_ON_UNALIGNED_PREFIX):
-                self.crashed = f"room {room.room}: {reason}"
-                out.append(ev.RankCrashed(reason=self.crashed))
+                self._crashed = f"room {room.room}: {reason}"
+                out.append(ev.RankCrashed(reason=self._crashed))
                 return
             self._fail(room, reason, out)
 
     # -- STAGING_REQ -------------------------------------------------------------------------
     def _on_staging_req(self, msg: wire.StagingReq, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(msg.room)
+        room = self._rooms.get(msg.room)
         if room is None or not room.registered:
             out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason="room not registered"))
             return
@@ -179,11 +208,11 @@ class DecodeRank:
     def _allocate(self, room: DecodeRoom, chunk_idx: int, chunk_pages: int,
                   out: list[ev.Effect]) -> tuple[int, int, int]:
         required = self.region_bytes(room, chunk_pages)
-        got = self.allocator.assign(required)
+        got = self._allocator.assign(required)
         if got is None:
             room.oversized.add(chunk_idx)
             out.append(ev.Dropped(what="STAGING_REQ", room=room.room,
-                                  reason=f"oversized: {required} > ring {self.allocator.total_size}"))
+                                  reason=f"oversized: {required} > ring {self._allocator.total_size}"))
             return ALLOC_OVERSIZED, 0, -1
         alloc_id, offset, rnd = got
         room.chunks[chunk_idx] = ChunkAlloc(alloc_id, offset, rnd, offset + required, chunk_pages)
@@ -194,21 +223,21 @@ class DecodeRank:
     def _subscribe(self, prefill_ranks: tuple[str, ...], session_id: str,
                    out: list[ev.Effect]) -> None:
         key = tuple(sorted(prefill_ranks))
-        if key in self.subscribers:
+        if key in self._subscribers:
             return
-        self.subscribers[key] = session_id
+        self._subscribers[key] = session_id
         if not self.defects.on(NO_SUBSCRIBER_SNAPSHOT):
             self._send_watermark(key, session_id, out)
 
     def _send_watermark(self, key: tuple[str, ...], session_id: str, out: list[ev.Effect]) -> None:
-        wm_round, wm_tail = self.allocator.get_watermark()
+        wm_round, wm_tail = self._allocator.get_watermark()
         msg = wire.Watermark(round=wm_round, tail=wm_tail, session_id=session_id)
         for dst in key:
             out.append(ev.Send(dst=dst, msg=msg))
 
     # -- CHUNK_READY and scatter -------------------------------------------------------------
     def _on_chunk_ready(self, msg: wire.ChunkReady, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(msg.room)
+        room = self._rooms.get(msg.room)
         if room is None or not room.registered:
             out.append(ev.Dropped(what="CHUNK_READY", room=msg.room, reason="room not registered"))
             return
@@ -230,15 +259,16 @@ class DecodeRank:
                                   reason=f"chunk {chunk_idx} has no unscattered allocation"))
             return False
         room.scattering[info.alloc_id] = chunk_idx
+        _, writer_bytes, total = self.cfg.region_layout(self.rank, num_pages, room.prefill_attn_tp)
         out.append(ev.StartScatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
-            nbytes=self.region_bytes(room, num_pages), page_start=page_start,
-            num_pages=num_pages, blind=blind,
+            nbytes=total, page_start=page_start, num_pages=num_pages, blind=blind,
+            prefill_attn_tp=room.prefill_attn_tp, writer_bytes=writer_bytes,
         ))
         return True
 
     def _on_scatter_done(self, e: ev.ScatterDone, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
+        room = self._rooms.get(e.room)
         if room is not None:
             room.scattering.pop(e.alloc_id, None)
             self._dirty.add(room.room)
@@ -246,18 +276,20 @@ class DecodeRank:
 
     def _free(self, alloc_id: int, room: int, chunk_idx: int, reason: str,
               out: list[ev.Effect]) -> None:
-        before = self.allocator.get_watermark()
-        self.allocator.free(alloc_id)
+        a = self._allocator
+        before = a.get_watermark()
+        a.free(alloc_id)
         out.append(ev.Freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
-        after = self.allocator.get_watermark()
+        after = a.get_watermark()
         if after != before:
-            out.append(ev.WatermarkMoved(round=after[0], tail=after[1]))
-        for key, session_id in self.subscribers.items():
+            lag = (a.round - after[0]) * a.total_size + a.head - after[1]
+            out.append(ev.WatermarkMoved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
+        for key, session_id in self._subscribers.items():
             self._send_watermark(key, session_id, out)
 
     # -- status, completion, timeouts --------------------------------------------------------
     def _on_status(self, src: str, msg: wire.TransferStatus, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(msg.room)
+        room = self._rooms.get(msg.room)
         if room is None:
             out.append(ev.Dropped(what="KV_STATUS", room=msg.room, reason="room cleared"))
             return
@@ -268,8 +300,8 @@ class DecodeRank:
             return
         self._dirty.add(room.room)
         room.success_ranks.add(src)
-        if len(room.success_ranks) >= room.expected_responses and not room.all_success:
-            room.all_success = True
+        if len(room.success_ranks) >= room.expected_responses and room.state is _S.WAITING:
+            room.state = decode_next(room.state, _T.ALL_RANKS_SUCCESS)
             room.success_at = self.now
             self._arm(room, self.now, out)
             if self.defects.on(COMPLETION_BEFORE_LAST_SCATTER) and room.chunks:
@@ -284,49 +316,50 @@ class DecodeRank:
         dirty = sorted(self._dirty)
         self._dirty.clear()
         for room_id in dirty:
-            room = self.rooms.get(room_id)
+            room = self._rooms.get(room_id)
             if room is None:
                 continue
-            if room.failed:
+            if room.state is _S.FAILED:
                 done.append(room)
-            elif room.all_success:
+            elif room.state is _S.ALL_SUCCESS:
                 pending = room.chunks and not self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
                 if not room.scattering and not pending:
+                    room.state = decode_next(room.state, _T.COMPLETE)
                     done.append(room)
                 elif self.now - room.success_at > self.cfg.waiting_timeout_s:
-                    room.failed = True
+                    room.state = decode_next(room.state, _T.FAIL)
                     room.fail_reason = (f"not complete {self.cfg.waiting_timeout_s:.0f}s after "
                                         f"all-ranks Success (a scatter never arrived)")
                     done.append(room)
             elif self.now - room.registered_at > self.cfg.waiting_timeout_s:
-                room.failed = True
+                room.state = decode_next(room.state, _T.FAIL)
                 room.fail_reason = f"no transfer result within {self.cfg.waiting_timeout_s:.0f}s"
                 out.append(ev.AbortNotice(room=room.room, dsts=room.prefill_ranks,
                                           reason=room.fail_reason))
                 done.append(room)
         for room in done:
-            status = "Failed" if room.failed else "Success"
-            out.append(ev.RoomConcluded(room=room.room, status=status, reason=room.fail_reason))
+            out.append(ev.RoomConcluded(room=room.room, status=room.state.value,
+                                        reason=room.fail_reason))
             self._unregister(room, out)
 
     def _fail(self, room: DecodeRoom, reason: str, out: list[ev.Effect],
               notify: bool = True) -> None:
-        if room.failed:
+        if room.state is _S.FAILED:
             return
-        room.failed = True
+        room.state = decode_next(room.state, _T.FAIL)
         room.fail_reason = reason
         self._dirty.add(room.room)
         if notify:
             out.append(ev.AbortNotice(room=room.room, dsts=room.prefill_ranks, reason=reason))
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
+        room = self._rooms.get(e.room)
         if room is not None:
             self._fail(room, e.reason, out)
 
     def _unregister(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """``unregister_decode_req`` + ``release_room``: free what was never scattered."""
-        del self.rooms[room.room]
+        del self._rooms[room.room]
         if self.defects.on(NO_RELEASE_ROOM):
             return
         # In-flight scatters are drained first; their allocations are freed as they finish.
@@ -337,7 +370,7 @@ class DecodeRank:
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
 
-    _DISPATCH = {
+    _DISPATCH: dict[type, Callable[[DecodeRank, Any, list[ev.Effect]], None]] = {
         ev.MessageArrived: _on_message,
         ev.DecodeRoomInit: _on_room_init,
         ev.DecodeRoomRegister: _on_room_register,

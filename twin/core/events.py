@@ -12,13 +12,11 @@ from dataclasses import dataclass
 
 from twin.core.wire import Message
 
-_ev = dataclass(frozen=True, slots=True, kw_only=True)
-
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MessageArrived:
     """A control frame from ``src`` was delivered (already decoded)."""
 
@@ -26,7 +24,7 @@ class MessageArrived:
     msg: Message
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeRoomInit:
     """Decode pre-allocated KV for a room (``pop_preallocated``) and is about to send metadata.
 
@@ -41,14 +39,14 @@ class DecodeRoomInit:
     total_pages: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeRoomRegister:
     """The late registration point (``extend``); only used with ``late-decode-registration``."""
 
     room: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ScatterDone:
     """The scatter of ``alloc_id`` (room, chunk) finished on the decode device."""
 
@@ -57,12 +55,12 @@ class ScatterDone:
     alloc_id: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Tick:
     """Time advanced; check timeouts."""
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomAborted:
     """The request was aborted (client, router, or the other side failed it)."""
 
@@ -70,7 +68,7 @@ class RoomAborted:
     reason: str = "aborted"
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomBootstrapped:
     """Prefill received the decode metadata of a room: one target per decode session."""
 
@@ -78,7 +76,7 @@ class RoomBootstrapped:
     targets: tuple[Target, ...]
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Target:
     """One decode session a prefill rank writes a room's KV to."""
 
@@ -88,14 +86,14 @@ class Target:
     decode_prefix_len: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prefetch:
     """The prefill scheduler formed a batch with this room: prefetch STAGING_REQs."""
 
     room: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SendKV:
     """The prefill scheduler sends KV ``[start_send_idx, end_idx)`` of a room (``send_kv_chunk``).
 
@@ -108,14 +106,14 @@ class SendKV:
     last: bool
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerPoll:
     """Transfer worker ``worker`` may pop its queue (woken, or its deferral wait ended)."""
 
     worker: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TransferDone:
     """The staged WRITE posted by ``worker`` settled."""
 
@@ -124,7 +122,7 @@ class TransferDone:
     error: str = ""
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SendFailed:
     """The driver could not send ``msg`` (socket error)."""
 
@@ -135,7 +133,7 @@ class SendFailed:
 # ---------------------------------------------------------------------------------------------
 # Effects
 # ---------------------------------------------------------------------------------------------
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Send:
     """Send ``msg`` to node ``dst``."""
 
@@ -143,9 +141,13 @@ class Send:
     msg: Message
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SendMetadata:
-    """Decode tells the room's prefill ranks where to write (bootstrap metadata)."""
+    """Decode tells the room's prefill ranks where to write (bootstrap metadata).
+
+    ``register_at``: with ``late-decode-registration`` the time at which the driver feeds a
+    ``DecodeRoomRegister`` (the pre-fix registration point); None when already registered.
+    """
 
     room: int
     prefill_ranks: tuple[str, ...]
@@ -153,9 +155,10 @@ class SendMetadata:
     decode_rank: int
     decode_prefix_len: int
     total_pages: int
+    register_at: float | None = None
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AbortNotice:
     """Tell the other side that a room failed here so it stops working on it."""
 
@@ -164,7 +167,7 @@ class AbortNotice:
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Allocated:
     room: int
     chunk_idx: int
@@ -174,7 +177,7 @@ class Allocated:
     size: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Freed:
     alloc_id: int
     room: int
@@ -182,15 +185,22 @@ class Freed:
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WatermarkMoved:
+    """The ring's watermark moved; ``lag_bytes`` is how far it trails the allocation head."""
+
     round: int
     tail: int
+    lag_bytes: int = 0
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StartScatter:
-    """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``."""
+    """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``.
+
+    ``writer_bytes`` is each writer's block of the region, in order; ``prefill_attn_tp`` the
+    prefill attention TP the room was bootstrapped with (it decides the head slices).
+    """
 
     room: int
     chunk_idx: int
@@ -200,14 +210,18 @@ class StartScatter:
     page_start: int
     num_pages: int
     blind: bool = False
+    prefill_attn_tp: int = 0
+    writer_bytes: tuple[int, ...] = ()
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StartTransfer:
     """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
 
     The bytes land at ``dst_offset`` of ``session``'s ring (``region_offset`` plus this writer's
-    block); ``region_end`` is the allocation's end from STAGING_RSP. ``staged`` is False for the per-slice fallback, which writes KV pages directly.
+    block); ``region_end`` is the allocation's end from STAGING_RSP; ``decode_rank`` is the
+    session's attention-TP rank (it decides the head slice to gather). ``staged`` is False for
+    the per-slice fallback, which writes KV pages directly.
     """
 
     worker: int
@@ -224,14 +238,17 @@ class StartTransfer:
     round: int
     staged: bool = True
     is_last: bool = False
+    decode_rank: int = 0
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Deferred:
     """The chunk at the head of ``worker``'s queue is not ready and was re-enqueued.
 
     ``all_blocked``: every chunk in the queue deferred since the last allocation or watermark
-    update, so polling again before one arrives cannot make progress.
+    update, so polling again before one arrives cannot make progress. ``retry_at``: when the
+    driver feeds this worker a ``WorkerPoll`` (the bounded condition-variable wait), None when
+    all are blocked and only a ``WakeWorkers`` can help.
     """
 
     worker: int
@@ -240,21 +257,34 @@ class Deferred:
     session: str
     reason: str
     all_blocked: bool
+    retry_at: float | None = None
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerIdle:
     worker: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WakeWorkers:
-    """Allocation or watermark news: deferring workers should poll again."""
+    """Allocation or watermark news: feed each of ``workers`` a ``WorkerPoll`` at ``at``.
+
+    A poll scheduled for a worker replaces any earlier one not yet fed (one wait per worker).
+    """
 
     workers: tuple[int, ...]
+    at: float = 0.0
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetsKnown:
+    """Prefill learned a room's decode sessions: ``sessions`` so far (one per metadata)."""
+
+    room: int
+    sessions: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkQueued:
     worker: int
     room: int
@@ -264,14 +294,14 @@ class ChunkQueued:
     is_last: bool
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkSkipped:
     room: int
     page_start: int
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomConcluded:
     """A room ended on this rank: ``status`` is ``"Success"`` or ``"Failed"``."""
 
@@ -280,12 +310,12 @@ class RoomConcluded:
     reason: str = ""
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomTornDown:
     room: int
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Dropped:
     """An input was ignored, with why (a warning in SGLang's logs)."""
 
@@ -294,14 +324,14 @@ class Dropped:
     reason: str
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SetTimer:
     """Feed this rank a ``Tick`` at time ``at``: a timeout may fire then."""
 
     at: float
 
 
-@_ev
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankCrashed:
     """The rank raised out of its scheduler loop; it handles nothing from now on."""
 
@@ -314,7 +344,7 @@ INPUT_TYPES = (
 )
 EFFECT_TYPES = (
     Send, SendMetadata, AbortNotice, Allocated, Freed, WatermarkMoved, StartScatter,
-    StartTransfer, Deferred, WorkerIdle, WakeWorkers, ChunkQueued, ChunkSkipped,
+    StartTransfer, Deferred, WorkerIdle, WakeWorkers, TargetsKnown, ChunkQueued, ChunkSkipped,
     RoomConcluded, RoomTornDown, Dropped, SetTimer, RankCrashed,
 )
 EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (*INPUT_TYPES, *EFFECT_TYPES, Target)}
@@ -324,6 +354,6 @@ Input = (
 )
 Effect = (
     Send | SendMetadata | AbortNotice | Allocated | Freed | WatermarkMoved | StartScatter
-    | StartTransfer | Deferred | WorkerIdle | WakeWorkers | ChunkQueued | ChunkSkipped
-    | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed
+    | StartTransfer | Deferred | WorkerIdle | WakeWorkers | TargetsKnown | ChunkQueued
+    | ChunkSkipped | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed
 )

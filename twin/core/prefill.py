@@ -9,11 +9,13 @@ that is not ready (allocation pending or watermark behind) is re-enqueued at the
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
+from twin.core.allocator import is_watermark_ready
 from twin.core.config import TwinConfig
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
@@ -31,6 +33,17 @@ from twin.core.grid import (
     prefetch_chunks,
 )
 from twin.core.layout import writer_index
+from twin.core.snapshot import (
+    ChunkView,
+    PrefillRoomView,
+    PrefillSnapshot,
+    StagingInfo,
+    TargetView,
+    WorkerView,
+)
+from twin.core.states import PrefillRoomState, PrefillTrigger, prefill_next
+
+_S, _T = PrefillRoomState, PrefillTrigger
 
 
 @dataclass(slots=True)
@@ -51,7 +64,7 @@ class PrefillTarget:
     session: str
     decode_rank: int
     total_pages: int
-    staging: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    staging: dict[int, StagingInfo] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -59,7 +72,7 @@ class PrefillRoom:
     room: int
     targets: list[PrefillTarget]
     base: int
-    status: str = "Bootstrapping"
+    state: PrefillRoomState = PrefillRoomState.BOOTSTRAPPING
     outstanding: int = 0
     start_send_idx: int = 0
     sent_pages: int = 0
@@ -85,10 +98,10 @@ class PrefillRank:
         self.rank = attn_tp_rank
         self.unique_rank = unique_rank
         self.defects = defects or Defects()
-        self.rooms: dict[int, PrefillRoom] = {}
-        self.watermarks: dict[str, tuple[int, int]] = {}
-        self.prefetch_requested: set[tuple[int, int, str]] = set()
-        self.workers = [Worker() for _ in range(cfg.transfer_queue_size)]
+        self._rooms: dict[int, PrefillRoom] = {}
+        self._watermarks: dict[str, tuple[int, int]] = {}
+        self._prefetch_requested: set[tuple[int, int, str]] = set()
+        self._workers = [Worker() for _ in range(cfg.transfer_queue_size)]
         self.now = 0.0
         m = cfg.model
         heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
@@ -96,6 +109,31 @@ class PrefillRank:
         buf_pages = pages if pages is not None else cfg.full_chunk_pages
         self.buffer_bytes = (buf_pages * cfg.page_size * heads * cfg.bytes_per_head_token
                              * m.num_layers * 2)
+
+    @property
+    def num_workers(self) -> int:
+        """Transfer workers (each owns one staging buffer of ``buffer_bytes``)."""
+        return len(self._workers)
+
+    def snapshot(self) -> PrefillSnapshot:
+        """A read-only copy of this rank's rooms, workers and per-session watermarks."""
+        full = self.cfg.full_chunk_pages
+
+        def chunk(c: TransferChunk) -> ChunkView:
+            return ChunkView(room=c.room, chunk_idx=chunk_index(c.page_start, full),
+                             page_start=c.page_start, num_pages=c.num_pages, is_last=c.is_last)
+
+        workers = tuple(WorkerView(busy=None if w.busy is None else chunk(w.busy),
+                                   queue=tuple(chunk(c) for c in w.queue), waiting=w.waiting)
+                        for w in self._workers)
+        rooms = {r.room: PrefillRoomView(
+            room=r.room, state=r.state, outstanding=r.outstanding, fail_reason=r.fail_reason,
+            start_send_idx=r.start_send_idx, sent_pages=r.sent_pages,
+            targets=tuple(TargetView(session=t.session, decode_rank=t.decode_rank,
+                                     total_pages=t.total_pages, staging=dict(t.staging))
+                          for t in r.targets)) for r in self._rooms.values()}
+        return PrefillSnapshot(node=self.node, now=self.now, watermarks=dict(self._watermarks),
+                               workers=workers, rooms=rooms)
 
     # -- dispatch ----------------------------------------------------------------------------
     def handle(self, event: ev.Input, now: float) -> list[ev.Effect]:
@@ -112,44 +150,46 @@ class PrefillRank:
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
         if isinstance(msg, wire.Watermark):
-            prev = self.watermarks.get(msg.session_id, (0, 0))
+            prev = self._watermarks.get(msg.session_id, (0, 0))
             if (msg.round, msg.tail) > prev:
-                self.watermarks[msg.session_id] = (msg.round, msg.tail)
+                self._watermarks[msg.session_id] = (msg.round, msg.tail)
                 self._wake(out)
         elif isinstance(msg, wire.StagingRsp):
-            room = self.rooms.get(msg.room)
+            room = self._rooms.get(msg.room)
             target = None if room is None else _find(room.targets, msg.session_id)
             if target is None:
                 out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
                 return
-            target.staging[msg.chunk_idx] = (msg.offset, msg.round, msg.end)
+            target.staging[msg.chunk_idx] = StagingInfo(msg.offset, msg.round, msg.end)
             self._wake(out)
         else:
             out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
                                   reason="unexpected message kind at prefill"))
 
     def _wake(self, out: list[ev.Effect]) -> None:
-        waiting = tuple(i for i, w in enumerate(self.workers) if w.waiting)
+        waiting = tuple(i for i, w in enumerate(self._workers) if w.waiting)
         for i in waiting:
-            self.workers[i].waiting = False
-            self.workers[i].blocked_streak = 0
+            self._workers[i].waiting = False
+            self._workers[i].blocked_streak = 0
         if waiting:
-            out.append(ev.WakeWorkers(workers=waiting))
+            out.append(ev.WakeWorkers(workers=waiting, at=self.now))
 
     # -- rooms and sends ---------------------------------------------------------------------
     def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
+        room = self._rooms.get(e.room)
         targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages) for t in e.targets]
         if room is None:
             base = e.targets[0].decode_prefix_len if e.targets else 0
-            self.rooms[e.room] = PrefillRoom(room=e.room, targets=targets, base=base,
-                                             start_send_idx=base)
+            room = self._rooms[e.room] = PrefillRoom(room=e.room, targets=targets, base=base,
+                                                     start_send_idx=base)
         else:
             known = {t.session for t in room.targets}
             room.targets.extend(t for t in targets if t.session not in known)
+        out.append(ev.TargetsKnown(room=e.room,
+                                   sessions=tuple(t.session for t in room.targets)))
 
     def _on_prefetch(self, e: ev.Prefetch, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
+        room = self._rooms.get(e.room)
         if room is None or room.prefetched:
             return
         room.prefetched = True
@@ -157,16 +197,16 @@ class PrefillRank:
         for target in room.targets:
             for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
                 key = (e.room, chunk_idx, target.session)
-                if key in self.prefetch_requested:
+                if key in self._prefetch_requested:
                     continue
-                self.prefetch_requested.add(key)
+                self._prefetch_requested.add(key)
                 out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
                     room=e.room, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session)))
 
     def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
-        if room is None or room.status == "Failed":
+        room = self._rooms.get(e.room)
+        if room is None or room.state is _S.FAILED:
             out.append(ev.Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
             return
         cfg = self.cfg
@@ -183,40 +223,40 @@ class PrefillRank:
         segments = (compute_grid_segments(start, end, room.base, cfg.grid_tokens)
                     if aligned else [(start, end)])
         total_pages = max((t.total_pages for t in room.targets), default=0)
-        worker = sum(t.decode_rank for t in room.targets) % len(self.workers)
+        worker = sum(t.decode_rank for t in room.targets) % len(self._workers)
         for seg_start, seg_end in segments:
             num_pages = pages_for_tokens(seg_end - seg_start, page)
             chunk = TransferChunk(room=e.room, page_start=room.sent_pages, num_pages=num_pages,
                                   is_last=False)
             room.sent_pages += num_pages
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
-            self.workers[worker].queue.append(chunk)
+            self._workers[worker].queue.append(chunk)
             out.append(ev.ChunkQueued(worker=worker, room=e.room,
                                       chunk_idx=chunk_index(chunk.page_start, cfg.full_chunk_pages),
                                       page_start=chunk.page_start, num_pages=num_pages,
                                       is_last=chunk.is_last))
         room.start_send_idx = end
-        w = self.workers[worker]
+        w = self._workers[worker]
         if w.busy is None and not w.waiting:
             self._run_worker(worker, out)
         elif w.waiting:
             w.waiting = False
             w.blocked_streak = 0
-            out.append(ev.WakeWorkers(workers=(worker,)))
+            out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
 
     # -- transfer worker ---------------------------------------------------------------------
     def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:
-        w = self.workers[e.worker]
+        w = self._workers[e.worker]
         w.waiting = False
         if w.busy is None:
             self._run_worker(e.worker, out)
 
     def _run_worker(self, index: int, out: list[ev.Effect]) -> None:
         """Pop chunks until one is posted, one defers, or the queue is empty."""
-        w = self.workers[index]
+        w = self._workers[index]
         while w.queue:
             chunk = w.queue.popleft()
-            room = self.rooms.get(chunk.room)
+            room = self._rooms.get(chunk.room)
             if room is None:
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room state torn down"))
@@ -224,16 +264,15 @@ class PrefillRank:
             if not chunk.counted:
                 room.outstanding += 1
                 chunk.counted = True
-            if room.status == "Failed":
+            if room.state is _S.FAILED:
                 room.outstanding = 0
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room failed"))
                 if not self._queued(room.room):
-                    del self.rooms[room.room]
+                    del self._rooms[room.room]
                     out.append(ev.RoomTornDown(room=room.room))
                 continue
-            if room.status != "Success":  # update_status takes the max: never demote Success
-                room.status = "Transferring"
+            room.state = prefill_next(room.state, _T.DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
         out.append(ev.WorkerIdle(worker=index))
@@ -241,7 +280,7 @@ class PrefillRank:
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
         """Post the next target's write; True when the worker is now busy or waiting."""
-        w = self.workers[index]
+        w = self._workers[index]
         cfg = self.cfg
         chunk_idx = chunk_index(chunk.page_start, cfg.full_chunk_pages)
         while chunk.next_target < len(room.targets):
@@ -250,22 +289,23 @@ class PrefillRank:
                 chunk.next_target += 1
                 continue
             info = target.staging.get(chunk_idx)
-            if info is not None and info[0] == ALLOC_OVERSIZED:
+            if info is not None and info.oversized:
                 self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds the "
                                  "ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
                 return False
-            wm = self.watermarks.get(target.session, (0, 0))
-            if info is None or info[0] < 0 or not is_watermark_ready(wm, info[1], info[2]):
-                reason = "allocation pending" if info is None or info[0] < 0 else (
-                    f"watermark {wm} behind round {info[1]} end {info[2]}")
+            wm = self._watermarks.get(target.session, (0, 0))
+            if info is None or info.pending or not is_watermark_ready(wm, info.round, info.end):
+                reason = "allocation pending" if info is None or info.pending else (
+                    f"watermark {wm} behind round {info.round} end {info.end}")
                 chunk.next_target = 0  # the retry re-processes every target of the chunk
                 w.queue.append(chunk)
                 w.blocked_streak += 1
                 all_blocked = w.blocked_streak >= len(w.queue)
                 w.waiting = True
+                retry = None if all_blocked else self.now + cfg.deferral_wait_s
                 out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
                                        session=target.session, reason=reason,
-                                       all_blocked=all_blocked))
+                                       all_blocked=all_blocked, retry_at=retry))
                 return True
             post = self._post(index, room, chunk, target, chunk_idx, info, out)
             if post is None:
@@ -279,7 +319,7 @@ class PrefillRank:
         return False
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
-              chunk_idx: int, info: tuple[int, int, int],
+              chunk_idx: int, info: StagingInfo,
               out: list[ev.Effect]) -> ev.StartTransfer | None:
         """The write for one target, or None after failing the room (chunk cannot fit)."""
         cfg = self.cfg
@@ -300,15 +340,15 @@ class PrefillRank:
         return ev.StartTransfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
-            region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd, staged=staged,
-            is_last=chunk.is_last)
+            region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd,
+            staged=staged, is_last=chunk.is_last, decode_rank=target.decode_rank)
 
     def _on_transfer_done(self, e: ev.TransferDone, out: list[ev.Effect]) -> None:
-        w = self.workers[e.worker]
+        w = self._workers[e.worker]
         chunk = w.busy
         assert chunk is not None, f"worker {e.worker} has no transfer in flight"
         w.busy = None
-        room = self.rooms.get(chunk.room)
+        room = self._rooms.get(chunk.room)
         if room is None:
             self._run_worker(e.worker, out)
             return
@@ -340,10 +380,10 @@ class PrefillRank:
     def _maybe_teardown(self, room: PrefillRoom, chunk: TransferChunk,
                         out: list[ev.Effect]) -> None:
         gate = room.outstanding <= 0 or self.defects.on(TEARDOWN_DROPS_DEFERRED)
-        concluded = room.status == "Success" or (chunk.is_last and room.status == "Failed")
+        concluded = room.state is _S.SUCCESS or (chunk.is_last and room.state is _S.FAILED)
         if gate and concluded:
-            del self.rooms[room.room]
-            self.prefetch_requested = {k for k in self.prefetch_requested if k[0] != room.room}
+            del self._rooms[room.room]
+            self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
             out.append(ev.RoomTornDown(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
@@ -356,9 +396,10 @@ class PrefillRank:
 
     def _conclude(self, room: PrefillRoom, status: str, reason: str,
                   out: list[ev.Effect]) -> None:
-        if room.status == "Failed":
+        if room.state is _S.FAILED:
             return
-        room.status = status
+        room.state = prefill_next(room.state,
+                                  _T.LAST_CHUNK_DONE if status == "Success" else _T.FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
         out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
@@ -373,30 +414,30 @@ class PrefillRank:
             out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
                                   reason="send failed (ignored)"))
             return
-        room = self.rooms.get(msg.room)
+        room = self._rooms.get(msg.room)
         if room is not None:
             self._conclude(room, "Failed", f"CHUNK_READY send to {e.dst} failed", out)
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
-        room = self.rooms.get(e.room)
-        if room is None or room.status in ("Failed",):
+        room = self._rooms.get(e.room)
+        if room is None or room.state is _S.FAILED:
             return
-        room.status = "Failed"
+        room.state = prefill_next(room.state, _T.FAIL)
         room.fail_reason = e.reason
         out.append(ev.RoomConcluded(room=e.room, status="Failed", reason=e.reason))
         if room.outstanding <= 0 and not self._queued(e.room):
-            del self.rooms[e.room]
+            del self._rooms[e.room]
             out.append(ev.RoomTornDown(room=e.room))
         self._wake(out)
 
     def _queued(self, room: int) -> bool:
-        return any(c.room == room for w in self.workers for c in w.queue) or any(
-            w.busy is not None and w.busy.room == room for w in self.workers)
+        return any(c.room == room for w in self._workers for c in w.queue) or any(
+            w.busy is not None and w.busy.room == room for w in self._workers)
 
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
 
-    _DISPATCH = {
+    _DISPATCH: dict[type, Callable[[PrefillRank, Any, list[ev.Effect]], None]] = {
         ev.MessageArrived: _on_message,
         ev.RoomBootstrapped: _on_bootstrapped,
         ev.Prefetch: _on_prefetch,

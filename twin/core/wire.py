@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class KVPoll(IntEnum):
@@ -129,7 +129,7 @@ def decode(frames: list[bytes]) -> Message:
         raise ValueError(f"{kind}: missing field {missing!r} ({len(body)} of {len(required)} fields)")
     if len(body) > len(names):
         raise ValueError(f"{kind}: {len(body)} fields, at most {len(names)} expected")
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for name, raw in zip(names, body, strict=False):
         values[name] = _decode_field(kind, name, bytes(raw))
     if cls is TransferStatus:
@@ -137,7 +137,8 @@ def decode(frames: list[bytes]) -> Message:
             values["status"] = KVPoll(values["status"])
         except ValueError:
             raise ValueError(f"{kind}: field 'status': unknown status {values['status']}") from None
-    return cls(**values)
+    msg: Message = cls(**values)
+    return msg
 
 
 def _decode_field(kind: str, name: str, raw: bytes) -> object:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from twin.core import events as ev
+from twin.core import wire
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
@@ -19,7 +20,9 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.sendplan import PlannedSend, plan_sends
+from twin.core.snapshot import DecodeSnapshot
 from twin.core.topology import Topology, build_ranks
+from twin.runtime.runtime import Runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,7 @@ class Action:
     event: ev.Input
     src: str = ""
     seq: int = 0
+    token: int = 0  # a poll's token: taken after a newer poll of its worker, it is a no-op
 
 
 @dataclass(slots=True)
@@ -50,14 +54,21 @@ class InvariantViolation(AssertionError):
 
 
 class Cluster:
-    """Prefill and decode ranks of ``cfg`` wired through a pending-action list."""
+    """Prefill and decode ranks of ``cfg`` wired through a pending-action list.
+
+    It is the runtime's driver in logical time: every send, transfer, scatter, poll and
+    registration becomes a pending action; timeouts (``Tick``) fire only when nothing else can
+    happen (``fire_timers``).
+    """
 
     def __init__(self, cfg: TwinConfig, defects: Defects | None = None,
                  step_s: float = 1e-3) -> None:
         self.cfg = cfg
         self.defects = defects or Defects()
         self.topo = Topology(cfg)
-        self.ranks: dict[str, PrefillRank | DecodeRank] = build_ranks(self.topo, self.defects)
+        self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=self,
+                               hooks={ev.RoomConcluded: self._on_concluded,
+                                      ev.TargetsKnown: self._on_targets_known})
         self.pending: list[Action] = []
         self.rooms: dict[int, RoomPlan] = {}
         self.integrity = IntegrityModel(cfg.ring_bytes)
@@ -69,6 +80,13 @@ class Cluster:
         self._seq = 0
         self._wm_seen: dict[str, tuple[int, int]] = {}
         self.log: list[tuple[float, str, ev.Input]] = []
+
+    @property
+    def ranks(self) -> dict[str, PrefillRank | DecodeRank]:
+        return self.runtime.ranks
+
+    def time(self) -> float:
+        return self.now
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, room: int, input_len: int, *, decode_prefix_len: int = 0,
@@ -115,10 +133,8 @@ class Cluster:
         elif action.kind == "xfer":
             self._land(action.node, action.event.worker)  # type: ignore[union-attr]
             self._feed(action.node, action.event)
-        else:
+        elif self.runtime.is_current(action.node, action.event, action.token):
             self._feed(action.node, action.event, src=action.src)
-            if action.kind == "meta":
-                self.bootstrap_progress(action.node, action.event.room)  # type: ignore[union-attr]
         return action
 
     def run(self, max_steps: int = 1_000_000, pick=None) -> int:
@@ -144,63 +160,45 @@ class Cluster:
         self._feed(node, ev.Tick())
         return True
 
-    # -- feeding the core and carrying out effects -------------------------------------------
+    # -- the runtime's driver ----------------------------------------------------------------
     def _feed(self, node: str, event: ev.Input, src: str = "") -> None:
-        rank = self.ranks[node]
-        self.log.append((self.now, node, event))
-        effects = rank.handle(event, self.now)
-        for e in effects:
-            self._effect(node, e)
+        self.runtime.feed(node, event)
         self._check(node)
 
-    def _push(self, kind: str, node: str, event: ev.Input, src: str = "") -> None:
+    def write_input(self, t: float, node: str, event: ev.Input) -> None:
+        self.log.append((t, node, event))
+
+    def write_effects(self, t: float, node: str, effects: list[ev.Effect]) -> None:
+        for e in effects:
+            if type(e) is ev.RankCrashed:
+                self.crashed.append(f"{node}: {e.reason}")
+
+    def _push(self, kind: str, node: str, event: ev.Input, src: str = "", token: int = 0) -> None:
         self._seq += 1
-        self.pending.append(Action(kind, node, event, src, self._seq))
+        self.pending.append(Action(kind, node, event, src, self._seq, token))
 
-    def _effect(self, node: str, e: ev.Effect) -> None:
-        t = type(e)
-        if t is ev.Send:
-            self._push("msg", e.dst, ev.MessageArrived(src=node, msg=e.msg), src=node)
-        elif t is ev.SendMetadata:
-            target = ev.Target(session=e.session, decode_rank=e.decode_rank,
-                               total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len)
-            for p in e.prefill_ranks:
-                self._push("meta", p, ev.RoomBootstrapped(room=e.room, targets=(target,)), src=node)
-            rank = self.ranks[node]
-            assert isinstance(rank, DecodeRank)
-            room = rank.rooms.get(e.room)
-            if room is not None and not room.registered:
-                self._push("register", node, ev.DecodeRoomRegister(room=e.room))
-        elif t is ev.StartTransfer:
-            self.in_flight[(node, e.worker)] = e
-            self._push("xfer", node, ev.TransferDone(worker=e.worker))
-        elif t is ev.StartScatter:
-            self._on_scatter(node, e)
-            self._push("scatter", node, ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx,
-                                                       alloc_id=e.alloc_id))
-        elif t is ev.Deferred:
-            if not e.all_blocked:
-                self._push("poll", node, ev.WorkerPoll(worker=e.worker))
-        elif t is ev.WakeWorkers:
-            for w in e.workers:
-                self._push("poll", node, ev.WorkerPoll(worker=w))
-        elif t is ev.AbortNotice:
-            for d in e.dsts:
-                self._push("abort", d, ev.RoomAborted(room=e.room, reason=e.reason), src=node)
-        elif t is ev.SetTimer:
-            self.timers.append((e.at, node))
-        elif t is ev.RoomConcluded:
-            self._on_concluded(node, e)
-        elif t is ev.Freed:
-            pass
-        elif t is ev.RankCrashed:
-            self.crashed.append(f"{node}: {e.reason}")
+    def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
+        if type(event) is ev.Tick:
+            self.timers.append((at, node))
+        elif type(event) is ev.WorkerPoll:
+            self._push("poll", node, event, token=token)
+        else:
+            self._push("register", node, event)
 
-    def _on_scatter(self, node: str, e: ev.StartScatter) -> None:
-        rank = self.ranks[node]
-        assert isinstance(rank, DecodeRank)
-        _, writer_bytes, _ = self.cfg.region_layout(rank.rank, e.num_pages)
-        self.integrity.on_scatter(node, e, list(writer_bytes))
+    def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
+        self._push("msg", dst, ev.MessageArrived(src=src, msg=msg), src=src)
+
+    def control(self, src: str, dst: str, event: ev.Input) -> None:
+        self._push("meta" if type(event) is ev.RoomBootstrapped else "abort", dst, event, src=src)
+
+    def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
+        self.in_flight[(node, e.worker)] = e
+        self._push("xfer", node, ev.TransferDone(worker=e.worker))
+
+    def start_scatter(self, node: str, e: ev.StartScatter) -> None:
+        self.integrity.on_scatter(node, e, list(e.writer_bytes))
+        self._push("scatter", node, ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx,
+                                                   alloc_id=e.alloc_id))
 
     def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
         plan = self.rooms.get(e.room)
@@ -209,6 +207,20 @@ class Cluster:
         if self.topo.nodes[node].role == "decode":
             plan.decode_status[node] = e.status
             self.integrity.on_concluded(node, e.room, e.status, plan.total_pages)
+
+    def _on_targets_known(self, node: str, e: ev.TargetsKnown) -> None:
+        plan = self.rooms.get(e.room)
+        if plan is None:
+            return
+        want = len(self.topo.targets_of(self.topo.nodes[node],
+                                        self.topo.decode_groups[plan.decode_group]))
+        if len(e.sessions) == want:
+            plan.bootstrapped.add(node)
+        pg = self.topo.prefill_groups[plan.prefill_group]
+        if len(plan.bootstrapped) == len(pg.nodes) and plan.next_send == 0 and not any(
+                a.kind == "send" and a.event.room == e.room  # type: ignore[union-attr]
+                for a in self.pending):
+            self._queue_next_send(plan)
 
     def _queue_next_send(self, plan: RoomPlan) -> None:
         if plan.next_send < len(plan.sends):
@@ -221,20 +233,21 @@ class Cluster:
         self.integrity.on_transfer(t.session, t)
 
     def _check(self, node: str) -> None:
-        rank = self.ranks[node]
-        if isinstance(rank, DecodeRank):
-            wm = rank.allocator.get_watermark()
+        snap = self.ranks[node].snapshot()
+        if isinstance(snap, DecodeSnapshot):
+            wm = snap.watermark
             prev = self._wm_seen.get(node, (0, 0))
             if wm < prev:
                 raise InvariantViolation(f"{node}: watermark moved backwards {prev} -> {wm}")
             self._wm_seen[node] = wm
-            live = sorted((r * self.cfg.ring_bytes + off, r * self.cfg.ring_bytes + off + size, a)
-                          for a, off, size, r in rank.allocator.live())
+            ring = self.cfg.ring_bytes
+            live = sorted((a.round * ring + a.offset, a.round * ring + a.offset + a.size,
+                           a.alloc_id) for a in snap.live)
             for (_, end_a, a), (start_b, _, b) in zip(live, live[1:], strict=False):
                 if start_b < end_a:
                     raise InvariantViolation(f"{node}: live allocations {a} and {b} overlap")
         else:
-            for session, wm in rank.watermarks.items():
+            for session, wm in snap.watermarks.items():
                 key = f"{node}>{session}"
                 prev = self._wm_seen.get(key, (0, 0))
                 if wm < prev:
@@ -242,20 +255,6 @@ class Cluster:
                 self._wm_seen[key] = wm
 
     # -- status ------------------------------------------------------------------------------
-    def bootstrap_progress(self, node: str, room: int) -> None:
-        plan = self.rooms[room]
-        rank = self.ranks[node]
-        assert isinstance(rank, PrefillRank)
-        pg = self.topo.prefill_groups[plan.prefill_group]
-        dg = self.topo.decode_groups[plan.decode_group]
-        r = rank.rooms.get(room)
-        want = len(self.topo.targets_of(self.topo.nodes[node], dg))
-        if r is not None and len(r.targets) == want:
-            plan.bootstrapped.add(node)
-        if len(plan.bootstrapped) == len(pg.nodes) and plan.next_send == 0 and not any(
-                a.kind == "send" and a.event.room == room for a in self.pending):  # type: ignore[union-attr]
-            self._queue_next_send(plan)
-
     def unfinished(self) -> list[int]:
         """Rooms not concluded on every decode rank of their group."""
         out = []

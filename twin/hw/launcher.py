@@ -48,8 +48,6 @@ from twin.hw.rank import (
     rank_main,
 )
 
-MERGE_WINDOW_S = 2.0
-
 
 @dataclass
 class HwOptions:
@@ -179,7 +177,7 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
         else:
             core = build_rank(cfg, n, Defects())
             if isinstance(core, PrefillRank):
-                nbytes += core.buffer_bytes * len(core.workers)
+                nbytes += core.buffer_bytes * core.num_workers
         per_rank[n.id] = nbytes
     plan = PoolPlan(pages, longest, auto, per_rank)
     if options.device == "cuda":
@@ -229,6 +227,7 @@ class Launcher:
         self._pending: list[_Pending] = []
         self._order = 0
         self._written_t = 0.0
+        self._sent_upto: dict[str, float] = {}  # node -> time up to which it sent every record
         self.clamped = 0
         self.inputs = 0
         self.states: dict[str, Any] = {}
@@ -371,7 +370,7 @@ class Launcher:
         self.pump(0)
         if self.clamped and self.writer is not None:
             self.sys({"type": "Note", "text": f"{self.clamped} record(s) reached the coordinator "
-                      f"more than {MERGE_WINDOW_S:g} s late; their times were raised to keep "
+                      f"after later ones were written; their times were raised to keep "
                       f"the trace in time order"}, t=self._written_t)
         self.flush_records(final=True)
         self.sock.close()
@@ -401,7 +400,7 @@ class Launcher:
         self.command(node, {"op": "feed", "event": event})
 
     def request_states(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Every rank's state: ``{"core", "next" (replay), "held" (replay)}``."""
+        """Every rank's state: ``{"snapshot", "next" (replay), "held" (replay)}``."""
         self.states = {}
         for node in self.endpoints:
             self.command(node, {"op": "state"})
@@ -419,7 +418,8 @@ class Launcher:
             tag = bytes(frames[0])
             if tag == RECORDS:
                 node = frames[1].decode()
-                records, reports = pickle.loads(frames[2])
+                records, reports, upto = pickle.loads(frames[2])
+                self._sent_upto[node] = upto
                 self._records(node, records)
                 for r in reports:
                     self._report(r)
@@ -455,11 +455,15 @@ class Launcher:
                                                "driver", "sys", record))
 
     def flush_records(self, final: bool = False) -> None:
-        """Write records older than the merge window (all of them when ``final``)."""
+        """Write the records every rank has sent up to the same time (all of them when ``final``)."""
         if self.writer is None:
             self._pending.clear()
             return
-        horizon = float("inf") if final else self.now() - MERGE_WINDOW_S
+        if final:
+            horizon = float("inf")
+        else:  # every rank has sent all its records up to the slowest one's report
+            horizon = min((self._sent_upto.get(n, 0.0) for n in self.endpoints), default=0.0)
+            horizon = min(horizon, self.now())
         while self._pending and self._pending[0].t <= horizon:
             p = heapq.heappop(self._pending)
             t = p.t

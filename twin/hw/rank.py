@@ -42,6 +42,7 @@ from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
 from twin.runtime.faults import FaultInjector, parse_fault
+from twin.runtime.runtime import Runtime
 
 # Coordinator <-> rank frames (the twin's own; SGLang's frames travel between ranks).
 HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
@@ -49,6 +50,7 @@ HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
     b"TWIN_STATE", b"TWIN_STOP")
 META, ABORT = b"TWIN_META", b"TWIN_ABORT"
 IDLE_WAIT_MS = 20
+FLUSH_IDLE_S = 0.05
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
 
 
@@ -98,6 +100,11 @@ class RankProcess:
             torch.cuda.set_device(self.device)
         node = Node(spec.node, spec.role, 0, 0, spec.rank, spec.unique_rank)
         self.core: PrefillRank | DecodeRank = build_rank(cfg, node, Defects.of(spec.defects))
+        self.runtime = Runtime({spec.node: self.core}, self, recorder=self,
+                               hooks={ev.RoomConcluded: self._concluded,
+                                      ev.RoomTornDown: self._torn_down,
+                                      ev.RankCrashed: self._crashed},
+                               scripted=spec.script is not None)
         tp = getattr(cfg, spec.role).attn_tp_size
         m = cfg.model
         self.heads = rank_head_range(tp, spec.rank, m.num_kv_heads)
@@ -108,7 +115,7 @@ class RankProcess:
         self.nixl = NixlEndpoint(spec.node)
         if isinstance(self.core, PrefillRank):
             self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)
-                            for _ in self.core.workers]
+                            for _ in range(self.core.num_workers)]
             for b in self.buffers:
                 self.nixl.register(b)
             self.ring = None
@@ -122,9 +129,10 @@ class RankProcess:
         self.rings: dict[str, tuple[str, RegionDesc]] = {}
         self.coordinator = spec.coordinator
         self.t0 = 0.0
-        self.timers: list[tuple[float, int, str, Any]] = []
+        self.timers: list[tuple[float, int, Any, tuple[Any, ...]]] = []
         self._timer_seq = 0
-        self.poll_token: dict[int, int] = {}
+        self._last_input: Any = None
+        self._flushed_at = 0.0
         self.in_flight: dict[int, Any] = {}
         self.scatters_done: list[ev.ScatterDone] = []
         self.rooms: dict[int, dict[str, Any]] = {}
@@ -144,9 +152,15 @@ class RankProcess:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def _timer(self, at: float, kind: str, arg: Any) -> None:
+    time = now  # the runtime's driver clock
+
+    def call_at(self, at: float, fn: Any, *args: Any) -> None:
+        """Call ``fn(*args)`` at ``at`` (seconds since the run's start)."""
         self._timer_seq += 1
-        heapq.heappush(self.timers, (at, self._timer_seq, kind, arg))
+        heapq.heappush(self.timers, (at, self._timer_seq, fn, args))
+
+    def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
+        self.call_at(at, self.runtime.fire, node, event, token)
 
     # -- bootstrap -----------------------------------------------------------------------------
     def bootstrap(self) -> None:
@@ -197,8 +211,8 @@ class RankProcess:
             while self.scatters_done:
                 self.input(self.scatters_done.pop(0))
             while self.timers and self.timers[0][0] <= self.now():
-                _, _, kind, arg = heapq.heappop(self.timers)
-                self._fire(kind, arg)
+                _, _, fn, args = heapq.heappop(self.timers)
+                fn(*args)
             self._advance_script()
             self._flush()
 
@@ -237,7 +251,8 @@ class RankProcess:
             self._setup_request(cmd)
         elif op == "state":
             self._flush()
-            state = {"core": self.core, "next": self.script[0] if self.script else None,
+            state = {"snapshot": self.core.snapshot(),
+                     "next": self.script[0] if self.script else None,
                      "held": sum(len(v) for v in self.held.values())}
             self.sock.send(self.coordinator, [STATE, self.spec.node.encode(),
                                               pickle.dumps(state)])
@@ -286,19 +301,18 @@ class RankProcess:
                                  "held": held})
 
     def feed(self, event: Any) -> None:
-        now = self.now()
-        if now < self.core.now:
-            now = self.core.now
-        effects = self.core.handle(event, now)
-        self.outbox.append((now, event, effects))
-        for e in effects:
-            handler = _EFFECTS.get(type(e))
-            if handler is not None:
-                handler(self, e)
+        self.runtime.feed(self.spec.node, event)
 
-    # -- effects -------------------------------------------------------------------------------
-    def _send(self, e: ev.Send) -> None:
-        self.send_frames(e.dst, e.msg)
+    # -- recorder: inputs and effects stream to the coordinator ---------------------------------
+    def write_input(self, t: float, node: str, event: Any) -> None:
+        self._last_input = event
+
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None:
+        self.outbox.append((t, self._last_input, effects))
+
+    # -- driver: transport ---------------------------------------------------------------------
+    def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
+        self.send_frames(dst, msg)
 
     def send_frames(self, dst: str, msg: wire.Message, delayed: bool = False) -> None:
         if self.injector.specs and not delayed:
@@ -312,7 +326,7 @@ class RankProcess:
                 return
             if fate.extra_s > 0:
                 for _ in range(fate.copies):
-                    self._timer(self.now() + fate.extra_s, "send", (dst, msg))
+                    self.call_at(self.now() + fate.extra_s, self.send_frames, dst, msg, True)
                 return
             for _ in range(fate.copies):
                 self._push(dst, msg)
@@ -328,22 +342,21 @@ class RankProcess:
                                  "detail": f"{msg.TAG.decode()} -> {dst}: {exc}"})
             self.feed(ev.SendFailed(dst=dst, msg=msg))
 
-    def _metadata(self, e: ev.SendMetadata) -> None:
-        target = {"session": e.session, "decode_rank": e.decode_rank,
-                  "total_pages": e.total_pages, "decode_prefix_len": e.decode_prefix_len}
-        body = json.dumps({"room": e.room, "target": target}).encode()
-        for p in e.prefill_ranks:
-            self.sock.send(self.endpoints[p], [META, body])
-        room = self.core.rooms.get(e.room) if isinstance(self.core, DecodeRank) else None
-        if room is not None and not room.registered and self.script is None:
-            self._timer(self.now() + 0.005, "feed", ev.DecodeRoomRegister(room=e.room))
+    def control(self, src: str, dst: str, event: ev.Input) -> None:
+        """Bootstrap metadata and abort notices, in the twin's own frames."""
+        if isinstance(event, ev.RoomBootstrapped):
+            t = event.targets[0]
+            target = {"session": t.session, "decode_rank": t.decode_rank,
+                      "total_pages": t.total_pages, "decode_prefix_len": t.decode_prefix_len}
+            frames = [META, json.dumps({"room": event.room, "target": target}).encode()]
+        elif isinstance(event, ev.RoomAborted):
+            frames = [ABORT, json.dumps({"room": event.room, "reason": event.reason}).encode()]
+        else:
+            raise TypeError(f"no control frame for {type(event).__name__}")
+        self.sock.send(self.endpoints[dst], frames)
 
-    def _abort_notice(self, e: ev.AbortNotice) -> None:
-        body = json.dumps({"room": e.room, "reason": e.reason}).encode()
-        for d in e.dsts:
-            self.sock.send(self.endpoints[d], [ABORT, body])
-
-    def _start_transfer(self, e: ev.StartTransfer) -> None:
+    # -- driver: data plane --------------------------------------------------------------------
+    def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         assert isinstance(self.core, PrefillRank)
         if not e.staged:
             self.in_flight[e.worker] = ("error", "the per-slice fallback path is not "
@@ -355,10 +368,8 @@ class RankProcess:
         pages = self.pool.pages_of(e.room)
         first = (req["decode_prefix_len"] // page if req else 0) + e.page_start
         chunk_pages = pages[first:first + e.num_pages]
-        target = self.core.rooms[e.room].targets if e.room in self.core.rooms else []
-        decode_rank = next((t.decode_rank for t in target if t.session == e.session), 0)
         src_head, nh, _, _ = compute_head_slice_params(
-            cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size, self.spec.rank, decode_rank,
+            cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size, self.spec.rank, e.decode_rank,
             cfg.model.num_kv_heads)
         buf = self.buffers[e.worker]
         if len(chunk_pages) < e.num_pages or e.nbytes > buf.numel():
@@ -394,17 +405,16 @@ class RankProcess:
             else:
                 self.input(ev.TransferDone(worker=worker, ok=False, error="NIXL_ERR"))
 
-    def _start_scatter(self, e: ev.StartScatter) -> None:
+    def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         assert self.ring is not None
         cfg = self.cfg
         pages = self.pool.pages_of(e.room)[e.page_start:e.page_start + e.num_pages]
         end = e.offset + e.nbytes
-        room = self.core.rooms.get(e.room) if isinstance(self.core, DecodeRank) else None
-        p_tp = room.prefill_attn_tp if room is not None else cfg.prefill.attn_tp_size
         if len(pages) == e.num_pages and end <= self.ring.numel():
             self.kernels.scatter_from_staging(
                 self.ring[e.offset:end], self.pool.k, self.pool.v, pages, cfg.page_size,
-                p_tp, cfg.decode.attn_tp_size, self.spec.rank, cfg.model.num_kv_heads)
+                e.prefill_attn_tp, cfg.decode.attn_tp_size, self.spec.rank,
+                cfg.model.num_kv_heads)
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
         else:
@@ -415,35 +425,8 @@ class RankProcess:
         self.scatters_done.append(ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx,
                                                  alloc_id=e.alloc_id))
 
-    def _deferred(self, e: ev.Deferred) -> None:
-        if not e.all_blocked and self.script is None:
-            self._poll_later(e.worker, 0.001)
-
-    def _wake(self, e: ev.WakeWorkers) -> None:
-        if self.script is None:
-            for w in e.workers:
-                self._poll_later(w, 0.0)
-
-    def _poll_later(self, worker: int, delay: float) -> None:
-        token = self.poll_token.get(worker, 0) + 1
-        self.poll_token[worker] = token
-        self._timer(self.now() + delay, "poll", (worker, token))
-
-    def _set_timer(self, e: ev.SetTimer) -> None:
-        if self.script is None:
-            self._timer(e.at, "feed", ev.Tick())
-
-    def _fire(self, kind: str, arg: Any) -> None:
-        if kind == "poll":
-            worker, token = arg
-            if self.poll_token.get(worker) == token:
-                self.feed(ev.WorkerPoll(worker=worker))
-        elif kind == "feed":
-            self.feed(arg)
-        elif kind == "send":
-            self.send_frames(arg[0], arg[1], delayed=True)
-
-    def _concluded(self, e: ev.RoomConcluded) -> None:
+    # -- hooks ---------------------------------------------------------------------------------
+    def _concluded(self, node: str, e: ev.RoomConcluded) -> None:
         report: dict[str, Any] = {"kind": "concluded", "node": self.spec.node, "room": e.room,
                                   "status": e.status, "reason": e.reason}
         if isinstance(self.core, DecodeRank):
@@ -463,17 +446,21 @@ class RankProcess:
                                  tokens, self.heads)
         return None if bad is None else str(bad)
 
-    def _torn_down(self, e: ev.RoomTornDown) -> None:
+    def _torn_down(self, node: str, e: ev.RoomTornDown) -> None:
         self.pool.release(e.room)
 
-    def _crashed(self, e: ev.RankCrashed) -> None:
+    def _crashed(self, node: str, e: ev.RankCrashed) -> None:
         self.reports.append({"kind": "crashed", "node": self.spec.node, "reason": e.reason})
 
     # -- streaming records to the coordinator --------------------------------------------------
     def _flush(self) -> None:
-        if self.outbox or self.reports:
-            body = pickle.dumps((self.outbox, self.reports))
+        """Send new records, and at least every ``FLUSH_IDLE_S`` the time up to which this
+        rank has sent everything (the coordinator merges ranks' records up to the minimum)."""
+        now = self.now()
+        if self.outbox or self.reports or now - self._flushed_at >= FLUSH_IDLE_S:
+            body = pickle.dumps((self.outbox, self.reports, now))
             self.outbox, self.reports = [], []
+            self._flushed_at = now
             self.sock.send(self.coordinator, [RECORDS, self.spec.node.encode(), body])
 
     def close(self) -> None:
@@ -482,21 +469,6 @@ class RankProcess:
         finally:
             self.nixl.close()
             self.sock.close(linger_ms=2000)
-
-
-_EFFECTS = {
-    ev.Send: RankProcess._send,
-    ev.SendMetadata: RankProcess._metadata,
-    ev.AbortNotice: RankProcess._abort_notice,
-    ev.StartTransfer: RankProcess._start_transfer,
-    ev.StartScatter: RankProcess._start_scatter,
-    ev.Deferred: RankProcess._deferred,
-    ev.WakeWorkers: RankProcess._wake,
-    ev.SetTimer: RankProcess._set_timer,
-    ev.RoomConcluded: RankProcess._concluded,
-    ev.RoomTornDown: RankProcess._torn_down,
-    ev.RankCrashed: RankProcess._crashed,
-}
 
 
 def _named(name: str):  # type: ignore[no-untyped-def]

@@ -97,8 +97,8 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
             else "(rank error)",
             got=(f"nothing matching arrived for {stall_s:g} s on real hardware"
                  if not errors else errors[0][:2000]))
-    cores = {n: st["core"] for n, st in states.items()}
+    snapshots = {n: st["snapshot"] for n, st in states.items()}
     status, completed, failed, unfinished = verdict(rooms, concluded, corruption, trace.outcome)
-    diagnosis = diagnose(cores, crashed, unfinished) if unfinished else []
+    diagnosis = diagnose(snapshots, crashed, unfinished).lines() if unfinished else []
     return ReplayResult(inputs, divergence, status, completed, failed, diagnosis, corruption,
-                        trace.outcome)
+                        trace.outcome, version=trace.header["version"])

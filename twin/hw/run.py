@@ -33,14 +33,14 @@ from twin.core.sendplan import early_send_end
 from twin.hw.launcher import HwOptions, Launcher
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec, fault_report, parse_fault
-from twin.runtime.outcome import RunStatus, decide, exit_code
+from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
-from twin.runtime.requests import SimRequest
+from twin.runtime.requests import RequestState
+from twin.runtime.runtime import PROGRESS_EFFECTS
 from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.workloads import Workload
 
-PROGRESS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded, ev.ChunkQueued)
 UNSUPPORTED_FAULTS = ("crash", "restart", "fail-transfer")
 
 
@@ -53,7 +53,7 @@ class HwResult:
     """The outcome of a hardware run; ``summary()`` has the simulator's keys."""
 
     requests: int
-    done: list[SimRequest]
+    done: list[RequestState]
     unfinished: list[int]
     wedged: bool
     diagnosis: list[str]
@@ -77,6 +77,15 @@ class HwResult:
     @property
     def exit_code(self) -> int:
         return exit_code(self.status)
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict(status=self.status, requests=self.requests,
+                       completed=sum(r.status == "Success" for r in self.done),
+                       failed=sum(r.status == "Failed" for r in self.done),
+                       unfinished=self.requests - len(self.done),
+                       diagnosis=self.diagnosis + self.errors,
+                       corruption=self.corruption[:50])
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.done if r.status == "Success"]
@@ -120,9 +129,8 @@ class HwRun:
         self.params = params
         self.placement = Placement(self.cfg, self.topo, params, overrides)
         self.max_concurrency = max_concurrency
-        self.reqs: dict[int, SimRequest] = {}
-        self.boot: dict[int, dict[str, int]] = {}
-        self.queue: dict[int, deque[SimRequest]] = {}
+        self.reqs: dict[int, RequestState] = {}
+        self.queue: dict[int, deque[RequestState]] = {}
         self.busy: set[int] = set()
         self.timers: list[tuple[float, int, Any]] = []
         self._n = 0
@@ -153,12 +161,12 @@ class HwRun:
 
     # -- records and reports from ranks --------------------------------------------------------
     def _records(self, node: str, records: list[Any]) -> None:
-        for t, event, effects in records:
-            if type(event) is ev.RoomBootstrapped:
-                self._bootstrapped(node, event.room)
+        for t, _event, effects in records:
             for e in effects:
-                if isinstance(e, PROGRESS):
+                if isinstance(e, PROGRESS_EFFECTS):
                     self.last_progress = t
+                if type(e) is ev.TargetsKnown:
+                    self._bootstrapped(node, e.room, len(e.sessions))
                 if type(e) is ev.Dropped and e.room >= 0:
                     self.dropped.setdefault(e.room, []).append(f"{node} dropped {e.what}: "
                                                                f"{e.reason}")
@@ -171,19 +179,16 @@ class HwRun:
             req = self.reqs.get(r["room"])
             if req is None:
                 return
-            req.decode_status[r["node"]] = r["status"]
             self._release(r["node"], r["room"])
             if r.get("mismatch"):
                 self.corrupted_rooms.add(r["room"])
                 self.corruption.append(f"{r['node']} room {r['room']}: {r['mismatch']}")
-            if r["status"] == "Failed" and not req.reason:
-                req.reason = r.get("reason", "")
-            group = self.topo.decode_groups[req.decode_group]
-            if len(req.decode_status) == len(group.nodes) and not req.finished:
-                ok = all(s == "Success" for s in req.decode_status.values())
-                req.status = "Success" if ok else "Failed"
+            group = len(self.topo.decode_groups[req.decode_group].nodes)
+            status = req.note_concluded(r["node"], r["status"], r.get("reason", ""), group)
+            if status is not None:
+                req.status = status
                 req.kv_done_s = self.launcher.now()
-                if ok:
+                if status == "Success":
                     self.placement.decode_done(self.workload.requests[req.rid])
         elif kind == "setup-done":
             self.last_progress = self.launcher.now()
@@ -258,18 +263,14 @@ class HwRun:
                 prefill_attn_tp=self.cfg.prefill.attn_tp_size,
                 decode_prefix_len=req.decode_prefix_len, total_pages=total))
 
-    def _bootstrapped(self, node: str, room: int) -> None:
+    def _bootstrapped(self, node: str, room: int, known: int) -> None:
         req = self.reqs.get(room)
         if req is None:
             return
-        counts = self.boot.setdefault(room, {})
-        counts[node] = counts.get(node, 0) + 1
         want = len(self.topo.targets_of(self.topo.nodes[node],
                                         self.topo.decode_groups[req.decode_group]))
-        if counts[node] == want:
-            req.bootstrapped.add(node)
-        pg = self.topo.prefill_groups[req.prefill_group]
-        if len(req.bootstrapped) == len(pg.nodes) and req.bootstrap_done_s < 0:
+        group = len(self.topo.prefill_groups[req.prefill_group].nodes)
+        if req.note_targets(node, known, want, group):
             req.bootstrap_done_s = self.launcher.now()
             self.queue.setdefault(req.prefill_group, deque()).append(req)
             self._schedule(req.prefill_group)
@@ -291,7 +292,7 @@ class HwRun:
             self._group_feed(group, ev.SendKV(room=req.room, end_idx=end, last=False))
         self._at(self.launcher.now() + self.launcher.options.forward_s, lambda: self._forward(group, req))
 
-    def _forward(self, group: int, req: SimRequest) -> None:
+    def _forward(self, group: int, req: RequestState) -> None:
         req.extend_end = min(req.input_len, req.extend_end + self.cfg.chunked_prefill_size)
         last = req.extend_end >= req.input_len
         self._group_feed(group, ev.SendKV(room=req.room, end_idx=req.extend_end, last=last))
@@ -368,9 +369,9 @@ class HwRun:
         unfinished = sorted(r.room for r in self.reqs.values() if not r.finished)
         diagnosis: list[str] = []
         if wedged:
-            cores = {n: st["core"] for n, st in lau.request_states().items()}
-            diagnosis = diagnose(cores, self.crashed, set(unfinished), self.dropped)
-            silent = sorted(set(lau.endpoints) - set(cores))
+            snapshots = {n: st["snapshot"] for n, st in lau.request_states().items()}
+            diagnosis = diagnose(snapshots, self.crashed, set(unfinished), self.dropped).lines()
+            silent = sorted(set(lau.endpoints) - set(snapshots))
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {self.wedge_window_s:g} s (rooms "
@@ -418,7 +419,7 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     specs = [parse_fault(f) for f in faults]
     writer = None
     if trace_out is not None:
-        from twin.sim.runner import trace_header
+        from twin.runtime.header import trace_header
         from twin.trace.format import TraceWriter
 
         header = trace_header(cfg, workload, defects=defects,
@@ -443,8 +444,4 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
 
 
 def _outcome(result: HwResult) -> dict[str, Any]:
-    s = result.summary()
-    status = RunStatus.INTERRUPTED if result.status == RunStatus.UNTIL else result.status
-    return {"status": status.value, "completed": s["completed"], "failed": s["failed"],
-            "requests": s["requests"], "diagnosis": s["diagnosis"] + s["errors"],
-            "corruption": s["corruption"]}
+    return result.verdict.record()

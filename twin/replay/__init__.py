@@ -25,7 +25,8 @@ from twin.core.topology import Topology, build_rank
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.trace.codec import event_to_json
-from twin.trace.format import Record, Trace
+from twin.trace.compat import comparable
+from twin.trace.format import FORMAT_VERSION, Record, Trace
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ReplayResult:
     corruption: list[str] = field(default_factory=list)
     recorded: dict[str, Any] | None = None
     timing: dict[str, Any] | None = None
+    version: int = FORMAT_VERSION  # of the recording: older diagnoses are worded differently
 
     @property
     def same_outcome(self) -> bool:
@@ -65,7 +67,7 @@ class ReplayResult:
             return False
         same = (rec["status"] == self.status and rec["completed"] == self.completed
                 and rec["failed"] == self.failed)
-        if self.status == "wedged":
+        if self.status == "wedged" and self.version == FORMAT_VERSION:
             same = same and _body(rec.get("diagnosis", [])) == _body(self.diagnosis)
         return same
 
@@ -83,8 +85,7 @@ def _body(lines: list[str]) -> list[str]:
     return [x for x in lines if not x.startswith("wedge:")]
 
 
-def _text(e: Any) -> str:
-    d = event_to_json(e)
+def _line(d: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items())
 
 
@@ -107,6 +108,7 @@ class Replayer:
         self.crashed: dict[str, str] = {}
         self.divergence: Divergence | None = None
         self.inputs = 0
+        self.version: int = trace.header["version"]
 
     def _groups(self) -> list[tuple[Record, list[Record]]]:
         """Each input record with the effect records written right after it."""
@@ -153,8 +155,9 @@ class Replayer:
             if t is not None:
                 self.integrity.on_transfer(t.session, t)
         effects = rank.handle(event, rec.t)
-        got = [_text(e) for e in effects]
-        want = [_text(r.event) for r in recorded]
+        got = [_line(d) for d in comparable(effects, self.version, event_to_json)]
+        want = [_line(d) for d in comparable([r.event for r in recorded], self.version,
+                                             event_to_json)]
         if got != want:
             i = next((k for k in range(max(len(got), len(want)))
                       if k >= len(got) or k >= len(want) or got[k] != want[k]), 0)
@@ -172,8 +175,7 @@ class Replayer:
         if t is ev.StartTransfer:
             self.in_flight[(node, e.worker)] = e
         elif t is ev.StartScatter:
-            _, wb, _ = self.cfg.region_layout(self.topo.nodes[node].rank, e.num_pages)
-            self.integrity.on_scatter(node, e, list(wb))
+            self.integrity.on_scatter(node, e, list(e.writer_bytes))
         elif t is ev.RoomConcluded and self.topo.nodes[node].role == "decode":
             self.concluded.setdefault(e.room, {})[node] = e.status
             room = self.rooms.get(e.room)
@@ -188,9 +190,10 @@ class Replayer:
         corruption = [str(v) for v in self.integrity.violations]
         status, completed, failed, unfinished = verdict(self.rooms, self.concluded, corruption,
                                                         self.trace.outcome)
-        diagnosis = diagnose(self.ranks, self.crashed, unfinished) if unfinished else []
+        snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
+        diagnosis = diagnose(snapshots, self.crashed, unfinished).lines() if unfinished else []
         return ReplayResult(self.inputs, self.divergence, status, completed, failed, diagnosis,
-                            corruption, self.trace.outcome)
+                            corruption, self.trace.outcome, version=self.version)
 
 
 def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str]],

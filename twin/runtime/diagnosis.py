@@ -1,105 +1,306 @@
-"""Wedge diagnosis from the cores' state: who waits, on what, and what pins it.
+"""Wedge diagnosis from the ranks' snapshots: a wait-for graph, its roots first.
 
-Works on any mapping of node id to core rank, so the simulator, a replay and the hardware mode
-explain a wedge the same way. Every line names a room, a chunk and the blocking resource.
+Works on any mapping of node id to a rank snapshot (``rank.snapshot()``), so the simulator, a
+replay and the hardware mode explain a wedge the same way. Every blocked piece of work (a chunk
+on a prefill worker, a decode room waiting for transfer status) points at what it waits for; a
+chunk that waits for a watermark pinned by another room's unscattered chunk points at that
+chunk in turn. Following the pointers ends at a *root*: a crashed rank, a STAGING_RSP that never
+came, a watermark never sent, a stale empty-ring watermark, a leaked allocation, and so on.
+``Diagnosis.roots`` lists each root once with how much work waits behind it (largest first), and
+names any injected fault on its path; ``details`` keeps one line per blocked piece of work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
-from twin.core.decode import DecodeRank
-from twin.core.grid import chunk_index
-from twin.core.prefill import PrefillRank
+from twin.core.allocator import is_watermark_ready
+from twin.core.snapshot import (
+    DecodeSnapshot,
+    PrefillSnapshot,
+    RankSnapshot,
+    StagingInfo,
+    TargetView,
+)
+from twin.core.states import DecodeRoomState
+
+RootKey = tuple[object, ...]
 
 
-def _pinning(decode: DecodeRank) -> str:
+@dataclass
+class Diagnosis:
+    """Roots first (``root: ...`` lines), then one detail line per blocked piece of work."""
+
+    roots: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [*self.roots, *self.details]
+
+
+@dataclass
+class _Root:
+    line: str  # may hold ``{subjects}``: the sessions or ranks the root spans
+    rooms: set[int] = field(default_factory=set)
+    items: int = 0
+    fault_rooms: set[int] = field(default_factory=set)
+    subjects: set[str] = field(default_factory=set)
+
+    def text(self) -> str:
+        return self.line.replace("{subjects}", ", ".join(sorted(self.subjects)))
+
+
+class _Graph:
+    def __init__(self, snapshots: Mapping[str, RankSnapshot], dropped: Mapping[int, list[str]],
+                 faults: Mapping[int, list[str]]) -> None:
+        self.prefills = {n: s for n, s in snapshots.items() if isinstance(s, PrefillSnapshot)}
+        self.decodes = {n: s for n, s in snapshots.items() if isinstance(s, DecodeSnapshot)}
+        self.dropped = dropped
+        self.faults = faults
+        self.roots: dict[RootKey, _Root] = {}
+        # (room, chunk_idx, session) -> (prefill node, staging info or None, busy)
+        self.chunks: dict[tuple[int, int, str], tuple[str, StagingInfo | None, bool]] = {}
+        self._memo: dict[tuple[int, int, str], RootKey] = {}
+
+    def root(self, key: RootKey, line: str, *, fault_room: int | None = None,
+             subject: str = "") -> RootKey:
+        r = self.roots.get(key)
+        if r is None:
+            r = self.roots[key] = _Root(line)
+        if fault_room is not None:
+            r.fault_rooms.add(fault_room)
+        if subject:
+            r.subjects.add(subject)
+        return key
+
+    def charge(self, key: RootKey, room: int) -> None:
+        r = self.roots[key]
+        r.items += 1
+        r.rooms.add(room)
+
+    # -- why a chunk write cannot go ---------------------------------------------------------
+    def chunk_root(self, room: int, chunk: int, session: str,
+                   seen: frozenset[tuple[int, int, str]] = frozenset()) -> RootKey:
+        ident = (room, chunk, session)
+        if ident in self._memo:
+            return self._memo[ident]
+        if ident in seen:
+            return self.root(("cycle", ident), f"room {room} chunk {chunk} -> {session} waits "
+                             f"on itself through the watermark (a cycle)")
+        key = self._chunk_root(room, chunk, session, seen | {ident})
+        self._memo[ident] = key
+        return key
+
+    def _chunk_root(self, room: int, chunk: int, session: str,
+                    seen: frozenset[tuple[int, int, str]]) -> RootKey:
+        found = self.chunks.get((room, chunk, session))
+        if found is None:
+            return self.root(("no-write", room, chunk, session),
+                             f"room {room} chunk {chunk}: no prefill worker holds its write to "
+                             f"{session} (never queued, or its room was torn down)",
+                             fault_room=room)
+        node, info, busy = found
+        if busy:
+            return self.root(("in-flight", node, room, chunk),
+                             f"{node}: the WRITE of room {room} chunk {chunk} to {session} "
+                             f"never completed", fault_room=room)
+        if info is None:
+            why = ""
+            for note in self.dropped.get(room, []):
+                if "STAGING_REQ" in note:
+                    why = f" ({note})"
+                    break
+            return self.root(("no-rsp", room),
+                             f"room {room}: STAGING_RSPs never reached prefill (chunk, decode -> "
+                             f"prefill: {{subjects}}){why}", fault_room=room,
+                             subject=f"{chunk} {session} -> {node}")
+        if info.oversized:
+            return self.root(("oversized", room, chunk),
+                             f"room {room} chunk {chunk}: the chunk is larger than {session}'s "
+                             f"ring (allocation oversized)")
+        wm = self.prefills[node].watermarks.get(session, (0, 0))
+        dec = self.decodes.get(session)
+        if dec is None:
+            return self.root(("no-watermark", node, session),
+                             f"{node} waits for a watermark from {session}, which is not in this "
+                             f"run's snapshots")
+        if is_watermark_ready(dec.watermark, info.round, info.end):
+            return self.root(("never-sent", node),
+                             f"decode's watermark would admit the waiting chunks of {node} "
+                             f"(it knows {wm}) but was never sent to this session "
+                             f"(from {{subjects}})", subject=f"{session} at {dec.watermark}")
+        return self.pin_root(dec, seen)
+
+    def pin_root(self, dec: DecodeSnapshot, seen: frozenset[tuple[int, int, str]]) -> RootKey:
+        s = dec.node
+        if not dec.live:
+            return self.root(("empty", s), f"{s}'s ring is empty at watermark {dec.watermark} "
+                             f"(head {dec.head}, round {dec.round})")
+        a = dec.live[0]
+        if (a.round, a.offset) != dec.watermark:
+            return self.root(("stale", s), f"{s}'s watermark {dec.watermark} is stale: the ring "
+                             f"emptied and its watermark stayed at the old head instead of "
+                             f"moving to (round + 1, 0)")
+        for room in dec.rooms.values():
+            if a.alloc_id in room.scattering:
+                return self.root(("scatter", s, a.alloc_id),
+                                 f"{s}: the scatter of room {room.room} chunk "
+                                 f"{room.scattering[a.alloc_id]} never finished")
+            for chunk_idx, c in room.chunks.items():
+                if c.alloc_id == a.alloc_id:
+                    return self.chunk_root(room.room, chunk_idx, s, seen)
+        return self.root(("leaked", s, a.alloc_id),
+                         f"{s}'s watermark is pinned by alloc {a.alloc_id} of a room that is no "
+                         f"longer registered (leaked: never released)")
+
+
+def _pinning(dec: DecodeSnapshot) -> str:
     """Describe the allocation at the decode watermark (the oldest live one)."""
-    live = decode.allocator.live()
-    wm = decode.allocator.get_watermark()
-    if not live:
-        return (f"{decode.session} ring is empty at watermark {wm} (head {decode.allocator.head},"
-                f" round {decode.allocator.round})")
-    alloc_id, off, size, rnd = live[0]
-    if (rnd, off) != wm:
-        return (f"{decode.session} watermark {wm} is stale: the oldest live allocation is alloc "
-                f"{alloc_id} at ({rnd}, {off}); the ring emptied and its watermark stayed at the "
-                f"old head instead of moving to (round + 1, 0)")
+    wm = dec.watermark
+    if not dec.live:
+        return f"{dec.node} ring is empty at watermark {wm} (head {dec.head}, round {dec.round})"
+    a = dec.live[0]
+    if (a.round, a.offset) != wm:
+        return (f"{dec.node} watermark {wm} is stale: the oldest live allocation is alloc "
+                f"{a.alloc_id} at ({a.round}, {a.offset}); the ring emptied and its watermark "
+                f"stayed at the old head instead of moving to (round + 1, 0)")
     owner = "an unregistered room (leaked)"
-    for room in decode.rooms.values():
+    for room in dec.rooms.values():
         for chunk_idx, info in room.chunks.items():
-            if info.alloc_id == alloc_id:
-                arrived = len(room.arrivals.get(chunk_idx, []))
+            if info.alloc_id == a.alloc_id:
+                arrived = room.arrivals.get(chunk_idx, 0)
                 owner = (f"room {room.room} chunk {chunk_idx}, unscattered: {arrived} of "
                          f"{len(room.prefill_ranks)} CHUNK_READY arrived")
-        if alloc_id in room.scattering:
-            owner = f"room {room.room} chunk {room.scattering[alloc_id]}, scatter in flight"
-    return (f"{decode.session} watermark {wm} is pinned by alloc {alloc_id} "
-            f"[{off}, {off + size}) round {rnd}: {owner}")
+        if a.alloc_id in room.scattering:
+            owner = f"room {room.room} chunk {room.scattering[a.alloc_id]}, scatter in flight"
+    return (f"{dec.node} watermark {wm} is pinned by alloc {a.alloc_id} "
+            f"[{a.offset}, {a.offset + a.size}) round {a.round}: {owner}")
 
 
-def diagnose(ranks: Mapping[str, PrefillRank | DecodeRank], crashed: Mapping[str, str],
-             unfinished: set[int], dropped: Mapping[int, list[str]] | None = None) -> list[str]:
-    """Lines explaining why ``unfinished`` rooms cannot progress."""
-    lines: list[str] = [f"{node} crashed: {why}" for node, why in sorted(crashed.items())]
-    decodes = {n: r for n, r in ranks.items() if isinstance(r, DecodeRank)}
-    for node, rank in sorted(ranks.items()):
-        if not isinstance(rank, PrefillRank):
-            continue
-        for wi, worker in enumerate(rank.workers):
-            seen = set()
-            for chunk in ([worker.busy] if worker.busy else []) + list(worker.queue):
-                if chunk.room not in unfinished or (chunk.room, chunk.page_start) in seen:
-                    continue
-                seen.add((chunk.room, chunk.page_start))
-                room = rank.rooms.get(chunk.room)
+def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
+             unfinished: set[int], dropped: Mapping[int, list[str]] | None = None,
+             faults: Mapping[int, list[str]] | None = None) -> Diagnosis:
+    """Why ``unfinished`` rooms cannot progress: roots first, then every blocked item.
+
+    ``dropped`` holds the ranks' notes of dropped inputs per room; ``faults`` the injected
+    faults that touched each room (named on the root they lie on).
+    """
+    g = _Graph(snapshots, dropped or {}, faults or {})
+    details: list[str] = [f"{node} crashed: {why}" for node, why in sorted(crashed.items())]
+    for node, why in sorted(crashed.items()):
+        g.charge(g.root(("crash", node), f"{node} crashed: {why}"), -1)
+    for node, snap in g.prefills.items():
+        for w in snap.workers:
+            for c in ([w.busy] if w.busy else []) + list(w.queue):
+                room = snap.rooms.get(c.room)
                 if room is None:
                     continue
-                ci = chunk_index(chunk.page_start, rank.cfg.full_chunk_pages)
-                for target in room.targets:
-                    info = target.staging.get(ci)
-                    head = f"{node} worker {wi}: room {chunk.room} chunk {ci} -> {target.session}"
-                    if chunk is worker.busy:
-                        lines.append(f"{head}: WRITE in flight")
-                        break
-                    if info is None:
-                        why = "waits for its allocation (no STAGING_RSP)"
-                        for note in (dropped or {}).get(chunk.room, []):
-                            if "STAGING_REQ" in note:
-                                why += f"; {note}"
-                                break
-                        lines.append(f"{head}: {why}")
-                        break
-                    if info[0] == ALLOC_OVERSIZED:
-                        lines.append(f"{head}: allocation oversized")
-                        break
-                    wm = rank.watermarks.get(target.session, (0, 0))
-                    if not is_watermark_ready(wm, info[1], info[2]):
-                        line = (f"{head}: waits for watermark: needs round {info[1]} end "
-                                f"{info[2]}, prefill knows {wm}")
-                        dec = decodes.get(target.session)
-                        if dec is not None:
-                            cur = dec.allocator.get_watermark()
-                            if is_watermark_ready(cur, info[1], info[2]):
-                                line += (f"; decode's watermark {cur} would admit it but was "
-                                         f"never sent to this session")
-                            else:
-                                line += f"; {_pinning(dec)}"
-                        lines.append(line)
-                        break
-    for node, dec in sorted(decodes.items()):
-        for room in sorted(dec.rooms.values(), key=lambda r: r.room):
-            if room.room not in unfinished:
+                for t in room.targets:
+                    g.chunks.setdefault((c.room, c.chunk_idx, t.session),
+                                        (node, t.staging.get(c.chunk_idx), c is w.busy))
+    for node, snap in sorted(g.prefills.items()):
+        for wi, w in enumerate(snap.workers):
+            seen: set[tuple[int, int]] = set()
+            for c in ([w.busy] if w.busy else []) + list(w.queue):
+                if c.room not in unfinished or (c.room, c.page_start) in seen:
+                    continue
+                seen.add((c.room, c.page_start))
+                room = snap.rooms.get(c.room)
+                if room is None:
+                    continue
+                line = _chunk_line(g, node, wi, c.chunk_idx, c.room, room.targets, c is w.busy)
+                if line is None:
+                    continue
+                text, session = line
+                details.append(text)
+                g.charge(g.chunk_root(c.room, c.chunk_idx, session), c.room)
+    for node, dec in sorted(g.decodes.items()):
+        for droom in sorted(dec.rooms.values(), key=lambda r: r.room):
+            if droom.room not in unfinished:
                 continue
-            if not room.registered:
-                lines.append(f"{node}: room {room.room} is not registered yet")
-            elif not room.all_success:
-                missing = sorted(set(room.prefill_ranks) - room.success_ranks)
-                lines.append(f"{node}: room {room.room} waits for transfer status from "
-                             f"{', '.join(missing)}")
-            elif room.chunks:
-                chunks = ", ".join(str(c) for c in sorted(room.chunks))
-                lines.append(f"{node}: room {room.room} has all-ranks Success but chunks "
-                             f"{chunks} were never scattered (no CHUNK_READY)")
-    return lines
+            if not droom.registered:
+                details.append(f"{node}: room {droom.room} is not registered yet")
+                key = g.root(("unregistered", node, droom.room),
+                             f"{node}: room {droom.room} was never registered")
+            elif droom.state is DecodeRoomState.WAITING:
+                missing = sorted(set(droom.prefill_ranks) - droom.success_ranks)
+                details.append(f"{node}: room {droom.room} waits for transfer status from "
+                               f"{', '.join(missing)}")
+                key = _status_root(g, node, droom.room, missing)
+            elif droom.chunks:
+                chunks = ", ".join(str(c) for c in sorted(droom.chunks))
+                details.append(f"{node}: room {droom.room} has all-ranks Success but chunks "
+                               f"{chunks} were never scattered (no CHUNK_READY)")
+                key = g.root(("no-chunk-ready", node, droom.room),
+                             f"{node}: room {droom.room} chunks {chunks} never got their "
+                             f"CHUNK_READY", fault_room=droom.room)
+            else:
+                continue
+            g.charge(key, droom.room)
+    return Diagnosis(roots=_root_lines(g), details=details)
+
+
+def _chunk_line(g: _Graph, node: str, wi: int, chunk_idx: int, room: int,
+                targets: tuple[TargetView, ...],
+                busy: bool) -> tuple[str, str] | None:
+    """The detail line of one blocked chunk and the session it waits on (first blocking one)."""
+    for t in targets:
+        info = t.staging.get(chunk_idx)
+        head = f"{node} worker {wi}: room {room} chunk {chunk_idx} -> {t.session}"
+        if busy:
+            return f"{head}: WRITE in flight", t.session
+        if info is None:
+            why = "waits for its allocation (no STAGING_RSP)"
+            for note in g.dropped.get(room, []):
+                if "STAGING_REQ" in note:
+                    why += f"; {note}"
+                    break
+            return f"{head}: {why}", t.session
+        if info.oversized:
+            return f"{head}: allocation oversized", t.session
+        wm = g.prefills[node].watermarks.get(t.session, (0, 0))
+        if not is_watermark_ready(wm, info.round, info.end):
+            line = (f"{head}: waits for watermark: needs round {info.round} end {info.end}, "
+                    f"prefill knows {wm}")
+            dec = g.decodes.get(t.session)
+            if dec is not None:
+                if is_watermark_ready(dec.watermark, info.round, info.end):
+                    line += (f"; decode's watermark {dec.watermark} would admit it but was "
+                             f"never sent to this session")
+                else:
+                    line += f"; {_pinning(dec)}"
+            return line, t.session
+    return None
+
+
+def _status_root(g: _Graph, node: str, room: int, missing: list[str]) -> RootKey:
+    """A decode room waiting for transfer status waits on the first blocked chunk of a missing
+    prefill rank, or, if none holds one, on the rank that never wrote."""
+    for (r, chunk, session), (pnode, _, _) in sorted(g.chunks.items()):
+        if r == room and pnode in missing and session == node:
+            return g.chunk_root(r, chunk, session)
+    return g.root(("no-status", room), f"room {room}: {', '.join(missing)} never reported a "
+                  f"transfer status and holds no chunk of it", fault_room=room)
+
+
+def _root_lines(g: _Graph) -> list[str]:
+    out = []
+    ranked = sorted(g.roots.values(), key=lambda r: (-r.items, r.line))
+    for r in ranked:
+        if r.items == 0:
+            continue
+        rooms = sorted(x for x in r.rooms if x >= 0)
+        behind = (f"{r.items} blocked item(s) of {len(rooms)} room(s) wait on it"
+                  if rooms else "")
+        line = f"root: {r.text()}" + (f" [{behind}]" if behind else "")
+        fired: dict[str, int] = {}
+        for room in sorted(r.fault_rooms):
+            for note in g.faults.get(room, []):
+                name = note.split(" (", 1)[0]
+                fired[name] = fired.get(name, 0) + 1
+        if fired:
+            line += "; injected fault on this path: " + ", ".join(
+                f"{name} (fired on {n} message(s))" for name, n in sorted(fired.items()))
+        out.append(line)
+    return out

@@ -27,7 +27,9 @@ exits 0 unless nothing ended at all because ``--until`` stopped it first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class RunStatus(str, Enum):
@@ -92,3 +94,29 @@ def decide(*, corrupted: bool, wedged: bool, unfinished: int, failed: int = 0,
     if failed:
         return RunStatus.FAILED
     return RunStatus.COMPLETED if unfinished == 0 else stopped
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a run concluded, in the same shape for every mode: status, counts, explanation."""
+
+    status: RunStatus
+    requests: int
+    completed: int
+    failed: int
+    unfinished: int
+    diagnosis: list[str] = field(default_factory=list)
+    corruption: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.status)
+
+    def record(self, note: str = "") -> dict[str, Any]:
+        """The trace's closing ``Outcome`` record. A simulation stopped by ``--until`` is
+        recorded as interrupted, with ``note`` saying where it stopped."""
+        status = RunStatus.INTERRUPTED if self.status is RunStatus.UNTIL else self.status
+        diagnosis = [*self.diagnosis, *([note] if note else [])]
+        return {"status": status.value, "completed": self.completed, "failed": self.failed,
+                "requests": self.requests, "diagnosis": diagnosis,
+                "corruption": self.corruption}

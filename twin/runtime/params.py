@@ -39,10 +39,6 @@ class SimParams:
     decode_poll_interval_s: float = 2e-3
     decode_step_s: float = 12e-3
     decode_prealloc_s: float = 1e-3
-    # Late registration point (pre-fix ``extend``), after metadata went out.
-    late_register_delay_s: float = 5e-3
-    # Prefill transfer worker: bounded wait before re-enqueueing a deferred chunk.
-    deferral_wait_s: float = 1e-3
     # Radix caches (tokens); 0 disables a side's cache.
     prefill_radix_tokens: int = 2_000_000
     decode_radix_tokens: int = 0
@@ -56,8 +52,8 @@ class SimParams:
                   base: SimParams | None = None) -> SimParams:
         """Parameters from a ``[sim]`` table; with ``base``, only the named fields change.
 
-        Every value is finite and non-negative; bandwidths, the poll and deferral cadences and
-        the wedge window are positive (a zero there divides by zero or never advances time).
+        Every value is finite and non-negative; bandwidths, the poll cadence and the wedge
+        window are positive (a zero there divides by zero or never advances time).
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -90,5 +86,4 @@ class SimParams:
 
 #: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
 POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",
-                      "ranks_per_nic", "decode_poll_interval_s", "deferral_wait_s",
-                      "wedge_window_s"})
+                      "ranks_per_nic", "decode_poll_interval_s", "wedge_window_s"})

@@ -11,7 +11,7 @@ from twin.core.config import TwinConfig
 from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology
 from twin.runtime.params import SimParams
-from twin.runtime.requests import SimRequest
+from twin.runtime.requests import RequestState
 from twin.workloads import PrefixCache, Request
 
 
@@ -28,13 +28,13 @@ class Placement:
         self.decode_cache = (PrefixCache.from_tokens(params.decode_radix_tokens)
                              if params.decode_radix_tokens else None)
 
-    def place(self, r: Request, now: float) -> SimRequest:
+    def place(self, r: Request, now: float) -> RequestState:
         page = self.cfg.page_size
         n_pg, n_dg = len(self.topo.prefill_groups), len(self.topo.decode_groups)
         decode_prefix = self.decode_cache.match(r) if self.decode_cache else 0
         prefill_prefix = self.prefill_cache.match(r) if self.prefill_cache else 0
         o = self.overrides.get(r.rid, {})
-        req = SimRequest(
+        req = RequestState(
             room=r.rid, rid=r.rid, arrival_s=now, input_len=r.input_len,
             output_len=r.output_len, prefill_group=o.get("prefill_group", r.rid % n_pg),
             decode_group=o.get("decode_group", r.rid % n_dg),
@@ -52,11 +52,11 @@ class Placement:
         if self.decode_cache is not None:
             self.decode_cache.insert(r)
 
-    def total_pages(self, req: SimRequest) -> int:
+    def total_pages(self, req: RequestState) -> int:
         """Pages decode receives: the suffix after its cached prefix."""
         return pages_for_tokens(req.input_len - req.decode_prefix_len, self.cfg.page_size)
 
-    def arrival_record(self, req: SimRequest) -> dict[str, object]:
+    def arrival_record(self, req: RequestState) -> dict[str, object]:
         """The trace's ``RequestArrived`` record of ``req``."""
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]

@@ -1,4 +1,4 @@
-"""Per-request bookkeeping of the simulator: placement, progress and timestamps."""
+"""Per-request bookkeeping every driver keeps: placement, progress, conclusions, timestamps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
-class SimRequest:
+class RequestState:
     """One request (room) in flight; times are simulated seconds, -1 until reached."""
 
     room: int
@@ -31,6 +31,23 @@ class SimRequest:
     last_transfer_s: float = -1.0
     kv_done_s: float = -1.0
     deferrals: int = 0
+
+    def note_targets(self, node: str, known: int, want: int, group_size: int) -> bool:
+        """Prefill ``node`` knows ``known`` of its ``want`` decode targets. True exactly once:
+        when every one of the ``group_size`` prefill ranks of the group knows all of them."""
+        if known == want:
+            self.bootstrapped.add(node)
+        return len(self.bootstrapped) == group_size and self.bootstrap_done_s < 0
+
+    def note_concluded(self, node: str, status: str, reason: str, group_size: int) -> str | None:
+        """Decode ``node`` concluded the room. Once all ``group_size`` decode ranks of the group
+        have, the request's status (``Success`` only if every rank succeeded), else None."""
+        self.decode_status[node] = status
+        if status == "Failed" and not self.reason:
+            self.reason = reason
+        if len(self.decode_status) < group_size or self.finished:
+            return None
+        return "Success" if all(s == "Success" for s in self.decode_status.values()) else "Failed"
 
     @property
     def finished(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import simpy
 
@@ -27,23 +27,16 @@ from twin.core.topology import Topology, build_rank, build_ranks
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
-from twin.runtime.requests import SimRequest
+from twin.runtime.requests import RequestState
+from twin.runtime.runtime import Recorder, Runtime
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
 from twin.workloads import Request, Workload
 
 
-class Recorder(Protocol):
-    """Where the simulation writes its trace (``twin.trace.format.TraceWriter`` fits)."""
-
-    def write_input(self, t: float, node: str, event: Any) -> None: ...
-    def write_effects(self, t: float, node: str, effects: list[Any]) -> None: ...
-    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None: ...
-
-
 class Simulation:
     """One simulated run: ``run()`` returns when every request ended, a wedge is found, or
-    ``until`` is reached."""
+    ``until`` is reached. It is the runtime's driver: SimPy's clock, modelled links and NICs."""
 
     def __init__(self, cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
                  faults: list[FaultSpec] | None = None, seed: int = 0,
@@ -58,25 +51,31 @@ class Simulation:
         self.recorder = recorder
         self.env = simpy.Environment()
         self.topo = Topology(cfg)
-        self.ranks: dict[str, PrefillRank | DecodeRank] = build_ranks(self.topo, self.defects)
+        self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
+                               hooks={
+                                   ev.Allocated: self._on_allocated,
+                                   ev.Freed: self._on_freed,
+                                   ev.WatermarkMoved: self._on_watermark,
+                                   ev.Deferred: self._on_deferred,
+                                   ev.TargetsKnown: self._on_targets_known,
+                                   ev.RoomConcluded: self._on_concluded,
+                               })
+        self.feed = self.runtime.feed
+        """Hand an input to a node's core now and carry out its effects."""
         self.rng_net = random.Random(f"{seed}:net")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.metrics = Metrics(self.topo)
-        self.requests: dict[int, SimRequest] = {}
+        self.requests: dict[int, RequestState] = {}
         self.schedulers = [PrefillScheduler(self, i) for i in range(len(self.topo.prefill_groups))]
         self.placement = Placement(cfg, self.topo, self.params, request_overrides)
-        self.crashed: dict[str, str] = {}
         self.link_last: dict[tuple[str, str], float] = {}
         self.nic_free: dict[str, float] = {}
         self.stream_free: dict[str, float] = {}
-        self.poll_token: dict[tuple[str, int], int] = {}
         self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
-        self.last_dropped: dict[int, list[str]] = {}
-        self.last_progress = 0.0
+        self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
         self.unfinished = len(workload.requests)
         self.arrived = 0
-        self.inputs = 0
         self.done = self.env.event()
         self.stop_reason = ""
         self.progress_cb: Callable[[float], None] | None = None
@@ -85,41 +84,52 @@ class Simulation:
         self.slots = simpy.Resource(self.env, max_concurrency) if max_concurrency else None
         self._slot_req: dict[int, Any] = {}
 
-    # -- scheduling helpers ------------------------------------------------------------------
+    # -- what the runtime reads ----------------------------------------------------------------
+    @property
+    def ranks(self) -> dict[str, PrefillRank | DecodeRank]:
+        return self.runtime.ranks
+
+    @property
+    def crashed(self) -> dict[str, str]:
+        return self.runtime.crashed
+
+    @property
+    def inputs(self) -> int:
+        return self.runtime.inputs
+
+    @property
+    def last_dropped(self) -> dict[int, list[str]]:
+        return self.runtime.dropped
+
+    def mark_progress(self) -> None:
+        """Something moved forward now (the wedge monitor's clock)."""
+        self.runtime.last_progress = self.env.now
+
+    # -- driver: clock -------------------------------------------------------------------------
+    def time(self) -> float:
+        return self.env.now
+
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now."""
         t = self.env.timeout(max(0.0, delay))
         t.callbacks.append(lambda _e: fn(*args))
 
-    @property
-    def now(self) -> float:
-        return self.env.now
+    def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
+        self.at(at - self.env.now, self.runtime.fire, node, event, token)
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
             self.recorder.write_sys(self.env.now, node, record)
 
-    # -- feeding the core --------------------------------------------------------------------
-    def feed(self, node: str, event: ev.Input) -> None:
-        """Hand ``event`` to ``node``'s core now and carry out its effects."""
-        if node in self.crashed:
-            return
-        now = self.env.now
-        self.inputs += 1
-        effects = self.ranks[node].handle(event, now)
-        if self.recorder is not None:
-            self.recorder.write_input(now, node, event)
-            self.recorder.write_effects(now, node, effects)
-        for e in effects:
-            self._EFFECTS[type(e)](self, node, e)
-
-    # -- control plane -----------------------------------------------------------------------
-    def send(self, src: str, dst: str, msg: wire.Message) -> None:
+    # -- driver: control plane -----------------------------------------------------------------
+    def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
         fate = self.injector.message(src, dst, msg) if self.injector.specs else None
         if fate is not None and fate.applied:
+            detail = f"{msg.TAG.decode()} {src}->{dst}"
             self.sys(src, {"type": "FaultInjected", "fault": ";".join(fate.applied),
-                           "detail": f"{msg.TAG.decode()} {src}->{dst}"})
+                           "detail": detail})
+            self._note_fault(getattr(msg, "room", -1), f"{';'.join(fate.applied)} ({detail})")
             if fate.send_failed:
                 self.feed(src, ev.SendFailed(dst=dst, msg=msg))
                 return
@@ -133,21 +143,16 @@ class Simulation:
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.env.now, self.feed, dst, arrived)
 
-    def _on_send(self, node: str, e: ev.Send) -> None:
-        self.send(node, e.dst, e.msg)
-
-    def _control(self, src: str, dst: str, fn: Callable[..., None], *args: Any) -> None:
-        """A non-frame control event (metadata, abort) with the same latency and link order."""
-        p = self.params
+    def control(self, src: str, dst: str, event: ev.Input) -> None:
+        """Metadata and abort notices: the control link's latency and order, no jitter."""
         link = (src, dst)
-        t = max(self.env.now + p.zmq_latency_s, self.link_last.get(link, 0.0))
+        t = max(self.env.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        self.at(t - self.env.now, fn, *args)
+        self.at(t - self.env.now, self.feed, dst, event)
 
-    # -- prefill effects ---------------------------------------------------------------------
-    def _on_start_transfer(self, node: str, e: ev.StartTransfer) -> None:
+    # -- driver: data plane --------------------------------------------------------------------
+    def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         p = self.params
-        self.last_progress = self.env.now
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
             req.first_transfer_s = self.env.now
@@ -163,8 +168,9 @@ class Simulation:
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
         if failed:
-            self.sys(node, {"type": "FaultInjected", "fault": failed,
-                            "detail": f"room {e.room} chunk {e.chunk_idx} write to {e.session}"})
+            detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
+            self.sys(node, {"type": "FaultInjected", "fault": failed, "detail": detail})
+            self._note_fault(e.room, f"{failed} ({detail})")
             self.feed(node, ev.TransferDone(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
@@ -174,96 +180,51 @@ class Simulation:
         self.metrics.transfer(self.env.now - t0, e.nbytes)
         self.feed(node, ev.TransferDone(worker=e.worker))
 
+    def start_scatter(self, node: str, e: ev.StartScatter) -> None:
+        p = self.params
+        start = max(self.env.now, self.stream_free.get(node, 0.0))
+        finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
+        self.stream_free[node] = finish
+        self.at(start - self.env.now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
+        poll = p.decode_poll_interval_s
+        observed = math.ceil(finish / poll) * poll if poll > 0 else finish
+        self.at(observed - self.env.now, self.feed, node,
+                ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+
+    def _note_fault(self, room: int, note: str) -> None:
+        notes = self.fault_notes.setdefault(room, [])
+        if room >= 0 and note not in notes and len(notes) < 8:
+            notes.append(note)
+
+    # -- hooks: metrics, integrity and requests ------------------------------------------------
     def _on_deferred(self, node: str, e: ev.Deferred) -> None:
         req = self.requests.get(e.room)
         if req is not None:
             req.deferrals += 1
         self.metrics.deferral(node)
-        if not e.all_blocked:
-            self._poll_later(node, e.worker, self.params.deferral_wait_s)
 
-    def _poll_later(self, node: str, worker: int, delay: float) -> None:
-        key = (node, worker)
-        token = self.poll_token.get(key, 0) + 1
-        self.poll_token[key] = token
-        self.at(delay, self._poll, node, worker, token)
-
-    def _poll(self, node: str, worker: int, token: int) -> None:
-        if self.poll_token.get((node, worker)) == token:
-            self.feed(node, ev.WorkerPoll(worker=worker))
-
-    def _on_wake(self, node: str, e: ev.WakeWorkers) -> None:
-        for w in e.workers:
-            self._poll_later(node, w, 0.0)
-
-    def _on_abort_notice(self, node: str, e: ev.AbortNotice) -> None:
-        for dst in e.dsts:
-            self._control(node, dst, self.feed, dst, ev.RoomAborted(room=e.room, reason=e.reason))
-
-    def _on_timer(self, node: str, e: ev.SetTimer) -> None:
-        self.at(e.at - self.env.now, self.feed, node, ev.Tick())
-
-    def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
-        self.last_progress = self.env.now
+    def _on_targets_known(self, node: str, e: ev.TargetsKnown) -> None:
         req = self.requests.get(e.room)
-        if req is None or self.topo.nodes[node].role != "decode":
+        if req is None or req.finished:
             return
-        req.decode_status[node] = e.status
-        self.integrity.on_concluded(node, e.room, e.status, self.placement.total_pages(req))
-        if e.status == "Failed" and not req.reason:
-            req.reason = e.reason
-        group = self.topo.decode_groups[req.decode_group]
-        if len(req.decode_status) == len(group.nodes) and not req.finished:
-            ok = all(s == "Success" for s in req.decode_status.values())
-            self.finish(req, "Success" if ok else "Failed", req.reason)
-
-    def _on_crashed(self, node: str, e: ev.RankCrashed) -> None:
-        self.crashed[node] = e.reason
-
-    def _on_dropped(self, node: str, e: ev.Dropped) -> None:
-        if e.room >= 0:
-            notes = self.last_dropped.setdefault(e.room, [])
-            if len(notes) < 8:
-                notes.append(f"{node} dropped {e.what}: {e.reason}")
-
-    def _on_progress(self, node: str, e: ev.Effect) -> None:
-        self.last_progress = self.env.now
-
-    def _ignore(self, node: str, e: ev.Effect) -> None:
-        pass
-
-    # -- decode effects ----------------------------------------------------------------------
-    def _on_metadata(self, node: str, e: ev.SendMetadata) -> None:
-        target = ev.Target(session=e.session, decode_rank=e.decode_rank,
-                           total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len)
-        boot = ev.RoomBootstrapped(room=e.room, targets=(target,))
-        for p in e.prefill_ranks:
-            self._control(node, p, self._bootstrap, p, boot)
-        rank = self.ranks[node]
-        assert isinstance(rank, DecodeRank)
-        room = rank.rooms.get(e.room)
-        if room is not None and not room.registered:
-            self.at(self.params.late_register_delay_s, self.feed, node,
-                    ev.DecodeRoomRegister(room=e.room))
-
-    def _bootstrap(self, node: str, boot: ev.RoomBootstrapped) -> None:
-        self.feed(node, boot)
-        req = self.requests.get(boot.room)
-        rank = self.ranks[node]
-        if req is None or req.finished or not isinstance(rank, PrefillRank):
-            return
-        room = rank.rooms.get(boot.room)
-        group = self.topo.decode_groups[req.decode_group]
-        want = len(self.topo.targets_of(self.topo.nodes[node], group))
-        if room is not None and len(room.targets) == want:
-            req.bootstrapped.add(node)
-        pg = self.topo.prefill_groups[req.prefill_group]
-        if len(req.bootstrapped) == len(pg.nodes) and req.bootstrap_done_s < 0:
+        want = len(self.topo.targets_of(self.topo.nodes[node],
+                                        self.topo.decode_groups[req.decode_group]))
+        group = len(self.topo.prefill_groups[req.prefill_group].nodes)
+        if req.note_targets(node, len(e.sessions), want, group):
             req.bootstrap_done_s = self.env.now
             self.schedulers[req.prefill_group].admit(req)
 
+    def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
+        req = self.requests.get(e.room)
+        if req is None or self.topo.nodes[node].role != "decode":
+            return
+        self.integrity.on_concluded(node, e.room, e.status, self.placement.total_pages(req))
+        group = len(self.topo.decode_groups[req.decode_group].nodes)
+        status = req.note_concluded(node, e.status, e.reason, group)
+        if status is not None:
+            self.finish(req, status, req.reason)
+
     def _on_allocated(self, node: str, e: ev.Allocated) -> None:
-        self.last_progress = self.env.now
         self.alloc_span[(node, e.alloc_id)] = (e.offset, e.size)
         self.metrics.occupancy(node, self.env.now, e.size)
 
@@ -274,61 +235,19 @@ class Simulation:
             self.metrics.occupancy(node, self.env.now, -span[1])
 
     def _on_watermark(self, node: str, e: ev.WatermarkMoved) -> None:
-        rank = self.ranks[node]
-        assert isinstance(rank, DecodeRank)
-        a = rank.allocator
-        lag = (a.round - e.round) * a.total_size + a.head - e.tail
-        self.metrics.watermark_lag(node, self.env.now, max(0, lag))
-
-    def _on_start_scatter(self, node: str, e: ev.StartScatter) -> None:
-        p = self.params
-        self.last_progress = self.env.now
-        start = max(self.env.now, self.stream_free.get(node, 0.0))
-        finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
-        self.stream_free[node] = finish
-        self.at(start - self.env.now, self._scatter_runs, node, e)
-        poll = p.decode_poll_interval_s
-        observed = math.ceil(finish / poll) * poll if poll > 0 else finish
-        self.at(observed - self.env.now, self.feed, node,
-                ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
-
-    def _scatter_runs(self, node: str, e: ev.StartScatter) -> None:
-        """The scatter kernel reads its region now: check what it finds there."""
-        _, writer_bytes, _ = self.cfg.region_layout(self.topo.nodes[node].rank, e.num_pages)
-        self.integrity.on_scatter(node, e, list(writer_bytes))
-
-    _EFFECTS: dict[type, Callable[[Simulation, str, Any], None]] = {
-        ev.Send: _on_send,
-        ev.SendMetadata: _on_metadata,
-        ev.AbortNotice: _on_abort_notice,
-        ev.Allocated: _on_allocated,
-        ev.Freed: _on_freed,
-        ev.WatermarkMoved: _on_watermark,
-        ev.StartScatter: _on_start_scatter,
-        ev.StartTransfer: _on_start_transfer,
-        ev.Deferred: _on_deferred,
-        ev.WorkerIdle: _ignore,
-        ev.WakeWorkers: _on_wake,
-        ev.ChunkQueued: _on_progress,
-        ev.ChunkSkipped: _ignore,
-        ev.RoomConcluded: _on_concluded,
-        ev.RoomTornDown: _ignore,
-        ev.Dropped: _on_dropped,
-        ev.SetTimer: _on_timer,
-        ev.RankCrashed: _on_crashed,
-    }
+        self.metrics.watermark_lag(node, self.env.now, e.lag_bytes)
 
     # -- requests ----------------------------------------------------------------------------
     def _arrive(self, r: Request) -> None:
         self.arrived += 1
-        self.last_progress = self.env.now
+        self.mark_progress()
         req = self.placement.place(r, self.env.now)
         self.requests[req.room] = req
         self.sys("driver", self.placement.arrival_record(req))
         self.at(self.params.decode_prealloc_s, self._decode_init, req)
         self.at(self.cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)
 
-    def _decode_init(self, req: SimRequest) -> None:
+    def _decode_init(self, req: RequestState) -> None:
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
         init_pages = self.placement.total_pages(req)
@@ -338,7 +257,7 @@ class Simulation:
                 prefill_attn_tp=self.cfg.prefill.attn_tp_size,
                 decode_prefix_len=req.decode_prefix_len, total_pages=init_pages))
 
-    def _bootstrap_deadline(self, req: SimRequest) -> None:
+    def _bootstrap_deadline(self, req: RequestState) -> None:
         if req.bootstrap_done_s >= 0 or req.finished:
             return
         self.abort(req.room, "bootstrap timeout: decode metadata never reached every rank")
@@ -353,7 +272,7 @@ class Simulation:
         for n in nodes:
             self.feed(n, ev.RoomAborted(room=room, reason=reason))
 
-    def finish(self, req: SimRequest, status: str, reason: str = "") -> None:
+    def finish(self, req: RequestState, status: str, reason: str = "") -> None:
         req.status = status
         req.reason = reason
         req.kv_done_s = self.env.now + (self.params.decode_step_s if status == "Success" else 0)
@@ -368,7 +287,7 @@ class Simulation:
             self.stop_reason = "all requests ended"
             self.done.succeed()
 
-    def prefill_finished(self, req: SimRequest) -> None:
+    def prefill_finished(self, req: RequestState) -> None:
         self.placement.prefill_done(self.workload.requests[req.rid])
 
     # -- timed faults and the run loop -------------------------------------------------------
@@ -382,13 +301,12 @@ class Simulation:
         node = spec.target
         if node not in self.ranks:
             return
-        self.crashed[node] = f"crashed by fault {spec.text}"
+        self.runtime.crashed[node] = f"crashed by fault {spec.text}"
         if spec.action == "restart":
             self.at(spec.down or 0.0, self._restart, node)
 
     def _restart(self, node: str) -> None:
-        self.ranks[node] = build_rank(self.cfg, self.topo.nodes[node], self.defects)
-        self.crashed.pop(node, None)
+        self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
     def _arrivals(self):  # type: ignore[no-untyped-def]
@@ -410,7 +328,7 @@ class Simulation:
             if self.progress_cb is not None:
                 self.progress_cb(env.now)
             in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
-            idle = env.now - self.last_progress
+            idle = env.now - self.runtime.last_progress
             if in_flight > 0 and idle >= window:
                 self.stop_reason = "wedge"
                 if not self.done.triggered:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from twin.core.topology import Topology
-from twin.runtime.requests import SimRequest
+from twin.runtime.requests import RequestState
 
 
 class Metrics:
@@ -19,7 +19,7 @@ class Metrics:
 
     def __init__(self, topo: Topology) -> None:
         self.topo = topo
-        self.done: list[SimRequest] = []
+        self.done: list[RequestState] = []
         self.occ: dict[str, list[tuple[float, int]]] = defaultdict(list)
         self._occ_now: dict[str, int] = defaultdict(int)
         self.lag: dict[str, list[tuple[float, int]]] = defaultdict(list)
@@ -56,7 +56,7 @@ class Metrics:
     def watermark_lag(self, node: str, t: float, lag: int) -> None:
         self.lag[node].append((t, lag))
 
-    def request_done(self, req: SimRequest) -> None:
+    def request_done(self, req: RequestState) -> None:
         self.done.append(req)
 
     # -- summaries ---------------------------------------------------------------------------

@@ -12,9 +12,11 @@ from twin.core.config import TwinConfig
 from twin.core.defects import Defects
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec, fault_report
-from twin.runtime.outcome import RunStatus, decide, exit_code
+from twin.runtime.header import trace_header
+from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
-from twin.sim.engine import Recorder, Simulation
+from twin.runtime.runtime import Recorder
+from twin.sim.engine import Simulation
 from twin.workloads import Workload
 
 
@@ -45,6 +47,16 @@ class SimResult:
         failed = sum(r.status == "Failed" for r in self.sim.metrics.done)
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
                       unfinished=self.sim.unfinished, failed=failed, stopped=self.stopped)
+
+    @property
+    def verdict(self) -> Verdict:
+        sim = self.sim
+        done = sim.metrics.done
+        return Verdict(status=self.status, requests=len(sim.workload.requests),
+                       completed=sum(r.status == "Success" for r in done),
+                       failed=sum(r.status == "Failed" for r in done),
+                       unfinished=sim.unfinished, diagnosis=list(self.diagnosis),
+                       corruption=self.corruption[:50])
 
     def summary(self) -> dict[str, Any]:
         sim = self.sim
@@ -96,35 +108,12 @@ def _failure_reasons(sim: Simulation) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def trace_header(cfg: TwinConfig, workload: Workload, *, defects: Defects, faults: list[FaultSpec],
-                 seed: int, params: SimParams, request_overrides: dict[int, dict[str, int]],
-                 max_concurrency: int | None, mode: str = "sim") -> dict[str, Any]:
-    """The trace header of a run: everything needed to run it again."""
-    from twin.core.topology import Topology
-    from twin.trace.format import make_header
-
-    run = {"max_concurrency": max_concurrency,
-           "request_overrides": {str(k): v for k, v in sorted(request_overrides.items())}}
-    full = cfg.replace(extra={**cfg.extra, "sim": params.to_dict(), "run": run})
-    nodes = [{"id": n.id, "role": n.role, "instance": n.instance, "dp": n.dp, "rank": n.rank}
-             for n in Topology(cfg).nodes.values()]
-    small = len(workload.requests) <= 50_000
-    wl = workload.to_jsonable(include_requests=small)
-    return make_header(mode, full, nodes, defects=defects.sorted(),
-                       faults=[f.text for f in faults], seed=seed, workload=wl)
-
-
 def outcome_record(result: SimResult) -> dict[str, Any]:
     """The trace's closing ``Outcome`` record for ``result``."""
-    s = result.summary()
-    status = s["status"]
-    diagnosis = list(s["diagnosis"])
-    if status == RunStatus.UNTIL:
-        status = RunStatus.INTERRUPTED.value
-        diagnosis.append(f"stopped at --until {s['sim_seconds']:g} s with "
-                         f"{s['unfinished']} request(s) in flight")
-    return {"status": status, "completed": s["completed"], "failed": s["failed"],
-            "requests": s["requests"], "diagnosis": diagnosis, "corruption": s["corruption"]}
+    v = result.verdict
+    note = (f"stopped at --until {result.sim.env.now:g} s with {v.unfinished} request(s) in "
+            f"flight" if v.status is RunStatus.UNTIL else "")
+    return v.record(note)
 
 
 def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
@@ -178,7 +167,9 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     result = SimResult(sim, reason, wall, stopped=stopped)
     if result.wedged:
         unfinished = {r.room for r in sim.requests.values() if not r.finished}
-        result.diagnosis = diagnose(sim.ranks, sim.crashed, unfinished, sim.last_dropped)
+        snapshots = {n: r.snapshot() for n, r in sim.ranks.items()}
+        result.diagnosis = diagnose(snapshots, sim.crashed, unfinished, sim.last_dropped,
+                                    sim.fault_notes).lines()
         waiting = sorted(unfinished)
         head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
                 f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else

@@ -42,7 +42,8 @@ def _lengths(rng: np.random.Generator, spec: LengthSpec, n: int) -> list[int]:
     sigma2 = math.log1p((std / mean) ** 2)
     mu = math.log(mean) - sigma2 / 2
     vals = np.rint(rng.lognormal(mu, math.sqrt(sigma2), size=n))
-    return np.maximum(vals, 1).astype(np.int64).tolist()
+    out: list[int] = np.maximum(vals, 1).astype(np.int64).tolist()
+    return out
 
 
 def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> list[float]:
@@ -51,7 +52,8 @@ def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> li
     if math.isinf(rate_per_s) or n == 1:
         return [0.0] * n
     gaps = rng.exponential(1.0 / rate_per_s, size=n - 1)
-    return np.concatenate(([0.0], np.cumsum(gaps))).tolist()
+    times: list[float] = np.concatenate(([0.0], np.cumsum(gaps))).tolist()
+    return times
 
 
 def _check_n(name: str, n: int) -> None:

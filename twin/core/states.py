@@ -1,0 +1,91 @@
+"""Room lifecycles on each side, as data: states, triggers and the one table of transitions.
+
+Everything that moves a room from one state to another lives here (the way h11 keeps its
+connection states in one file). ``PrefillRank`` and ``DecodeRank`` change a room's state only
+through ``prefill_next`` / ``decode_next``, which raise ``ProtocolError`` for a pair the table
+does not hold, so a property test that drives the ranks in any order also checks the table.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ProtocolError(RuntimeError):
+    """The core was asked for a transition its table does not allow (a bug, not bad input)."""
+
+
+class PrefillRoomState(Enum):
+    """A prefill room (SGLang's ``KVPoll`` on the sender)."""
+
+    BOOTSTRAPPING = "Bootstrapping"  # metadata known, no chunk dequeued yet
+    TRANSFERRING = "Transferring"    # a transfer worker took one of its chunks
+    SUCCESS = "Success"              # the last chunk was written and announced
+    FAILED = "Failed"                # failed or aborted; absorbing
+
+
+class PrefillTrigger(Enum):
+    DEQUEUE = "a worker dequeued one of the room's chunks"
+    LAST_CHUNK_DONE = "the last chunk finished on every target"
+    FAIL = "a chunk failed, a send failed or the room was aborted"
+
+
+class DecodeRoomState(Enum):
+    """A decode room (``DecodeStagingHandler``'s view of one request).
+
+    Whether the room is registered is kept beside the state: registration is its own step only
+    with the ``late-decode-registration`` defect, and a room can progress before it.
+    """
+
+    WAITING = "Waiting"            # KV arriving, not every prefill rank succeeded yet
+    ALL_SUCCESS = "AllSuccess"     # every prefill rank reported Success; scatters may be pending
+    SUCCESS = "Success"            # concluded: every byte landed and was scattered
+    FAILED = "Failed"              # concluded as failed (abort, status Failed, timeout)
+
+
+class DecodeTrigger(Enum):
+    ALL_RANKS_SUCCESS = "the last prefill rank reported Success"
+    COMPLETE = "every allocation was scattered and every scatter finished"
+    FAIL = "aborted, a prefill rank failed, or a timeout fired"
+
+
+P, PT = PrefillRoomState, PrefillTrigger
+PREFILL_TRANSITIONS: dict[tuple[PrefillRoomState, PrefillTrigger], PrefillRoomState] = {
+    (P.BOOTSTRAPPING, PT.DEQUEUE): P.TRANSFERRING,
+    (P.TRANSFERRING, PT.DEQUEUE): P.TRANSFERRING,
+    (P.SUCCESS, PT.DEQUEUE): P.SUCCESS,  # update_status takes the max: never demote Success
+    (P.BOOTSTRAPPING, PT.LAST_CHUNK_DONE): P.SUCCESS,
+    (P.TRANSFERRING, PT.LAST_CHUNK_DONE): P.SUCCESS,
+    (P.BOOTSTRAPPING, PT.FAIL): P.FAILED,
+    (P.TRANSFERRING, PT.FAIL): P.FAILED,
+    (P.SUCCESS, PT.FAIL): P.FAILED,
+    (P.FAILED, PT.FAIL): P.FAILED,
+}
+
+D, DT = DecodeRoomState, DecodeTrigger
+DECODE_TRANSITIONS: dict[tuple[DecodeRoomState, DecodeTrigger], DecodeRoomState] = {
+    (D.WAITING, DT.ALL_RANKS_SUCCESS): D.ALL_SUCCESS,
+    (D.ALL_SUCCESS, DT.COMPLETE): D.SUCCESS,
+    (D.WAITING, DT.FAIL): D.FAILED,
+    (D.ALL_SUCCESS, DT.FAIL): D.FAILED,
+    (D.FAILED, DT.FAIL): D.FAILED,
+}
+
+PREFILL_CONCLUDED = frozenset({P.SUCCESS, P.FAILED})
+DECODE_CONCLUDED = frozenset({D.SUCCESS, D.FAILED})
+
+
+def prefill_next(state: PrefillRoomState, trigger: PrefillTrigger) -> PrefillRoomState:
+    """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
+    nxt = PREFILL_TRANSITIONS.get((state, trigger))
+    if nxt is None:
+        raise ProtocolError(f"prefill room in state {state.value}: {trigger.value} is not allowed")
+    return nxt
+
+
+def decode_next(state: DecodeRoomState, trigger: DecodeTrigger) -> DecodeRoomState:
+    """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
+    nxt = DECODE_TRANSITIONS.get((state, trigger))
+    if nxt is None:
+        raise ProtocolError(f"decode room in state {state.value}: {trigger.value} is not allowed")
+    return nxt

@@ -1,0 +1,221 @@
+"""The one runtime under every driver: feed core ranks, carry out their effects.
+
+``Runtime`` holds the core ranks of one process (all of them in the simulator and the explorer,
+one in a hardware rank process) and turns every effect into a driver action. The bookkeeping
+that is the same in every mode lives here, once: frame and control fan-out, worker polls (one
+pending poll per worker; a newer one replaces it), the late registration point, timeouts,
+crashed ranks, dropped-input notes for diagnosis, and the progress clock the wedge monitor reads.
+The protocol decides *when* (``Deferred.retry_at``, ``WakeWorkers.at``,
+``SendMetadata.register_at``, ``SetTimer.at``); the driver only supplies:
+
+* a clock: ``time()`` and ``feed_at(at, node, event, token)``, which calls
+  ``runtime.fire(node, event, token)`` when ``at`` comes (in logical time, the explorer may
+  take it in any order);
+* a transport: ``transmit(src, dst, msg)`` for SGLang frames, ``control(src, dst, event)`` for
+  the bootstrap metadata and abort notices that travel outside SGLang's frames;
+* a data plane: ``start_transfer(node, effect)`` and ``start_scatter(node, effect)``.
+
+Drivers observe any other effect through ``hooks`` (metrics, integrity, request bookkeeping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.core.decode import DecodeRank
+from twin.core.prefill import PrefillRank
+
+Rank = PrefillRank | DecodeRank
+Hook = Callable[[str, Any], None]
+
+PROGRESS_EFFECTS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
+                    ev.ChunkQueued)
+"""Effects that count as progress for the wedge monitor (the same in every mode)."""
+
+DROPPED_NOTES_PER_ROOM = 8
+
+
+class Driver(Protocol):
+    """What a driver supplies to the runtime: clock, transport and data plane."""
+
+    def time(self) -> float: ...
+    def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None: ...
+    def transmit(self, src: str, dst: str, msg: wire.Message) -> None: ...
+    def control(self, src: str, dst: str, event: ev.Input) -> None: ...
+    def start_transfer(self, node: str, e: ev.StartTransfer) -> None: ...
+    def start_scatter(self, node: str, e: ev.StartScatter) -> None: ...
+
+
+class InputRecorder(Protocol):
+    """Where the runtime writes every input and the effects it returned."""
+
+    def write_input(self, t: float, node: str, event: Any) -> None: ...
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None: ...
+
+
+class Recorder(InputRecorder, Protocol):
+    """A run's trace (``twin.trace.format.TraceWriter`` fits): inputs, effects, driver records."""
+
+    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None: ...
+
+
+class Runtime:
+    """Feeds ``ranks`` and carries out their effects through ``driver``.
+
+    ``scripted``: inputs come from a recorded script (replay on hardware), so the runtime
+    schedules nothing of its own (no polls, registrations or ticks).
+    """
+
+    def __init__(self, ranks: dict[str, Rank], driver: Driver, *,
+                 recorder: InputRecorder | None = None, hooks: Mapping[type, Hook] | None = None,
+                 scripted: bool = False) -> None:
+        self.ranks = ranks
+        self.driver = driver
+        self.recorder = recorder
+        self.scripted = scripted
+        self.crashed: dict[str, str] = {}
+        self.dropped: dict[int, list[str]] = {}
+        self.last_progress = 0.0
+        self.inputs = 0
+        self._poll_tokens: dict[tuple[str, int], int] = {}
+        self._time = driver.time
+        self._now = 0.0  # the time of the input being handled (effects happen then)
+        self._table = self._dispatch_table(hooks or {})
+
+    # -- feeding -------------------------------------------------------------------------------
+    def feed(self, node: str, event: ev.Input) -> list[ev.Effect]:
+        """Hand ``event`` to ``node``'s core now and carry out its effects (none if crashed)."""
+        if node in self.crashed:
+            return []
+        rank = self.ranks[node]
+        now = self._time()
+        if now < rank.now:  # a wall clock read twice can step back by rounding
+            now = rank.now
+        self.inputs += 1
+        self._now = now
+        effects = rank.handle(event, now)
+        if self.recorder is not None:
+            self.recorder.write_input(now, node, event)
+            self.recorder.write_effects(now, node, effects)
+        table = self._table
+        for e in effects:
+            table[type(e)](node, e)
+        return effects
+
+    def schedule(self, node: str, at: float, event: ev.Input) -> None:
+        """Feed ``event`` to ``node`` at time ``at`` (nothing when scripted)."""
+        if not self.scripted:
+            self.driver.feed_at(at, node, event, 0)
+
+    def poll(self, node: str, worker: int, at: float) -> None:
+        """Feed ``WorkerPoll(worker)`` at ``at``, replacing a poll of that worker not yet fed."""
+        if self.scripted:
+            return
+        key = (node, worker)
+        token = self._poll_tokens.get(key, 0) + 1
+        self._poll_tokens[key] = token
+        self.driver.feed_at(at, node, ev.WorkerPoll(worker=worker), token)
+
+    def is_current(self, node: str, event: ev.Input, token: int) -> bool:
+        """Whether a scheduled input is still wanted: a poll replaced by a newer one is not."""
+        if token == 0:
+            return True
+        return self._poll_tokens.get((node, event.worker)) == token  # type: ignore[union-attr]
+
+    def fire(self, node: str, event: ev.Input, token: int) -> None:
+        """A scheduled input's time came: feed it unless a newer poll replaced it."""
+        if self.is_current(node, event, token):
+            self.feed(node, event)
+
+    def restart(self, node: str, rank: Rank) -> None:
+        """Replace ``node``'s core with a fresh one (a restarted rank) and let it run again."""
+        self.ranks[node] = rank
+        self.crashed.pop(node, None)
+
+    # -- effects -------------------------------------------------------------------------------
+    def _dispatch_table(self, hooks: Mapping[type, Hook]) -> dict[type, Hook]:
+        own: dict[type, Hook] = {
+            ev.Send: self._send,
+            ev.SendMetadata: self._metadata,
+            ev.AbortNotice: self._abort_notice,
+            ev.StartTransfer: self._start_transfer,
+            ev.StartScatter: self._start_scatter,
+            ev.Deferred: self._deferred,
+            ev.WakeWorkers: self._wake,
+            ev.SetTimer: self._timer,
+            ev.RankCrashed: self._crashed,
+            ev.Dropped: self._dropped,
+            ev.Allocated: self._progress,
+            ev.ChunkQueued: self._progress,
+            ev.RoomConcluded: self._progress,
+        }
+        table: dict[type, Hook] = {}
+        for t in ev.EFFECT_TYPES:
+            first, extra = own.get(t), hooks.get(t)
+            if first is not None and extra is not None:
+                table[t] = _both(first, extra)
+            else:
+                table[t] = first or extra or _ignore
+        return table
+
+    def _send(self, node: str, e: ev.Send) -> None:
+        self.driver.transmit(node, e.dst, e.msg)
+
+    def _metadata(self, node: str, e: ev.SendMetadata) -> None:
+        target = ev.Target(session=e.session, decode_rank=e.decode_rank,
+                           total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len)
+        boot = ev.RoomBootstrapped(room=e.room, targets=(target,))
+        for p in e.prefill_ranks:
+            self.driver.control(node, p, boot)
+        if e.register_at is not None:
+            self.schedule(node, e.register_at, ev.DecodeRoomRegister(room=e.room))
+
+    def _abort_notice(self, node: str, e: ev.AbortNotice) -> None:
+        aborted = ev.RoomAborted(room=e.room, reason=e.reason)
+        for d in e.dsts:
+            self.driver.control(node, d, aborted)
+
+    def _start_transfer(self, node: str, e: ev.StartTransfer) -> None:
+        self.last_progress = self._now
+        self.driver.start_transfer(node, e)
+
+    def _start_scatter(self, node: str, e: ev.StartScatter) -> None:
+        self.last_progress = self._now
+        self.driver.start_scatter(node, e)
+
+    def _deferred(self, node: str, e: ev.Deferred) -> None:
+        if e.retry_at is not None:
+            self.poll(node, e.worker, e.retry_at)
+
+    def _wake(self, node: str, e: ev.WakeWorkers) -> None:
+        for w in e.workers:
+            self.poll(node, w, e.at)
+
+    def _timer(self, node: str, e: ev.SetTimer) -> None:
+        self.schedule(node, e.at, ev.Tick())
+
+    def _crashed(self, node: str, e: ev.RankCrashed) -> None:
+        self.crashed[node] = e.reason
+
+    def _dropped(self, node: str, e: ev.Dropped) -> None:
+        if e.room >= 0:
+            notes = self.dropped.setdefault(e.room, [])
+            if len(notes) < DROPPED_NOTES_PER_ROOM:
+                notes.append(f"{node} dropped {e.what}: {e.reason}")
+
+    def _progress(self, node: str, e: ev.Effect) -> None:
+        self.last_progress = self._now
+
+
+def _ignore(node: str, e: Any) -> None:
+    pass
+
+
+def _both(first: Hook, then: Hook) -> Hook:
+    def run(node: str, e: Any) -> None:
+        first(node, e)
+        then(node, e)
+    return run

@@ -1,0 +1,55 @@
+"""Reading traces of older format versions: what each version added, and how to compare.
+
+A replay compares the effects a fresh core returns with the recorded ones. A trace written by
+an older version lacks the effect types and fields added since; ``comparable`` drops them from
+both sides, so an old trace still replays exactly where its content allows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twin.core import events as ev
+
+ADDED_IN: dict[int, dict[type, tuple[str, ...] | None]] = {
+    # Version 2: effects carry what a driver needs (the one runtime); None: a new effect type.
+    2: {
+        ev.TargetsKnown: None,
+        ev.StartTransfer: ("decode_rank",),
+        ev.StartScatter: ("prefill_attn_tp", "writer_bytes"),
+        ev.Deferred: ("retry_at",),
+        ev.WakeWorkers: ("at",),
+        ev.SendMetadata: ("register_at",),
+        ev.WatermarkMoved: ("lag_bytes",),
+    },
+}
+
+
+def _missing_in(version: int) -> tuple[set[type], dict[type, set[str]]]:
+    types: set[type] = set()
+    fields: dict[type, set[str]] = {}
+    for v, added in ADDED_IN.items():
+        if v <= version:
+            continue
+        for t, names in added.items():
+            if names is None:
+                types.add(t)
+            else:
+                fields.setdefault(t, set()).update(names)
+    return types, fields
+
+
+def comparable(effects: list[Any], version: int,
+               encode: Any) -> list[dict[str, Any]]:
+    """``encode(e)`` of each effect, without what a trace of ``version`` cannot hold."""
+    types, fields = _missing_in(version)
+    out = []
+    for e in effects:
+        t = type(e)
+        if t in types:
+            continue
+        d = encode(e)
+        for name in fields.get(t, ()):
+            d.pop(name, None)
+        out.append(d)
+    return out
