@@ -78,8 +78,10 @@ def test_production_trace_notebook_stops_loudly_without_a_trace(tmp_path: Path,
     path = next(p for p in NOTEBOOKS if p.stem.startswith("03"))
     book = nbformat.read(path, as_version=4)
     book.cells = [c for c in book.cells if c.cell_type == "code"][:1]  # the parameters cell
-    monkeypatch.delenv("TWIN_NB_TRACE", raising=False)
+    monkeypatch.setenv("TWIN_NB_TRACE", str(tmp_path / "missing.jsonl"))
     client = NotebookClient(book, timeout=60, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}})
-    with pytest.raises(CellExecutionError, match="set TWIN_NB_TRACE"):
+    with pytest.raises(CellExecutionError, match="no such file"):
         client.execute()
+    source = book.cells[0].source
+    assert "raise FileNotFoundError" in source and "set TWIN_NB_TRACE" in source
