@@ -42,6 +42,9 @@ from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.workloads import Workload
 
 UNSUPPORTED_FAULTS = ("crash", "restart", "fail-transfer")
+#: The wedge window on hardware is wall-clock time: at least this long, since a loaded host can
+#: stall a rank for seconds without anything being stuck.
+HW_MIN_WEDGE_WINDOW_S = 15.0
 
 
 class HwInputError(ValueError):
@@ -150,7 +153,7 @@ class HwRun:
         self.setting_up: set[tuple[str, int]] = set()
         opts = launcher.options
         self.wedge_window_s = (opts.wedge_window_s if opts.wedge_window_s is not None
-                               else params.wedge_window_s)
+                               else max(params.wedge_window_s, HW_MIN_WEDGE_WINDOW_S))
         self.stopped = RunStatus.INTERRUPTED
         launcher.on_records = self._records
         launcher.on_report = self._report
