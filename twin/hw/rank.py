@@ -154,6 +154,8 @@ class RankProcess:
 
     # -- bootstrap -----------------------------------------------------------------------------
     def bootstrap(self) -> None:
+        if self.device.type == "cuda":  # zeroed ring and pools land before a peer may write
+            torch.cuda.synchronize(self.device)
         hello = {"node": self.spec.node, "endpoint": self.sock.endpoint,
                  "ring": self.ring_region.to_dict() if self.ring is not None else None}
         self.sock.send(self.coordinator, [HELLO, json.dumps(hello).encode(),
