@@ -95,7 +95,7 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
     else:
         click.echo(f"status      {s['status']}")
         check = (f"{len(result.corruption)} with wrong bytes" if result.corruption
-                 else "every byte verified")
+                 else f"{s['verified']} byte-verified")
         click.echo(f"requests    {s['requests']}: {s['completed']} completed ({check}), "
                    f"{s['failed']} failed, {s['unfinished']} unfinished")
         click.echo(f"ran         {s['sim_seconds']:.2f} s, {s['events']} core events")
