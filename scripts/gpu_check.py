@@ -85,6 +85,11 @@ try:
         problems.append("no CUDA device visible to torch")
 except Exception as exc:
     problems.append(f"torch: {exc}")
+try:
+    info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+except (OSError, subprocess.TimeoutExpired):
+    info["commit"] = None
 if shutil.which("nvidia-smi"):
     run = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                           "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
