@@ -43,6 +43,10 @@ def _gpus(text: str | None) -> list[int] | None:
               help="GPUs of the prefill ranks, e.g. 0,1,2,3.")
 @click.option("--decode-gpus", default=None, metavar="LIST",
               help="GPUs of the decode ranks, e.g. 4,5.")
+@click.option("--kernels", type=click.Choice(["auto", "torch", "triton"]), default="auto",
+              envvar="TWIN_KERNELS", show_default=True,
+              help="Gather/scatter backend; auto: Triton on CUDA when installed, else torch "
+                   "(also read from TWIN_KERNELS).")
 @click.option("--kv-pool-pages", type=int, default=2048, show_default=True,
               help="KV pool pages per rank.")
 @click.option("--max-concurrency", type=int, default=None,
@@ -53,7 +57,7 @@ def _gpus(text: str | None) -> list[int] | None:
               help="Write the trace (same format as `twin sim`).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
 def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, defects, faults,
-               seed, device, prefill_gpus, decode_gpus, kv_pool_pages, max_concurrency,
+               seed, device, prefill_gpus, decode_gpus, kernels, kv_pool_pages, max_concurrency,
                timeout_s, trace_out, as_json) -> None:
     """Run a workload on real rank processes and verify every byte.
 
@@ -72,7 +76,7 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
                       max_concurrency=max_concurrency, sglang_defaults_for_own_workload=False)
     options = HwOptions(device=device, prefill_gpus=_gpus(prefill_gpus),
                         decode_gpus=_gpus(decode_gpus), kv_pool_pages=kv_pool_pages,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, kernels="" if kernels == "auto" else kernels)
     if device == "cuda":
         import torch
 
@@ -91,7 +95,7 @@ def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, 
     else:
         click.echo(f"status      {s['status']}")
         check = (f"{len(result.corruption)} with wrong bytes" if result.corruption
-                 else "every byte verified")
+                 else f"{s['verified']} byte-verified")
         click.echo(f"requests    {s['requests']}: {s['completed']} completed ({check}), "
                    f"{s['failed']} failed, {s['unfinished']} unfinished")
         click.echo(f"ran         {s['sim_seconds']:.2f} s, {s['events']} core events")

@@ -53,6 +53,7 @@ class HwResult:
     events: int
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    verified: int = 0  # completed requests whose every decode rank checked every byte
 
     @property
     def status(self) -> RunStatus:
@@ -86,6 +87,7 @@ class HwResult:
             "corruption": self.corruption[:50], "sim_seconds": round(self.run_seconds, 6),
             "wall_seconds": round(self.wall_seconds, 3), "events": self.events,
             "latency": lat, "errors": self.errors, "notes": self.notes,
+            "verified": self.verified,
         }
 
 
@@ -108,6 +110,7 @@ class HwRun:
         self._n = 0
         self.last_progress = 0.0
         self.corruption: list[str] = []
+        self.verified: dict[int, set[str]] = {}  # room -> decode nodes whose byte check passed
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
         self.notes: list[str] = []
@@ -138,6 +141,8 @@ class HwRun:
                 return
             if r.get("mismatch"):
                 self.corruption.append(f"{r['node']} room {r['room']}: {r['mismatch']}")
+            elif "mismatch" in r:
+                self.verified.setdefault(r["room"], set()).add(r["node"])
             group = len(self.topo.decode_groups[req.decode_group].nodes)
             status = req.note_concluded(r["node"], r["status"], r.get("reason", ""), group)
             if status is not None:
@@ -256,7 +261,11 @@ class HwRun:
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {opts.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
+        verified = sum(
+            r.status == "Success" and self.verified.get(r.room, set()) >= set(r.decode_status)
+            for r in self.reqs.values())
         return HwResult(
+            verified=verified,
             requests=len(self.workload.requests), done=[r for r in self.reqs.values()
                                                         if r.finished],
             unfinished=unfinished, wedged=wedged, diagnosis=diagnosis,
