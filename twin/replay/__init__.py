@@ -1,19 +1,20 @@
 """Replay a recorded trace (from the simulator or the hardware mode) through fresh cores.
 
 The replayer rebuilds every rank from the trace header (config, defects) and feeds each rank
-its recorded inputs in the recorded order at the recorded times, in a SimPy environment: the
-recorded durations are the latency model. After every input it compares the effects the core
-returns with the effects recorded after that input. The first difference stops the replay
-(``Divergence``). At the end it recomputes the outcome (completed rooms, wedge diagnosis from the
+its recorded inputs in the recorded order, each with its recorded time (the cores take time only
+as an argument, so no event loop is needed). After every input it compares the effects the core
+returns with the effects recorded after that input (as text first: the line encoder writes an
+effect exactly as it was recorded). The first difference stops the replay (``Divergence``); the
+rest of the trace is still read for its driver records and its ``Outcome``. The trace streams:
+memory holds the cores and what is in flight, whatever the trace's length. At the end it recomputes the outcome (completed rooms, wedge diagnosis from the
 cores' state, integrity violations) and compares it with the recorded ``Outcome``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-import simpy
 
 from twin.core import events as ev
 from twin.core.decode import DecodeRank
@@ -24,8 +25,8 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
-from twin.trace.codec import event_to_json
-from twin.trace.format import Record, Trace
+from twin.trace.codec import BODY_TEXT, event_to_json
+from twin.trace.format import Record, Trace, TraceSource, open_trace
 
 
 @dataclass
@@ -89,10 +90,15 @@ def _text(e: Any) -> str:
 
 
 class Replayer:
-    """Feeds a trace's inputs to fresh cores and checks their effects."""
+    """Feeds a trace's inputs to fresh cores and checks their effects.
 
-    def __init__(self, trace: Trace) -> None:
-        self.trace = trace
+    The trace is read once, in order: each input is handed to its rank as soon as its
+    recorded effects (the lines after it) have been read, so memory holds the cores, the rooms
+    and what is in flight, never the trace.
+    """
+
+    def __init__(self, trace: TraceSource) -> None:
+        self.trace = trace = open_trace(trace)
         cfg = trace.config
         self.cfg = cfg
         self.defects = Defects.of(trace.header.get("defects", []))
@@ -107,18 +113,7 @@ class Replayer:
         self.crashed: dict[str, str] = {}
         self.divergence: Divergence | None = None
         self.inputs = 0
-
-    def _groups(self) -> list[tuple[Record, list[Record]]]:
-        """Each input record with the effect records written right after it."""
-        out: list[tuple[Record, list[Record]]] = []
-        for rec in self.trace.events:
-            if rec.dir == "in":
-                out.append((rec, []))
-            elif rec.dir == "out" and out and out[-1][0].node == rec.node:
-                out[-1][1].append(rec)
-            elif rec.dir == "sys":
-                self._sys(rec)
-        return out
+        self._decode_nodes = {nid for nid, n in self.topo.nodes.items() if n.role == "decode"}
 
     def _sys(self, rec: Record) -> None:
         if rec.type == "RequestArrived":
@@ -129,18 +124,26 @@ class Replayer:
             self.crashed[node] = f"crashed by fault {rec.data['fault']}"
 
     def run(self) -> ReplayResult:
-        env = simpy.Environment()
-        groups = self._groups()
-        env.process(self._feed_all(env, groups))
-        env.run()
+        pending: Record | None = None
+        recorded: list[Record] = []
+        feeding = True
+        for rec in self.trace:
+            d = rec.dir
+            if d == "out":
+                if pending is not None and rec.node == pending.node:
+                    recorded.append(rec)
+                continue
+            if pending is not None and feeding:
+                feeding = self._feed(pending, recorded)
+            pending = None
+            if d == "in":
+                if feeding:
+                    pending, recorded = rec, []
+            else:
+                self._sys(rec)
+        if pending is not None and feeding:
+            self._feed(pending, recorded)
         return self._result()
-
-    def _feed_all(self, env: simpy.Environment, groups):  # type: ignore[no-untyped-def]
-        for rec, recorded in groups:
-            if rec.t > env.now:
-                yield env.timeout(rec.t - env.now)
-            if not self._feed(rec, recorded):
-                return
 
     def _feed(self, rec: Record, recorded: list[Record]) -> bool:
         rank = self.ranks.get(rec.node)
@@ -153,16 +156,21 @@ class Replayer:
             if t is not None:
                 self.integrity.on_transfer(t.session, t)
         effects = rank.handle(event, rec.t)
-        got = [_text(e) for e in effects]
-        want = [_text(r.event) for r in recorded]
-        if got != want:
-            i = next((k for k in range(max(len(got), len(want)))
-                      if k >= len(got) or k >= len(want) or got[k] != want[k]), 0)
-            line = recorded[i].line if i < len(recorded) else rec.line
-            self.divergence = Divergence(line, rec.node, rec.t,
-                                         want[i] if i < len(want) else "(no further effect)",
-                                         got[i] if i < len(got) else "(no further effect)")
-            return False
+        if len(effects) != len(recorded) or any(
+                BODY_TEXT[type(e)](e).encode() != r.body for e, r in zip(effects, recorded,
+                                                                         strict=False)):
+            # not the same text: compare the decoded events (a hand-edited line may order its
+            # fields differently), and name the first difference
+            got = [_text(e) for e in effects]
+            want = [_text(r.event) for r in recorded]
+            if got != want:
+                i = next((k for k in range(max(len(got), len(want)))
+                          if k >= len(got) or k >= len(want) or got[k] != want[k]), 0)
+                line = recorded[i].line if i < len(recorded) else rec.line
+                self.divergence = Divergence(
+                    line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
+                    got[i] if i < len(got) else "(no further effect)")
+                return False
         for e in effects:
             self._observe(rec.node, e)
         return True
@@ -174,7 +182,7 @@ class Replayer:
         elif t is ev.StartScatter:
             _, wb, _ = self.cfg.region_layout(self.topo.nodes[node].rank, e.num_pages)
             self.integrity.on_scatter(node, e, list(wb))
-        elif t is ev.RoomConcluded and self.topo.nodes[node].role == "decode":
+        elif t is ev.RoomConcluded and node in self._decode_nodes:
             self.concluded.setdefault(e.room, {})[node] = e.status
             room = self.rooms.get(e.room)
             if room is not None:
@@ -219,12 +227,16 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
     return status.value, completed, failed, unfinished
 
 
-def replay_sim(trace: Trace) -> ReplayResult:
-    """Replay ``trace`` in simulation (see the module docstring). For a hardware trace the
-    result also says how far a fresh simulation's timings are from the measured ones."""
-    result = Replayer(trace).run()
-    if trace.header.get("mode") == "hw":
+def replay_sim(trace: TraceSource) -> ReplayResult:
+    """Replay ``trace`` (a ``Trace``, a reader or a path, streamed) in simulation (see the
+    module docstring). For a hardware trace the result also says how far a fresh simulation's
+    timings are from the measured ones (which reads the trace a second time)."""
+    replayer = Replayer(trace)
+    result = replayer.run()
+    source = replayer.trace
+    if source.header.get("mode") == "hw":
         from twin.replay.timing import compare_with_simulation
 
-        result.timing = compare_with_simulation(trace)
+        again = source if isinstance(source, Trace) else Path(source.path)
+        result.timing = compare_with_simulation(again)
     return result

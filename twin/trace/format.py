@@ -29,7 +29,8 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -78,6 +79,7 @@ __all__ = [
     "build_schema",
     "iter_trace",
     "make_header",
+    "open_trace",
     "markdown_event_tables",
     "node_id",
     "read_trace",
@@ -518,10 +520,11 @@ class Record:
 
     A record from a lazy reader keeps its line's bytes and decodes ``data`` and ``event`` the
     first time they are asked for (``event`` then checks the payload as the strict reader
-    does); ``body`` is the payload's JSON text, for cheap comparisons.
+    does); ``raw`` is the line's bytes (None for records read strictly) and ``body`` the
+    payload's JSON text, for cheap comparisons.
     """
 
-    __slots__ = ("_body_at", "_data", "_event", "_raw", "_src", "dir", "line", "node", "seq",
+    __slots__ = ("_body_at", "_data", "_event", "_src", "dir", "line", "node", "raw", "seq",
                  "t", "type")
 
     def __init__(self, seq: int, t: float, node: str, dir: str, type: str,  # noqa: A002
@@ -535,7 +538,7 @@ class Record:
         self._data = data
         self._event = event
         self.line = line
-        self._raw = raw
+        self.raw = raw
         self._body_at = body_at
         self._src = src
 
@@ -544,7 +547,7 @@ class Record:
         d = self._data
         if d is None:
             try:
-                d = _loads(self._raw)
+                d = _loads(self.raw)
             except ValueError:
                 src = self._src
                 raise TraceError(f"{src.name if src else '?'}:{self.line}",
@@ -570,8 +573,8 @@ class Record:
     @property
     def body(self) -> bytes:
         """The payload as written: ``"type":"Name",...`` without the closing brace."""
-        if self._raw is not None and self._body_at:
-            return self._raw[self._body_at:-1]
+        if self.raw is not None and self._body_at:
+            return self.raw[self._body_at:-1]
         return _dumps_body(self.data)
 
     def to_json(self) -> dict[str, Any]:
@@ -642,11 +645,11 @@ def _lines(source: BlockSource) -> Iterator[tuple[bytes, bool]]:
         yield rest, False
 
 
-_ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),"node":"([A-Za-z0-9_-]+)",'
-                     rb'"dir":"(in|out|sys)","type":"([A-Za-z_]+)"[,}]')
-_DIR_NAMES = {b"in": "in", b"out": "out", b"sys": "sys"}
-_IN_TYPES = {n.encode(): n for n in INPUT_NAMES}
-_OUT_TYPES = {n.encode(): n for n in EFFECT_NAMES}
+_ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),'
+                     rb'("node":"[A-Za-z0-9_-]+","dir":"(?:in|out|sys)","type":"[A-Za-z_]+")[,}]')
+"""The envelope as the writer writes it: seq, t, and node/dir/type as one group."""
+_NUMBER_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+_KEY_RE = re.compile(rb'"node":"([^"]+)","dir":"([a-z]+)","type":"([A-Za-z_]+)"')
 
 
 class TraceReader:
@@ -661,13 +664,21 @@ class TraceReader:
 
     ``span`` (a ``twin.trace.index.Block`` range: ``(first, last)``) reads only those blocks of
     an indexed trace; such a reader is ``partial`` (no room or Outcome expectations).
+    ``select`` (a set of type names; implies ``lazy``) yields only records of those types and of
+    driver records; the others are checked as in lazy mode and counted in ``counts``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, lazy: bool = False,
-                 span: tuple[Block, Block | None] | None = None) -> None:
+                 span: tuple[Block, Block | None] | None = None,
+                 select: Container[str] | None = None) -> None:
         self.path = Path(path)
         self.name = str(path)
-        self.lazy = lazy
+        self.lazy = lazy or select is not None
+        self.select = select
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        """Lines read so far by (node, dir, type); final after iteration."""
+        self.first_t: float | None = None
+        self.last_t: float | None = None
         self.warnings: list[str] = []
         self.outcome: dict[str, Any] | None = None
         self.truncated = False
@@ -721,7 +732,11 @@ class TraceReader:
             rec = self._strict(raw, ended, lineno, last_t)
             if rec is None:
                 break
-            last_t, last_ok = rec.t, lineno
+            if self.first_t is None:
+                self.first_t = rec.t
+            last_t = self.last_t = rec.t
+            last_ok = lineno
+            self.counts[(rec.node, rec.dir, rec.type)] += 1
             yield rec
         self._finish(last_ok)
 
@@ -800,65 +815,88 @@ class TraceReader:
 
     # -- lazy --------------------------------------------------------------------------------
     def _records_lazy(self) -> Iterator[Record]:
-        name, nodes = self.name, self.nodes
+        name = self.name
         match = _ENV_RE.match
-        node_names = {n.encode(): n for n in nodes}
-        types = {"in": _IN_TYPES, "out": _OUT_TYPES}
+        keys: dict[bytes, tuple[str, str, str, int, bool]] = {}
+        counts: dict[tuple[str, str, str], int] = {}
+        select = self.select
         last_t, last_tb = self._first_t, b""
         lineno = last_ok = self._first_seq + 1
         strict = self._strict
-        for raw, ended in self._it:
-            lineno += 1
-            if self.outcome is not None:
-                if not ended and not raw.strip():
-                    break
-                raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
-            m = match(raw)
-            if m is None or not ended:
-                rec = strict(raw, ended, lineno, last_t)
-                if rec is None:
-                    break
-                last_t, last_tb = rec.t, b""
+        try:
+            for raw, ended in self._it:
+                lineno += 1
+                m = match(raw)
+                if m is None or not ended:
+                    if self.outcome is not None:
+                        if not ended and not raw.strip():
+                            break
+                        raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
+                    rec = strict(raw, ended, lineno, last_t)
+                    if rec is None:
+                        break
+                    if self.first_t is None:
+                        self.first_t = rec.t
+                    last_t, last_tb, last_ok = rec.t, b"", lineno
+                    k = (rec.node, rec.dir, rec.type)
+                    counts[k] = counts.get(k, 0) + 1
+                    if select is None or rec.dir == "sys" or rec.type in select:
+                        yield rec
+                    continue
+                seq_b, t_b, key = m.groups()
+                if int(seq_b) != lineno - 2:
+                    raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
+                                     f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
+                                     "gaps)", "seq")
+                if t_b != last_tb:
+                    t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
+                    if not t >= last_t or not math.isfinite(t):
+                        raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
+                                         f"{last_t!r})" if t < last_t else
+                                         f"expected a finite number, got {t_b.decode()}", "t")
+                    if self.first_t is None:
+                        self.first_t = t
+                    last_t, last_tb = t, t_b
+                info = keys.get(key)
+                if info is None:
+                    info = keys[key] = self._envelope_key(key, lineno)
+                node, direction, rtype, body_from_key, wanted = info
+                counts[info[:3]] = counts.get(info[:3], 0) + 1  # type: ignore[index]
+                if direction == "sys" or self.outcome is not None:
+                    if self.outcome is not None:
+                        raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
+                    rec = strict(raw, ended, lineno, last_t)
+                    assert rec is not None
+                    last_ok = lineno
+                    yield rec
+                    continue
                 last_ok = lineno
-                yield rec
-                continue
-            seq_b, t_b, node_b, dir_b, type_b = m.groups()
-            if int(seq_b) != lineno - 2 or seq_b[:1] == b"0" and len(seq_b) > 1:
-                raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
-                                 f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
-                                 "gaps)", "seq")
-            if t_b != last_tb:
-                try:
-                    t = float(t_b)
-                except ValueError:
-                    raise TraceError(f"{name}:{lineno}", "expected a finite number, got "
-                                     f"{t_b.decode()}", "t") from None
-                if not t >= last_t or not math.isfinite(t):
-                    raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
-                                     f"{last_t!r})" if t < last_t else
-                                     f"expected a finite number, got {t!r}", "t")
-                last_t, last_tb = t, t_b
-            direction = _DIR_NAMES[dir_b]
-            if direction == "sys":
-                rec = strict(raw, ended, lineno, last_t)
-                assert rec is not None
-                last_ok = lineno
-                yield rec
-                continue
-            node = node_names.get(node_b)
-            if node is None:
-                detail = (f"unknown node {node_b.decode()!r}" if node_b != b"driver"
-                          else '"driver" only writes sys records')
-                raise TraceError(f"{name}:{lineno}", detail, "node")
-            rtype = types[direction].get(type_b)
-            if rtype is None:
-                kind = "input" if direction == "in" else "effect"
-                raise TraceError(f"{name}:{lineno}", f"unknown {kind} type "
-                                 f"{type_b.decode()!r}", "type")
-            last_ok = lineno
-            yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno, raw,
-                         m.start(5) - 8, self)
+                if wanted:
+                    yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno,
+                                 raw, m.start(3) + body_from_key, self)
+        finally:
+            self.counts.update(counts)
+            self.last_t = last_t if self.first_t is not None else None
         self._finish(last_ok)
+
+    def _envelope_key(self, key: bytes, lineno: int) -> tuple[str, str, str, int, bool]:
+        """Node, dir, type and the payload's offset in ``key`` of a fast-path envelope."""
+        where = f"{self.name}:{lineno}"
+        m = _KEY_RE.fullmatch(key)
+        assert m is not None
+        node, direction, rtype = (x.decode() for x in m.groups())
+        if direction not in DIRS:  # pragma: no cover - the pattern allows only these
+            raise TraceError(where, f"expected one of {DIRS}, got {direction!r}", "dir")
+        if direction != "sys":
+            if node not in self.nodes:
+                detail = (f"unknown node {node!r}" if node != DRIVER
+                          else '"driver" only writes sys records')
+                raise TraceError(where, detail, "node")
+            if rtype not in (INPUT_NAMES if direction == "in" else EFFECT_NAMES):
+                kind = "input" if direction == "in" else "effect"
+                raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
+        wanted = self.select is None or rtype in self.select
+        return node, direction, rtype, m.start(3) - 8, wanted
 
     def _truncate(self, message: str) -> None:
         if not self.truncated:
@@ -903,9 +941,21 @@ def _room_of(event: Any) -> int | None:
     return None
 
 
-def iter_trace(path: str | os.PathLike[str]) -> TraceReader:
-    """Open a trace for streaming: the header is checked now, records as you iterate."""
-    return TraceReader(path)
+def iter_trace(path: str | os.PathLike[str], *, lazy: bool = False) -> TraceReader:
+    """Open a trace for streaming: the header is checked now, records as you iterate
+    (``lazy``: payloads decoded when used, see ``TraceReader``)."""
+    return TraceReader(path, lazy=lazy)
+
+
+TraceSource = Trace | TraceReader | str | os.PathLike[str]
+"""A trace to read: an in-memory ``Trace``, an open reader, or a path (streamed)."""
+
+
+def open_trace(source: TraceSource) -> Trace | TraceReader:
+    """``source`` ready to iterate once: a path opens a lazy streaming reader."""
+    if isinstance(source, (Trace, TraceReader)):
+        return source
+    return TraceReader(source, lazy=True)
 
 
 def read_trace(path: str | os.PathLike[str]) -> Trace:
