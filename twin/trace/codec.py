@@ -286,12 +286,28 @@ for _kind, _mcls in MESSAGE_KINDS.items():
 _TEXT[ev.Target] = _object_text(ev.Target, "type", "Target")
 
 
+_EMITTER_FACTORIES: dict[type, Callable[..., Callable[[Any, int, str, str], None]]] = {}
+
+
 def _make_line(cls: type) -> tuple[Callable[[Any, int, str], str], Callable[[Any], str]]:
     scope: dict[str, Any] = {}
     parts = _text_parts(cls, "type", cls.__name__, scope)
     line_src = _fstring('{{"seq":{seq},{head}' + parts + '}}\\n')
     line = _compile(cls, f"def fn(o, seq, head):\n    return {line_src}\n", scope, "line")
     body = _compile(cls, f"def fn(o):\n    return {_fstring(parts)}\n", dict(scope), "body")
+    # The writer's hot path: one call encodes, appends, notes the room and calls a hook.
+    names = {f.name for f in _SPECS[cls]}
+    room = ("    _ra(o.room)\n" if "room" in names else
+            "    _ra(getattr(o.msg, 'room', None))\n" if "msg" in names else "")
+    src = ("def fn(_ap, _ra, _hook):\n"
+           "    def emit(o, seq, head, node):\n"
+           f"        line = {line_src}\n"
+           "        _ap(line)\n"
+           + room.replace("    _ra", "        _ra")
+           + "        if _hook is not None:\n"
+           "            _hook(node, o, seq, line)\n"
+           "    return emit\n")
+    _EMITTER_FACTORIES[cls] = _compile(cls, src, dict(scope), "emitter")
     return line, body
 
 
@@ -302,6 +318,16 @@ BODY_TEXT: dict[type, Callable[[Any], str]] = {}
 """Event class -> ``event -> '"type":"Name",field...'``: the payload of a line without braces."""
 for _ecls in ev.EVENT_TYPES.values():
     LINE_TEXT[_ecls], BODY_TEXT[_ecls] = _make_line(_ecls)
+
+
+def line_emitters(append: Callable[[str], None], rooms_add: Callable[[Any], None],
+                  hooks: dict[type, Callable[[str, Any, int, str], None]]
+                  ) -> dict[type, Callable[[Any, int, str, str], None]]:
+    """Event class -> ``emit(event, seq, head, node)``, which appends the event's trace line
+    (as ``LINE_TEXT``) with ``append``, hands the room it names (or None) to ``rooms_add`` and
+    calls ``hooks[cls](node, event, seq, line)`` when the class has a hook."""
+    return {cls: make(append, rooms_add, hooks.get(cls))
+            for cls, make in _EMITTER_FACTORIES.items()}
 
 
 def event_text(obj: Any) -> str:

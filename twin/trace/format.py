@@ -43,14 +43,13 @@ from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
     INPUT_NAMES,
-    LINE_TEXT,
     MESSAGE_KINDS,
-    ROOM_OF,
     TraceError,
     event_from_json,
     field_specs,
+    line_emitters,
 )
-from twin.trace.index import STATE_EVERY, Block, BlockMeta, IndexWriter, LiveState
+from twin.trace.index import STATE_EVERY, Block, BlockMeta, IndexWriter, LiveState, index_path
 
 try:
     from orjson import loads as _fast_loads
@@ -300,18 +299,17 @@ class TraceWriter:
         self.flush_every = max(1, flush_every)
         self._encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False,
                                         check_circular=False).encode
-        self._prefix: dict[tuple[str, str], str] = {}
-        for nid in nodes:
-            for d in DIRS:
-                self._prefix[(nid, d)] = f'"node":{json.dumps(nid)},"dir":"{d}",'
-        self._prefix[(DRIVER, "sys")] = f'"node":"{DRIVER}","dir":"sys",'
-        self._heads: dict[tuple[str, str], str] = {}
+        self._pin = {nid: f'"node":{json.dumps(nid)},"dir":"in",' for nid in nodes}
+        self._pout = {nid: f'"node":{json.dumps(nid)},"dir":"out",' for nid in nodes}
+        self._psys = {nid: f'"node":{json.dumps(nid)},"dir":"sys",' for nid in nodes}
+        self._psys[DRIVER] = f'"node":"{DRIVER}","dir":"sys",'
         self._decode_nodes = frozenset(n for n, v in nodes.items() if v["role"] == "decode")
         self._nodes = nodes
         self._seq = 0
         self._t = 0.0
-        self._t_text = "0.0"
+        self._tt = '"t":0.0,'
         self._buf: list[str] = []
+        self._hard_limit = 2 * self.flush_every
         self._closed = False
         self.requests = 0
         self.succeeded: set[int] = set()
@@ -323,15 +321,18 @@ class TraceWriter:
         self._blk_t0 = 0.0
         self._blocks = 0
         self._state: str | None = '{"alloc":{},"lines":[]}'
-        self._in_table = {cls: (LINE_TEXT[cls], ROOM_OF[cls], self._live.in_hooks.get(cls))
-                          for cls in ev.INPUT_TYPES}
-        self._out_table = {cls: (LINE_TEXT[cls], ROOM_OF[cls], self._live.out_hooks.get(cls))
-                           for cls in ev.EFFECT_TYPES}
-        self._out_table[ev.RoomConcluded] = (LINE_TEXT[ev.RoomConcluded],
-                                             ROOM_OF[ev.RoomConcluded], self._concluded)
+        out_hooks = {**self._live.out_hooks, ev.RoomConcluded: self._concluded}
+        self._in_emit = line_emitters(self._buf.append, self._rooms.add, self._live.in_hooks)
+        self._in_emit = {cls: self._in_emit[cls] for cls in ev.INPUT_TYPES}
+        self._out_emit = line_emitters(self._buf.append, self._rooms.add, out_hooks)
+        self._out_emit = {cls: self._out_emit[cls] for cls in ev.EFFECT_TYPES}
         codec = codec_for_name(self.path.name)
         header_line = (self._encode(self.header) + "\n").encode("utf-8")
-        self._index = IndexWriter(self.path, codec, header_line) if index else None
+        if index:
+            self._index: IndexWriter | None = IndexWriter(self.path, codec, header_line)
+        else:
+            self._index = None
+            index_path(self.path).unlink(missing_ok=True)  # an older trace's index
         try:
             self._sink = BlockSink(self.path, codec, level=level, threaded=threaded,
                                    on_block=self._index.block if self._index else None)
@@ -347,80 +348,70 @@ class TraceWriter:
             (self.succeeded if e.status == "Success" else self.failed).add(e.room)
 
     # -- hot path ----------------------------------------------------------------------------
-    def _head(self, t: float, node: str, d: str) -> str:
-        """The envelope text after ``seq`` for a line at ``t`` on ``node``."""
-        if t != self._t:
-            t = float(t)
-            if not t >= self._t or not math.isfinite(t):
-                raise TraceError(f"{self.path}:{self._seq + 2}",
-                                 f"time {t!r} is before {self._t!r} or not finite", "t")
-            self._t = t
-            self._t_text = repr(t)
-            self._heads.clear()
-        try:
-            return self._heads[(node, d)]
-        except KeyError:
-            pass
-        try:
-            prefix = self._prefix[(node, d)]
-        except KeyError:
+    def _set_time(self, t: float) -> None:
+        t = float(t)
+        if not t >= self._t or not math.isfinite(t):
             raise TraceError(f"{self.path}:{self._seq + 2}",
-                             f"unknown node {node!r} for dir {d!r}", "node") from None
-        head = self._heads[(node, d)] = f'"t":{self._t_text},{prefix}'
-        return head
+                             f"time {t!r} is before {self._t!r} or not finite", "t")
+        self._t = t
+        self._tt = f'"t":{t!r},'
+
+    def _unknown_node(self, node: str, d: str) -> TraceError:
+        return TraceError(f"{self.path}:{self._seq + 2}", f"unknown node {node!r} for dir "
+                          f"{d!r}", "node")
 
     def write_input(self, t: float, node: str, event: Any) -> None:
         """Record that ``node`` handled input ``event`` at time ``t``."""
-        head = self._heads.get((node, "in")) if t == self._t else None
-        if head is None:
-            head = self._head(t, node, "in")
+        if t != self._t:
+            self._set_time(t)
         try:
-            line_text, room_of, hook = self._in_table[type(event)]
+            head = self._tt + self._pin[node]
+        except KeyError:
+            raise self._unknown_node(node, "in") from None
+        try:
+            emit = self._in_emit[type(event)]
         except KeyError:
             raise TypeError(f"not a core input: {type(event).__name__}") from None
-        buf = self._buf
-        if not buf:
-            self._blk_seq, self._blk_t0 = self._seq, self._t
         seq = self._seq
-        line = line_text(event, seq, head)
-        buf.append(line)
+        if not self._buf:
+            self._blk_seq, self._blk_t0 = seq, self._t
+        emit(event, seq, head, node)
         self._seq = seq + 1
-        if room_of is not None:
-            self._rooms.add(room_of(event))
-        if hook is not None:
-            hook(node, event, seq, line)
-        if len(buf) >= 2 * self.flush_every:  # normally the block ends after the effects
+        if len(self._buf) >= self._hard_limit:  # normally the block ends after the effects
             self._drain()
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
         """Record the effects ``node`` returned for its last input, in order."""
-        head = self._heads.get((node, "out")) if t == self._t else None
-        if head is None:
-            head = self._head(t, node, "out")
-        table, buf, seq, rooms_add = self._out_table, self._buf, self._seq, self._rooms.add
-        if not buf:
+        if t != self._t:
+            self._set_time(t)
+        try:
+            head = self._tt + self._pout[node]
+        except KeyError:
+            raise self._unknown_node(node, "out") from None
+        table, seq = self._out_emit, self._seq
+        if not self._buf:
             self._blk_seq, self._blk_t0 = seq, self._t
         try:
             for e in effects:
                 try:
-                    line_text, room_of, hook = table[type(e)]
+                    emit = table[type(e)]
                 except KeyError:
                     raise TypeError(f"not a core effect: {type(e).__name__}") from None
-                line = line_text(e, seq, head)
-                buf.append(line)
-                if room_of is not None:
-                    rooms_add(room_of(e))
-                if hook is not None:
-                    hook(node, e, seq, line)
+                emit(e, seq, head, node)
                 seq += 1
         finally:
             self._seq = seq
-        if len(buf) >= self.flush_every:
+        if len(self._buf) >= self.flush_every:
             self._drain()
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
-        head = self._head(t, node, "sys")
+        if t != self._t:
+            self._set_time(t)
+        try:
+            head = self._tt + self._psys[node]
+        except KeyError:
+            raise self._unknown_node(node, "sys") from None
         rec = dict(record)
         rtype = _check_sys(rec, f"{self.path}:{self._seq + 2}", self._nodes)
         if rtype == "RequestArrived":

@@ -404,7 +404,7 @@ class _Timeline:
         self.t_from = -math.inf if t_from is None else t_from
         self.t_to = math.inf if t_to is None else t_to
         self.room = room
-        self.room_live = room is None or t_from is not None or t_to is not None
+        self.room_live = room is None  # counters go out while the room (if any) lives
         self.room_nodes: set[str] = set()
         self.last_input: dict[str, Any] = {}
         self.transfers: dict[tuple[str, int], tuple[float, ev.StartTransfer]] = {}
@@ -418,7 +418,8 @@ class _Timeline:
         self.prefill_wm: dict[tuple[str, str], tuple[int, int]] = {}
         self.pending: dict[tuple[str, int, int], list[tuple[Any, ...]]] = {}
         self.counters: dict[tuple[str, str], tuple[float, int]] = {}
-        self.started = False  # counters: the window has begun (and its start values went out)
+        self.started = False  # the window has begun
+        self.counting = False  # counters go out (their values at the start went out)
         self.flow_id = 0
         self.now = 0.0
 
@@ -444,13 +445,14 @@ class _Timeline:
 
     def _counter(self, node: str, name: str, t: float, value: int) -> None:
         self.counters[(node, name)] = (t, value)
-        if self.started and self.room_live and t <= self.t_to:
+        if self.counting and t <= self.t_to:
             self.out.counter(node, name, t, value)
 
-    def _start_counters(self, t: float) -> None:
-        """The window (or the room's life) began at ``t``: counters start at their values."""
-        self.started = True
-        if self.room_live:
+    def _count_from(self, t: float) -> None:
+        """Counters go out from ``t`` on when the window has begun and the room lives: each
+        starts with its value at ``t``."""
+        if not self.counting and self.started and self.room_live:
+            self.counting = True
             for (node, name), (_, value) in self.counters.items():
                 self.out.counter(node, name, t, value)
 
@@ -459,7 +461,8 @@ class _Timeline:
         t = rec.t
         self.now = t
         if not self.started and t >= self.t_from:
-            self._start_counters(max(self.t_from, t) if self.t_from > -math.inf else t)
+            self.started = True
+            self._count_from(max(self.t_from, t) if self.t_from > -math.inf else t)
         if rec.dir == "sys":
             self._sys(rec)
         elif rec.dir == "in":
@@ -489,9 +492,8 @@ class _Timeline:
                             {"room": d["room"], "tokens": start[1]["tokens"]}, d["room"])
         elif rtype == "RequestArrived" and self.room is not None and d["room"] == self.room:
             self.room_nodes = set(d["prefill_node"]) | set(d["decode_node"])
-            if not self.room_live:
-                self.room_live = True
-                self._start_counters(t)
+            self.room_live = True
+            self._count_from(t)
         elif rtype in ("FaultInjected", "Note", "Outcome"):
             if self.room is not None and rtype != "Outcome":
                 return
@@ -579,8 +581,8 @@ class _Timeline:
                           self.out.event_args(e), e.room)
             if self.room is not None and e.room == self.room and self.room_nodes:
                 self.room_nodes.discard(node)
-                if not self.room_nodes and self.t_from == -math.inf and self.t_to == math.inf:
-                    self.room_live = False  # the room ended: no more counters
+                if not self.room_nodes:  # the room ended: no more counters
+                    self.room_live = self.counting = False
         elif cls is ev.Dropped:
             self._instant((node, "scheduler", 0), f"dropped {e.what}", "dropped", t,
                           self.out.event_args(e),
@@ -622,8 +624,9 @@ class _Timeline:
     def finish(self, end_t: float) -> None:
         """Close what is still open at ``end_t`` (the trace's last time, or the window's end)."""
         t = min(end_t, self.t_to)
-        if not self.started:
-            self._start_counters(t)
+        if not self.started and t >= self.t_from:
+            self.started = True
+            self._count_from(t)
         for (node, _w), (t0, st) in sorted(self.transfers.items(), key=lambda kv: kv[1][0]):
             self._transfer_slice(node, st, t0, max(t0, t), unfinished=True)
         for (node, w), (t0, d) in list(self.deferrals.items()):
