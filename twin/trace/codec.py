@@ -184,7 +184,21 @@ ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
 # The text is byte-identical to ``json.dumps(event_to_json(e), separators=(",", ":"))`` (ASCII,
 # ``\u``-escaped strings, ``repr`` floats); ``tests/trace/test_format.py`` checks that.
 _str_text: Callable[[str], str] = json_encoder.encode_basestring_ascii  # type: ignore[assignment]
-_BOOL_TEXT = {True: "true", False: "false"}
+
+
+class _StrTextCache(dict):  # type: ignore[type-arg]
+    """str -> its JSON text, computed once (node ids, sessions and reasons repeat a lot)."""
+
+    def __missing__(self, s: str) -> str:
+        if type(s) is not str:
+            raise TypeError(f"expected a string, got {type(s).__name__}")
+        if len(self) > 50_000:
+            self.clear()
+        text = self[s] = _str_text(s)
+        return text
+
+
+_STR_CACHE = _StrTextCache()
 
 
 def _float_text(v: Any) -> str:
@@ -249,9 +263,9 @@ def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str
         if kind == "int":
             expr = f"{{{value}}}"
         elif kind == "str":
-            expr = f"{{_s({value})}}"
+            expr = f"{{_S[{value}]}}"
         elif kind == "bool":
-            expr = f"{{_b({value})}}"
+            expr = f'{{"true" if {value} else "false"}}'
         elif kind == "float":
             expr = f"{{_f({value})}}"
         elif kind == "msg":
@@ -264,7 +278,7 @@ def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str
 
 
 def _compile(cls: type, src: str, scope: dict[str, Any], name: str) -> Callable[..., str]:
-    scope.update({"_s": _str_text, "_b": _bool_text, "_f": _float_text, "_m": _TEXT})
+    scope.update({"_S": _STR_CACHE, "_f": _float_text, "_m": _TEXT})
     exec(compile(src, f"<trace text {name} {cls.__name__}>", "exec"), scope)  # noqa: S102
     return scope["fn"]
 
@@ -481,9 +495,9 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | Non
     return None
 
 
-def _make_fast(cls: type) -> Callable[[dict[str, Any]], Any] | None:
+def _make_fast(cls: type, extra: int = 0) -> Callable[[dict[str, Any]], Any] | None:
     specs = _SPECS[cls]
-    lines = [f"    if len(d) != {len(specs) + 1}: return None"]
+    lines = [f"    if len(d) != {len(specs) + 1 + extra}: return None"]
     args = []
     for i, f in enumerate(specs):
         var = f"v{i}"
@@ -516,10 +530,17 @@ for _kind, _mcls in MESSAGE_KINDS.items():
     if _dec is not None:
         _FAST_MSG[_kind] = _dec
 _FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = {}
+FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
+"""Type name -> ``decode(line dict)``: the event of a whole parsed line (envelope keys ``seq``,
+``t``, ``node``, ``dir`` included) when it is complete and well typed, else None (then
+``event_from_json`` on the payload names the problem)."""
 for _name, _ecls in ev.EVENT_TYPES.items():
     _dec = _make_fast(_ecls)
     if _dec is not None:
         _FAST_EVENT[_name] = _dec
+    _dec = _make_fast(_ecls, extra=4)
+    if _dec is not None:
+        FAST_LINE_DECODERS[_name] = _dec
 
 
 def event_from_json(d: Any, *, where: str) -> Any:

@@ -42,6 +42,7 @@ from twin.core.defects import CATALOG
 from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
+    FAST_LINE_DECODERS,
     INPUT_NAMES,
     MESSAGE_KINDS,
     TraceError,
@@ -551,14 +552,25 @@ class Record:
     @property
     def event(self) -> Any:
         if self._event is None and self.dir != "sys":
+            event = None
+            if self._data is None:  # straight from the line, when it is complete and typed
+                try:
+                    d = _fast_loads(self.raw)
+                except ValueError:
+                    d = None
+                dec = FAST_LINE_DECODERS.get(self.type)
+                if type(d) is dict and dec is not None:
+                    event = dec(d)
             src = self._src
-            where = f"{src.name if src else '?'}:{self.line}"
-            self._event = event_from_json(self.data, where=where)
+            if event is None:
+                event = event_from_json(self.data, where=f"{src.name if src else '?'}:"
+                                                         f"{self.line}")
             if src is not None and not src.partial:
-                room = _room_of(self._event)
+                room = _room_of(event)
                 if room is not None and room not in src.rooms:
-                    raise TraceError(where, f"room {room} was never introduced by a "
-                                     "RequestArrived record", "room")
+                    raise TraceError(f"{src.name}:{self.line}", f"room {room} was never "
+                                     "introduced by a RequestArrived record", "room")
+            self._event = event
         return self._event
 
     @property
