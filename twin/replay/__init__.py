@@ -108,8 +108,12 @@ class Replayer:
             if n.id in trace.nodes}
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
-        self.rooms: dict[int, dict[str, Any]] = {}
+        # open rooms only: (decode nodes, total pages); a room leaves when every decode node
+        # of it concluded, and is counted then
+        self.rooms: dict[int, tuple[int, int]] = {}
         self.concluded: dict[int, dict[str, str]] = {}
+        self.completed = 0
+        self.failed = 0
         self.crashed: dict[str, str] = {}
         self.divergence: Divergence | None = None
         self.inputs = 0
@@ -117,7 +121,9 @@ class Replayer:
 
     def _sys(self, rec: Record) -> None:
         if rec.type == "RequestArrived":
-            self.rooms[rec.data["room"]] = rec.data
+            d = rec.data
+            total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
+            self.rooms[d["room"]] = (len(d["decode_node"]), total)
         elif rec.type == "FaultInjected" and rec.data.get("fault", "").startswith(
                 ("crash:", "restart:")):
             node = rec.data["fault"].split(":")[1]
@@ -183,28 +189,44 @@ class Replayer:
             _, wb, _ = self.cfg.region_layout(self.topo.nodes[node].rank, e.num_pages)
             self.integrity.on_scatter(node, e, list(wb))
         elif t is ev.RoomConcluded and node in self._decode_nodes:
-            self.concluded.setdefault(e.room, {})[node] = e.status
             room = self.rooms.get(e.room)
-            if room is not None:
-                total = pages_for_tokens(room["input_len"] - room["decode_prefix_len"],
-                                         self.cfg.page_size)
-                self.integrity.on_concluded(node, e.room, e.status, total)
+            if room is None:
+                return  # never introduced, or already counted
+            st = self.concluded.setdefault(e.room, {})
+            st[node] = e.status
+            self.integrity.on_concluded(node, e.room, e.status, room[1])
+            if len(st) >= room[0]:
+                if all(s == "Success" for s in st.values()):
+                    self.completed += 1
+                else:
+                    self.failed += 1
+                del self.rooms[e.room], self.concluded[e.room]
         elif t is ev.RankCrashed:
             self.crashed[node] = e.reason
 
     def _result(self) -> ReplayResult:
         corruption = [str(v) for v in self.integrity.violations]
-        status, completed, failed, unfinished = verdict(self.rooms, self.concluded, corruption,
-                                                        self.trace.outcome)
+        unfinished = set(self.rooms)
+        status = _status(len(unfinished), corruption, self.trace.outcome)
         diagnosis = diagnose(self.ranks, self.crashed, unfinished) if unfinished else []
-        return ReplayResult(self.inputs, self.divergence, status, completed, failed, diagnosis,
-                            corruption, self.trace.outcome)
+        return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
+                            diagnosis, corruption, self.trace.outcome)
+
+
+def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | None) -> str:
+    """The replay's status: rooms left unfinished are a wedge when the recording ended in one,
+    otherwise the replay stopped where the recording stopped."""
+    rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
+    wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
+    return decide(corrupted=bool(corruption), wedged=wedged, unfinished=unfinished,
+                  stopped=rec).value
 
 
 def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str]],
             corruption: list[str], recorded: dict[str, Any] | None
             ) -> tuple[str, int, int, set[int]]:
-    """``(status, completed, failed, unfinished rooms)`` of a replay.
+    """``(status, completed, failed, unfinished rooms)`` of a replay from every room's
+    ``RequestArrived`` record and its decode nodes' conclusions.
 
     A room is finished when every decode node of its ``RequestArrived`` record concluded it.
     Rooms left unfinished are a wedge when the recording ended in one, otherwise the replay
@@ -220,11 +242,7 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
             completed += 1
         else:
             failed += 1
-    rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
-    wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
-    status = decide(corrupted=bool(corruption), wedged=wedged, unfinished=len(unfinished),
-                    stopped=rec)
-    return status.value, completed, failed, unfinished
+    return _status(len(unfinished), corruption, recorded), completed, failed, unfinished
 
 
 def replay_sim(trace: TraceSource) -> ReplayResult:

@@ -492,6 +492,12 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | Non
         lines.append(f"{pad}{tmp} = _fast_msg({var})")
         lines.append(f"{pad}if {tmp} is None: return None")
         return tmp
+    if kind == "list" and spec[1][0] == "event" and spec[1][1] in _FAST_NESTED:
+        tmp = f"l{depth}"
+        lines.append(f"{pad}if type({var}) is not list: return None")
+        lines.append(f"{pad}{tmp} = tuple(map(_fast_{spec[1][1].__name__}, {var}))")
+        lines.append(f"{pad}if None in {tmp}: return None")
+        return tmp
     return None
 
 
@@ -510,11 +516,13 @@ def _make_fast(cls: type, extra: int = 0) -> Callable[[dict[str, Any]], Any] | N
     src = "def dec(d):\n" + "\n".join(lines) + "\n"
     scope: dict[str, Any] = {"_cls": cls, "_isfinite": math.isfinite, "_MISSING": object(),
                              "_KVPOLL": KVPoll.__members__, "_fast_msg": _fast_msg}
+    scope.update({f"_fast_{c.__name__}": fn for c, fn in _FAST_NESTED.items()})
     exec(compile(src, f"<trace decoder {cls.__name__}>", "exec"), scope)  # noqa: S102
     return scope["dec"]
 
 
 _FAST_MSG: dict[str, Callable[[dict[str, Any]], Any]] = {}
+_FAST_NESTED: dict[type, Callable[[Any], Any]] = {}
 
 
 def _fast_msg(x: Any) -> Any:
@@ -529,6 +537,16 @@ for _kind, _mcls in MESSAGE_KINDS.items():
     _dec = _make_fast(_mcls)
     if _dec is not None:
         _FAST_MSG[_kind] = _dec
+_dec = _make_fast(ev.Target)
+if _dec is not None:
+    _target_dec = _dec
+
+    def _fast_target(x: Any, _dec: Callable[[dict[str, Any]], Any] = _target_dec) -> Any:
+        if type(x) is not dict or x.get("type") != "Target":
+            return None
+        return _dec(x)
+
+    _FAST_NESTED[ev.Target] = _fast_target
 _FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = {}
 FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
 """Type name -> ``decode(line dict)``: the event of a whole parsed line (envelope keys ``seq``,

@@ -821,17 +821,19 @@ class TraceReader:
         name = self.name
         match = _ENV_RE.match
         keys: dict[bytes, tuple[str, str, str, int, bool]] = {}
-        counts: dict[tuple[str, str, str], int] = {}
+        by_key: dict[bytes, int] = {}  # fast-path lines by their node/dir/type text
+        counts: dict[tuple[str, str, str], int] = {}  # strict-path lines
         select = self.select
         last_t, last_tb = self._first_t, b""
         lineno = last_ok = self._first_seq + 1
         strict = self._strict
+        done = False  # the Outcome was read
         try:
             for raw, ended in self._it:
                 lineno += 1
                 m = match(raw)
-                if m is None or not ended:
-                    if self.outcome is not None:
+                if m is None or not ended or done:
+                    if done:
                         if not ended and not raw.strip():
                             break
                         raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
@@ -843,6 +845,7 @@ class TraceReader:
                     last_t, last_tb, last_ok = rec.t, b"", lineno
                     k = (rec.node, rec.dir, rec.type)
                     counts[k] = counts.get(k, 0) + 1
+                    done = self.outcome is not None
                     if select is None or rec.dir == "sys" or rec.type in select:
                         yield rec
                     continue
@@ -860,24 +863,30 @@ class TraceReader:
                     if self.first_t is None:
                         self.first_t = t
                     last_t, last_tb = t, t_b
-                info = keys.get(key)
-                if info is None:
-                    info = keys[key] = self._envelope_key(key, lineno)
-                node, direction, rtype, body_from_key, wanted = info
-                counts[info[:3]] = counts.get(info[:3], 0) + 1  # type: ignore[index]
-                if direction == "sys" or self.outcome is not None:
-                    if self.outcome is not None:
-                        raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
+                try:
+                    by_key[key] += 1
+                    node, direction, rtype, body_from_key, wanted = keys[key]
+                except KeyError:
+                    keys[key] = self._envelope_key(key, lineno)
+                    by_key[key] = 1
+                    node, direction, rtype, body_from_key, wanted = keys[key]
+                last_ok = lineno
+                if direction == "sys":
+                    by_key[key] -= 1  # counted by the strict path
                     rec = strict(raw, ended, lineno, last_t)
                     assert rec is not None
-                    last_ok = lineno
+                    counts[(node, direction, rec.type)] = counts.get(
+                        (node, direction, rec.type), 0) + 1
+                    done = self.outcome is not None
                     yield rec
-                    continue
-                last_ok = lineno
-                if wanted:
+                elif wanted:
                     yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno,
                                  raw, m.start(3) + body_from_key, self)
         finally:
+            for key, n in by_key.items():
+                if n:
+                    k = keys[key][:3]
+                    counts[k] = counts.get(k, 0) + n  # type: ignore[index]
             self.counts.update(counts)
             self.last_t = last_t if self.first_t is not None else None
         self._finish(last_ok)
