@@ -37,7 +37,13 @@ EXPECTED_OPTIONS = {
                "--fault", "--seed", "--until", "--max-concurrency", "--trace-out",
                "--metrics-out", "--plot", "--json", "--prefill-args", "--decode-args", "--env"],
     ("scenarios",): ["--check", "--json"],
-    ("config",): ["--prefill-args", "--decode-args", "--env"],
+    ("config",): ["show"],
+    ("config", "show"): ["--config", "--scenario", "--workload", "--prefill-args",
+                         "--decode-args", "--env"],
+    ("hw",): ["--config", "--scenario", "--scenario-defects", "--workload", "--first-n",
+              "--slowdown", "--defect", "--fault", "--seed", "--until", "--max-concurrency",
+              "--trace-out", "--json", "--prefill-args", "--decode-args", "--env",
+              "--kv-pool-pages", "--log-dir", "--device"],
     ("defects",): ["--json"],
     ("walkthrough",): ["--help"],
     ("trace",): ["summary", "room", "diff"],
@@ -168,7 +174,7 @@ def test_sim_writes_metrics_and_plots(tmp_path: Path) -> None:
 
 
 def test_config_round_trip(tmp_path: Path) -> None:
-    r = invoke("config", "--prefill-args", "--tp-size 4 --dp-size 4 --enable-dp-attention "
+    r = invoke("config", "show", "--prefill-args", "--tp-size 4 --dp-size 4 --enable-dp-attention "
                "--chunked-prefill-size 256 --page-size 16", "--decode-args", "--tp-size 8",
                "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64",
                "--env", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT=120")

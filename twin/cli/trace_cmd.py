@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from twin.cli.common import BadInput
+from twin.cli.common import BadInput, writing
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
@@ -113,7 +113,7 @@ def perfetto_command(trace_path: str, out_path: str, fmt: str | None, t_from: fl
 
     if t_from is not None and t_to is not None and t_to < t_from:
         raise BadInput(f"--to {t_to:g} is before --from {t_from:g}")
-    with _streaming() as open_reader:
+    with writing("--out", out_path), _streaming() as open_reader:
         write_perfetto(open_reader(trace_path), out_path, fmt=fmt, t_from=t_from, t_to=t_to,
                        room=room)
     click.echo(f"wrote {out_path} (open it in ui.perfetto.dev)")
@@ -127,12 +127,12 @@ COMMANDS = [trace_group, perfetto_command]
 @click.option("--mode", type=click.Choice(["sim", "hw"]), default="sim", show_default=True,
               help="sim: fresh cores fed the recorded inputs at the recorded times; "
                    "hw: real rank processes, NIXL and kernels.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def replay_command(trace_path: str, mode: str, as_json: bool) -> None:
     """Replay a trace and check that it reaches the same outcome.
 
     Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
-    4 corruption (reproduced).
+    4 corruption, 5 failed requests (reproduced).
     """
     if mode == "hw":
         from twin.hw.replay import replay_hw

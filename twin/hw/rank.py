@@ -481,6 +481,9 @@ class RankProcess:
 
 def rank_main(spec: RankSpec) -> None:
     """Process entry point (spawned by the launcher)."""
+    from twin.hw.lifeline import rank_setup
+
+    rank_setup(spec.node)  # die with the coordinator; stderr to the rank's log
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     proc = None

@@ -209,20 +209,21 @@ class Replayer:
     def _result(self) -> ReplayResult:
         corruption = [str(v) for v in self.integrity.violations]
         unfinished = set(self.rooms)
-        status = _status(len(unfinished), corruption, self.trace.outcome)
+        status = _status(len(unfinished), corruption, self.trace.outcome, self.failed)
         snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
         diagnosis = diagnose(snapshots, self.crashed, unfinished).lines() if unfinished else []
         return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
                             diagnosis, corruption, self.trace.outcome, version=self.version)
 
 
-def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | None) -> str:
+def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | None,
+            failed: int) -> str:
     """The replay's status: rooms left unfinished are a wedge when the recording ended in one,
     otherwise the replay stopped where the recording stopped."""
     rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
     wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
     return decide(corrupted=bool(corruption), wedged=wedged, unfinished=unfinished,
-                  stopped=rec).value
+                  failed=failed, stopped=rec).value
 
 
 def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str]],
@@ -245,7 +246,7 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
             completed += 1
         else:
             failed += 1
-    return _status(len(unfinished), corruption, recorded), completed, failed, unfinished
+    return _status(len(unfinished), corruption, recorded, failed), completed, failed, unfinished
 
 
 def replay_sim(trace: TraceSource) -> ReplayResult:

@@ -7,6 +7,8 @@ GQA model. Override any field in the config's ``[sim]`` table; ``docs/simulator.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +48,21 @@ class SimParams:
     wedge_window_s: float = 20.0
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<config>") -> SimParams:
+    def from_dict(cls, data: dict[str, Any], source: str = "<config>",
+                  base: SimParams | None = None) -> SimParams:
+        """Parameters from a ``[sim]`` table; with ``base``, only the named fields change.
+
+        Every value is finite and non-negative; bandwidths, the poll cadence and the wedge
+        window are positive (a zero there divides by zero or never advances time).
+        """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key not in fields:
-                raise ConfigError(f"{source}: field 'sim.{key}': unknown; known: "
-                                  f"{', '.join(sorted(fields))}")
+                close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+                hint = f"; did you mean 'sim.{close[0]}'?" if close else ""
+                raise ConfigError(f"{source}: field 'sim.{key}': unknown{hint} (known: "
+                                  f"{', '.join(sorted(fields))})")
             want = fields[key].type
             if want == "bool":
                 ok = isinstance(value, bool)
@@ -60,14 +70,20 @@ class SimParams:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             else:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (not isinstance(value, bool) and value < 0):
-                raise ConfigError(f"{source}: field 'sim.{key}': expected a non-negative "
-                                  f"{want}, got {value!r}")
+            if not ok or (not isinstance(value, bool) and not (math.isfinite(value)
+                                                               and value >= 0)):
+                raise ConfigError(f"{source}: field 'sim.{key}': expected a finite, "
+                                  f"non-negative {want}, got {value!r}")
+            if key in POSITIVE and value <= 0:
+                raise ConfigError(f"{source}: field 'sim.{key}': must be positive, got "
+                                  f"{value!r}")
             kwargs[key] = value
-        params = cls(**kwargs)
-        if params.ranks_per_nic < 1:
-            raise ConfigError(f"{source}: field 'sim.ranks_per_nic': must be at least 1")
-        return params
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+#: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
+POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",
+                      "ranks_per_nic", "decode_poll_interval_s", "wedge_window_s"})

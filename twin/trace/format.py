@@ -93,7 +93,7 @@ DRIVER = "driver"
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
-OUTCOME_STATUSES = ("completed", "wedged", "corrupted", "interrupted", "crashed")
+OUTCOME_STATUSES = ("completed", "failed", "wedged", "corrupted", "interrupted", "crashed")
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 SYS_TYPES: dict[str, dict[str, str]] = {
