@@ -55,6 +55,10 @@ def _hw_faults(specs) -> None:  # type: ignore[no-untyped-def]
               help="GPUs of the prefill ranks, e.g. 0,1,2,3.")
 @click.option("--decode-gpus", default=None, metavar="LIST",
               help="GPUs of the decode ranks, e.g. 4,5.")
+@click.option("--kernels", type=click.Choice(["auto", "torch", "triton"]), default="auto",
+              envvar="TWIN_KERNELS", show_default=True,
+              help="Gather/scatter backend; auto: Triton on CUDA when installed, else torch "
+                   "(also read from TWIN_KERNELS).")
 @click.option("--kv-pool-pages", type=POSITIVE_INT, default=None, metavar="N",
               help="KV pool pages per rank. Default: enough for --max-concurrency of the "
                    "workload's longest requests. A pool smaller than one request is rejected "
@@ -69,8 +73,8 @@ def _hw_faults(specs) -> None:  # type: ignore[no-untyped-def]
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
 def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, env_items,
                scenario_defects, first_n, slowdown, defects, faults, seed, until,
-               max_concurrency, device, prefill_gpus, decode_gpus, kv_pool_pages, timeout_s,
-               trace_out, log_dir, as_json) -> None:
+               max_concurrency, device, prefill_gpus, decode_gpus, kernels, kv_pool_pages,
+               timeout_s, trace_out, log_dir, as_json) -> None:
     """Run a workload on real rank processes and verify every byte.
 
     One process per prefill and decode rank, pyzmq with SGLang's frames, NIXL WRITEs into the
@@ -92,7 +96,8 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
                       max_concurrency=max_concurrency, fault_check=_hw_faults)
     options = HwOptions(device=device, prefill_gpus=_gpus(prefill_gpus, "--prefill-gpus"),
                         decode_gpus=_gpus(decode_gpus, "--decode-gpus"), timeout_s=timeout_s,
-                        until_s=until, log_dir=log_dir)
+                        until_s=until, log_dir=log_dir,
+                        kernels="" if kernels == "auto" else kernels)
     concurrency = run.max_concurrency or options.max_concurrency
     run.max_concurrency = concurrency
     if device == "cuda":
@@ -140,7 +145,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
 
         click.echo(f"status      {s['status']}")
         wrong = s["corrupted_requests"]
-        check = (f"{wrong} with wrong bytes" if wrong else "every byte verified")
+        check = (f"{wrong} with wrong bytes" if wrong else f"{s['verified']} byte-verified")
         click.echo(f"requests    {s['requests']}: {s['completed']} completed ({check}), "
                    f"{s['failed']} failed, {s['unfinished']} unfinished")
         click.echo(f"ran         {s['sim_seconds']:.2f} s, {s['events']} core events")

@@ -66,6 +66,7 @@ class HwResult:
     events: int
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    verified: int = 0  # completed requests whose every decode rank checked every byte
     stopped: RunStatus = RunStatus.INTERRUPTED
     corrupted_rooms: list[int] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
@@ -105,6 +106,7 @@ class HwResult:
             "corruption": self.corruption[:50], "sim_seconds": round(self.run_seconds, 6),
             "wall_seconds": round(self.wall_seconds, 3), "events": self.events,
             "latency": lat, "errors": self.errors, "notes": self.notes,
+            "verified": self.verified,
             "corrupted_requests": len(self.corrupted_rooms), "failures": self._failures(),
             "fault_report": self.faults, "log_dir": self.log_dir,
         }
@@ -139,6 +141,7 @@ class HwRun:
         self._n = 0
         self.last_progress = 0.0
         self.corruption: list[str] = []
+        self.verified: dict[int, set[str]] = {}  # room -> decode nodes whose byte check passed
         self.corrupted_rooms: set[int] = set()
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
@@ -186,6 +189,8 @@ class HwRun:
             if r.get("mismatch"):
                 self.corrupted_rooms.add(r["room"])
                 self.corruption.append(f"{r['node']} room {r['room']}: {r['mismatch']}")
+            elif "mismatch" in r:
+                self.verified.setdefault(r["room"], set()).add(r["node"])
             group = len(self.topo.decode_groups[req.decode_group].nodes)
             status = req.note_concluded(r["node"], r["status"], r.get("reason", ""), group)
             if status is not None:
@@ -379,8 +384,12 @@ class HwRun:
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {self.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
+        verified = sum(
+            r.status == "Success" and self.verified.get(r.room, set()) >= set(r.decode_status)
+            for r in self.reqs.values())
         rooms = sorted(self.corrupted_rooms)
         return HwResult(
+            verified=verified,
             requests=len(self.workload.requests), done=[r for r in self.reqs.values()
                                                         if r.finished],
             unfinished=unfinished, wedged=wedged, diagnosis=diagnosis,
