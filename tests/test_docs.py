@@ -84,7 +84,8 @@ def test_readme_commands(tmp_path: Path) -> None:
         code, output = run(argv, tmp_path)
         assert code == want, (line, code, output[-2000:])
         assert "Traceback" not in output, line
-    assert (tmp_path / "stall.json").stat().st_size > 0
+    written = [a[a.index("-o") + 1] for a, _, _ in README if a[:1] == ["perfetto"]]
+    assert written and all((tmp_path / w).stat().st_size > 0 for w in written)
     assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"latency.png", "ring.png"}
 
 
