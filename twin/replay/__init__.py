@@ -118,6 +118,8 @@ class Replayer:
         self.divergence: Divergence | None = None
         self.inputs = 0
         self._decode_nodes = {nid for nid, n in self.topo.nodes.items() if n.role == "decode"}
+        self._observers = frozenset({ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
+                                     ev.RankCrashed})
 
     def _sys(self, rec: Record) -> None:
         if rec.type == "RequestArrived":
@@ -181,8 +183,10 @@ class Replayer:
                     line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
                     got[i] if i < len(got) else "(no further effect)")
                 return False
+        observers = self._observers
         for e in effects:
-            self._observe(rec.node, e)
+            if type(e) in observers:
+                self._observe(rec.node, e)
         return True
 
     def _observe(self, node: str, e: ev.Effect) -> None:
