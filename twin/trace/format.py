@@ -282,14 +282,17 @@ class TraceWriter:
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
 
     The header is validated and written at once. Lines are encoded straight from the event
-    objects (``twin.trace.codec.LINE_TEXT``) into a buffer that becomes one *block* every
-    ``flush_every`` lines (after an input's effects, so an input and its effects share a
-    block) and on ``flush``/``close``. Blocks are compressed and written by a background
-    thread, each flushed to the file as it is written: a killed process leaves a readable trace
-    that ends at most a few blocks early (a partial last line or block is tolerated by the
-    reader). Used as a context manager, an exception inside the block writes an ``Outcome``
-    with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is re-raised.
-    Times must be finite and non-decreasing; nodes must be declared in the header.
+    objects (one generated emitter per class, ``twin.trace.codec.line_emitters``) into a
+    buffer that becomes one *block* every ``flush_every`` lines (after an input's effects, so
+    an input and its effects share a block; ``2 * flush_every`` lines at most) and on
+    ``flush``/``close``. Each block is compressed (zstd level 1 or gzip level 3 unless
+    ``level`` says otherwise) and written, and the file flushed: a killed process leaves a
+    readable trace that ends at most a block early (a partial last line or block is tolerated
+    by the reader). ``threaded=True`` compresses and writes in a background thread instead,
+    which only pays when the caller leaves the GIL free. ``index=False`` writes no index (and
+    removes a stale one). Used as a context manager, an exception inside the block writes an
+    ``Outcome`` with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is
+    re-raised. Times must be finite and non-decreasing; nodes must be declared in the header.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any], *,
