@@ -254,6 +254,37 @@ def test_perfetto(traces: dict[str, Path], tmp_path: Path) -> None:
     assert len(events) > 50
 
 
+def test_perfetto_protobuf_and_windows(traces: dict[str, Path], tmp_path: Path) -> None:
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    out = tmp_path / "w.pftrace"
+    r = invoke("perfetto", str(traces["wedge"]), "-o", str(out))
+    assert r.exit_code == 0 and str(out) in r.output
+    trace = pb.Trace()
+    trace.ParseFromString(out.read_bytes())
+    assert any(p.track_event.type == p.track_event.TYPE_SLICE_BEGIN for p in trace.packet)
+    forced = tmp_path / "w.bin"
+    r = invoke("perfetto", str(traces["wedge"]), "-o", str(forced), "--format", "json")
+    assert r.exit_code == 0 and json.loads(forced.read_text())["traceEvents"]
+    assert invoke("perfetto", str(traces["clean"]), "-o", str(tmp_path / "a.json")).exit_code == 0
+    full = json.loads((tmp_path / "a.json").read_text())["traceEvents"]
+    r = invoke("perfetto", str(traces["clean"]), "-o", str(tmp_path / "r.json"), "--room", "2")
+    assert r.exit_code == 0
+    room = json.loads((tmp_path / "r.json").read_text())["traceEvents"]
+    rooms = {e["args"].get("room") for e in room if e["ph"] == "X" and "room" in e["args"]}
+    assert rooms == {2} and len(room) < len(full)
+    r = invoke("perfetto", str(traces["clean"]), "-o", str(tmp_path / "x.json"), "--from", "0.5",
+               "--to", "0.1")
+    assert r.exit_code == 2 and "--to" in r.stderr
+
+
+def test_trace_files_have_an_index(traces: dict[str, Path]) -> None:
+    for path in traces.values():
+        assert Path(f"{path}.idx").exists()
+    r = invoke("trace", "room", str(traces["clean"]), "1")
+    assert r.exit_code == 0 and "RoomConcluded" in r.output
+
+
 def test_replay_reaches_the_same_outcome(traces: dict[str, Path]) -> None:
     r = invoke("replay", str(traces["wedge"]))
     assert r.exit_code == 3, r.output

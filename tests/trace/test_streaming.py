@@ -365,3 +365,24 @@ def test_production_trace_records_and_streams(tmp_path: Path) -> None:
     assert "300/300 completed" in text
     with iter_trace(path, lazy=True) as reader:
         assert sum(1 for _ in reader) > 10 * 300
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_threaded_writer_writes_the_same_trace(tmp_path: Path, name: str) -> None:
+    import twin.trace.format as fmt
+
+    plain = tmp_path / name
+    record_core_run(plain)
+    original = fmt.TraceWriter.__init__
+
+    def threaded(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **{**kwargs, "threaded": True})
+
+    threaded_path = tmp_path / ("t-" + name)
+    fmt.TraceWriter.__init__ = threaded  # type: ignore[method-assign]
+    try:
+        record_core_run(threaded_path)
+    finally:
+        fmt.TraceWriter.__init__ = original  # type: ignore[method-assign]
+    assert threaded_path.read_bytes() == plain.read_bytes()
+    assert index_path(threaded_path).read_bytes() == index_path(plain).read_bytes()

@@ -23,6 +23,7 @@ After changing an event class, run ``python -m twin.trace.format schema`` (regen
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -281,14 +282,17 @@ class TraceWriter:
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
 
     The header is validated and written at once. Lines are encoded straight from the event
-    objects (``twin.trace.codec.LINE_TEXT``) into a buffer that becomes one *block* every
-    ``flush_every`` lines (after an input's effects, so an input and its effects share a
-    block) and on ``flush``/``close``. Blocks are compressed and written by a background
-    thread, each flushed to the file as it is written: a killed process leaves a readable trace
-    that ends at most a few blocks early (a partial last line or block is tolerated by the
-    reader). Used as a context manager, an exception inside the block writes an ``Outcome``
-    with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is re-raised.
-    Times must be finite and non-decreasing; nodes must be declared in the header.
+    objects (one generated emitter per class, ``twin.trace.codec.line_emitters``) into a
+    buffer that becomes one *block* every ``flush_every`` lines (after an input's effects, so
+    an input and its effects share a block; ``2 * flush_every`` lines at most) and on
+    ``flush``/``close``. Each block is compressed (zstd level 1 or gzip level 3 unless
+    ``level`` says otherwise) and written, and the file flushed: a killed process leaves a
+    readable trace that ends at most a block early (a partial last line or block is tolerated
+    by the reader). ``threaded=True`` compresses and writes in a background thread instead,
+    which only pays when the caller leaves the GIL free. ``index=False`` writes no index (and
+    removes a stale one). Used as a context manager, an exception inside the block writes an
+    ``Outcome`` with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is
+    re-raised. Times must be finite and non-decreasing; nodes must be declared in the header.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any], *,
@@ -634,18 +638,32 @@ class Trace:
         return iter(self.events)
 
 
-def _lines(source: BlockSource) -> Iterator[tuple[bytes, bool]]:
-    """``(line, ended)`` pairs; ``ended`` is False for a last line without a newline."""
+def _batches(source: BlockSource) -> Iterator[tuple[list[bytes], bool]]:
+    """The lines of ``source`` in batches (one per decompressed chunk): ``(lines, True)``, and
+    at the end ``([last], False)`` for a last line without a newline."""
     rest = b""
     for chunk in source:
         parts = chunk.split(b"\n")
         if rest:
             parts[0] = rest + parts[0]
         rest = parts.pop()
-        for p in parts:
-            yield p, True
+        if parts:
+            yield parts, True
     if rest:
-        yield rest, False
+        yield [rest], False
+
+
+def _lines(source: BlockSource) -> Iterator[tuple[bytes, bool]]:
+    """``(line, ended)`` pairs; ``ended`` is False for a last line without a newline."""
+    for lines, ended in _batches(source):
+        for line in lines:
+            yield line, ended
+
+
+def _unbatch(batches: Iterator[tuple[list[bytes], bool]]) -> Iterator[tuple[bytes, bool]]:
+    for lines, ended in batches:
+        for line in lines:
+            yield line, ended
 
 
 _ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),'
@@ -690,10 +708,15 @@ class TraceReader:
         self._span = span
         try:
             self._source = BlockSource(self.path)
-            self._it = _lines(self._source)
-            first = next(self._it, None)
+            self._gen = self._it = _batches(self._source)
+            batch = next(self._it, None)
         except FileNotFoundError:
             raise TraceError(self.name, "no such file") from None
+        first = None
+        if batch is not None:
+            first = (batch[0][0], batch[1])
+            if len(batch[0]) > 1:
+                self._it = itertools.chain([(batch[0][1:], batch[1])], self._it)
         where = f"{self.name}:1"
         if first is None or not first[0].strip():
             raise TraceError(where, "not a staging-twin trace (empty file)")
@@ -709,11 +732,11 @@ class TraceReader:
         self._first_seq = 0
         self._first_t = 0.0
         if span is not None:
-            self._it.close()
+            self._gen.close()
             first_blk, last_blk = span
             self._source = BlockSource(self.path, start=first_blk.off,
                                        end=None if last_blk is None else last_blk.end)
-            self._it = _lines(self._source)
+            self._gen = self._it = _batches(self._source)
             self._first_seq, self._first_t = first_blk.seq, first_blk.t0
 
     def __iter__(self) -> Iterator[Record]:
@@ -726,7 +749,7 @@ class TraceReader:
     def _records(self) -> Iterator[Record]:
         lineno = last_ok = self._first_seq + 1
         last_t = self._first_t
-        for raw, ended in self._it:
+        for raw, ended in _unbatch(self._it):
             lineno += 1
             if self.outcome is not None:
                 if not ended and not raw.strip():
@@ -829,59 +852,60 @@ class TraceReader:
         strict = self._strict
         done = False  # the Outcome was read
         try:
-            for raw, ended in self._it:
-                lineno += 1
-                m = match(raw)
-                if m is None or not ended or done:
-                    if done:
-                        if not ended and not raw.strip():
+            for lines, ended in self._it:
+                for raw in lines:
+                    lineno += 1
+                    m = match(raw)
+                    if m is None or not ended or done:
+                        if done:
+                            if not ended and not raw.strip():
+                                break
+                            raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
+                        rec = strict(raw, ended, lineno, last_t)
+                        if rec is None:
                             break
-                        raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
-                    rec = strict(raw, ended, lineno, last_t)
-                    if rec is None:
-                        break
-                    if self.first_t is None:
-                        self.first_t = rec.t
-                    last_t, last_tb, last_ok = rec.t, b"", lineno
-                    k = (rec.node, rec.dir, rec.type)
-                    counts[k] = counts.get(k, 0) + 1
-                    done = self.outcome is not None
-                    if select is None or rec.dir == "sys" or rec.type in select:
+                        if self.first_t is None:
+                            self.first_t = rec.t
+                        last_t, last_tb, last_ok = rec.t, b"", lineno
+                        k = (rec.node, rec.dir, rec.type)
+                        counts[k] = counts.get(k, 0) + 1
+                        done = self.outcome is not None
+                        if select is None or rec.dir == "sys" or rec.type in select:
+                            yield rec
+                        continue
+                    seq_b, t_b, key = m.groups()
+                    if int(seq_b) != lineno - 2:
+                        raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
+                                         f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
+                                         "gaps)", "seq")
+                    if t_b != last_tb:
+                        t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
+                        if not t >= last_t or not math.isfinite(t):
+                            raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
+                                             f"{last_t!r})" if t < last_t else
+                                             f"expected a finite number, got {t_b.decode()}", "t")
+                        if self.first_t is None:
+                            self.first_t = t
+                        last_t, last_tb = t, t_b
+                    try:
+                        by_key[key] += 1
+                        node, direction, rtype, body_from_key, wanted = keys[key]
+                    except KeyError:
+                        keys[key] = self._envelope_key(key, lineno)
+                        by_key[key] = 1
+                        node, direction, rtype, body_from_key, wanted = keys[key]
+                    last_ok = lineno
+                    if direction == "sys":
+                        by_key[key] -= 1  # counted by the strict path
+                        rec = strict(raw, ended, lineno, last_t)
+                        assert rec is not None
+                        counts[(node, direction, rec.type)] = counts.get(
+                            (node, direction, rec.type), 0) + 1
+                        done = self.outcome is not None
                         yield rec
-                    continue
-                seq_b, t_b, key = m.groups()
-                if int(seq_b) != lineno - 2:
-                    raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
-                                     f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
-                                     "gaps)", "seq")
-                if t_b != last_tb:
-                    t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
-                    if not t >= last_t or not math.isfinite(t):
-                        raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
-                                         f"{last_t!r})" if t < last_t else
-                                         f"expected a finite number, got {t_b.decode()}", "t")
-                    if self.first_t is None:
-                        self.first_t = t
-                    last_t, last_tb = t, t_b
-                try:
-                    by_key[key] += 1
-                    node, direction, rtype, body_from_key, wanted = keys[key]
-                except KeyError:
-                    keys[key] = self._envelope_key(key, lineno)
-                    by_key[key] = 1
-                    node, direction, rtype, body_from_key, wanted = keys[key]
-                last_ok = lineno
-                if direction == "sys":
-                    by_key[key] -= 1  # counted by the strict path
-                    rec = strict(raw, ended, lineno, last_t)
-                    assert rec is not None
-                    counts[(node, direction, rec.type)] = counts.get(
-                        (node, direction, rec.type), 0) + 1
-                    done = self.outcome is not None
-                    yield rec
-                elif wanted:
-                    yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno,
-                                 raw, m.start(3) + body_from_key, self)
+                    elif wanted:
+                        yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno,
+                                     raw, m.start(3) + body_from_key, self)
         finally:
             for key, n in by_key.items():
                 if n:
@@ -917,9 +941,7 @@ class TraceReader:
 
     def close(self) -> None:
         """Release the file (iteration does this at its end)."""
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
+        self._gen.close()
 
     def __enter__(self) -> TraceReader:
         return self
