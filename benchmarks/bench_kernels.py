@@ -14,6 +14,7 @@ MiB run from cache while the kernels still read a pool four times the chunk.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, int, float, float]]:
     """Return rows ``(label, bytes, kernel GB/s, copy GB/s)``."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    backend: KernelBackend = get_kernels(device)
+    backend: KernelBackend = get_kernels(device, args.kernels)
     page_size, heads, head_dim = args.page_size, args.heads, args.head_dim
     num_pages = -(-args.tokens // page_size)
     num_tokens = num_pages * page_size
@@ -131,17 +132,25 @@ def main() -> None:
         action="store_false",
         help="skip the cache flush before each timed call (the copy baseline then runs in cache)",
     )
+    parser.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
 
-    backend = get_kernels(args.device).name
+    backend = get_kernels(args.device, args.kernels).name
     print(
         f"backend={backend} device={args.device} layers={args.layers} heads={args.heads} "
         f"head_dim={args.head_dim} dtype={args.dtype} tokens={args.tokens} "
         f"page_size={args.page_size} repeat={args.repeat} caches={'cold' if args.cold else 'warm'}"
     )
     print(f"{'op':<20}{'MiB':>8}{'kernel GB/s':>13}{'copy GB/s':>11}{'ratio':>8}")
-    for label, nbytes, gbps, copy in run(args):
+    rows = run(args)
+    for label, nbytes, gbps, copy in rows:
         print(f"{label:<20}{nbytes / 2**20:>8.1f}{gbps:>13.2f}{copy:>11.2f}{gbps / copy:>8.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "backend": backend, "device": args.device,
+            "rows": [{"op": label, "bytes": nbytes, "kernel_gbps": gbps, "copy_gbps": copy,
+                      "ratio": gbps / copy} for label, nbytes, gbps, copy in rows]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ writer's head slice of every layer's K and V from scattered KV pages into its st
 (torch kernel), then one NIXL WRITE into the decode ring, polled until DONE. The baseline is
 ``measure_raw_write`` (bench_transfer.py): the same number of bytes, already contiguous, written
 between two processes in the same run. The decode-side scatter is timed separately, in process,
-against a plain copy of the same bytes.
+against a plain copy of the same bytes; on CUDA both are timed with CUDA events around the
+kernels (after a synchronize), so the numbers are kernel time, not launch time.
 
-Run: ``python benchmarks/bench_staged.py [--sizes-mib 4 16 64] [--repeat 10] [--device cpu]``.
+Run: ``python benchmarks/bench_staged.py [--sizes-mib 4 16 64] [--repeat 10] [--device cpu]
+[--kernels auto|torch|triton] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -27,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from bench_transfer import _bench_target, measure_raw_write
+from bench_transfer import _bench_target, _settle, measure_raw_write
 
 from twin.hw.control import BootstrapInfo, ControlSocket, exchange_bootstrap
 from twin.hw.kernels import get_kernels
@@ -49,17 +51,34 @@ def _pool(tokens: int, device: torch.device) -> tuple[KVPool, list[int]]:
     return pool, chosen
 
 
+def _timed(fn: Callable[[], object], dev: torch.device) -> float:
+    """Seconds ``fn`` takes on ``dev``: CUDA events around it after a synchronize, else a clock."""
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(dev)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def measure_staged(sizes: Sequence[int], repeat: int, device: str = "cpu",
-                   warmup: int = 2) -> dict[int, dict[str, float]]:
+                   warmup: int = 2, kernels_name: str | None = None
+                   ) -> dict[int, dict[str, float]]:
     """Gather + WRITE + wait per chunk of each size; seconds and GB/s (median)."""
     dev = torch.device(device)
-    kernels = get_kernels(dev)
+    kernels = get_kernels(dev, kernels_name)
     max_bytes = max(sizes)
     tag = f"staged-{os.getpid()}-{time.monotonic_ns()}"
     ctx = mp.get_context("spawn")
     out: dict[int, dict[str, float]] = {}
     with ControlSocket() as cs, NixlEndpoint(f"{tag}-init") as ep:
         staging = torch.zeros(max_bytes, dtype=torch.uint8, device=dev)
+        _settle(staging)
         ep.register(staging)
         proc = ctx.Process(target=_bench_target,
                            args=(cs.endpoint, f"{tag}-ring", True, device, max_bytes),
@@ -73,6 +92,7 @@ def measure_staged(sizes: Sequence[int], repeat: int, device: str = "cpu",
             ep.connect(peer)
             for n in sizes:
                 pool, pages = _pool(n // BYTES_PER_TOKEN, dev)
+                _settle(staging)
                 samples = []
                 for k in range(warmup + repeat):
                     t0 = time.perf_counter()
@@ -96,27 +116,33 @@ def measure_staged(sizes: Sequence[int], repeat: int, device: str = "cpu",
     return out
 
 
-def measure_scatter(sizes: Sequence[int], repeat: int, device: str = "cpu"
+def measure_scatter(sizes: Sequence[int], repeat: int, device: str = "cpu",
+                    kernels_name: str | None = None, warmup: int = 2
                     ) -> dict[int, dict[str, float]]:
     """Decode-side scatter of a ring region into KV pages vs a plain copy of the bytes."""
     dev = torch.device(device)
-    kernels = get_kernels(dev)
+    kernels = get_kernels(dev, kernels_name)
     out: dict[int, dict[str, float]] = {}
     for n in sizes:
         pool, pages = _pool(n // BYTES_PER_TOKEN, dev)
         region = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(region)
-        scatter, copy = [], []
-        for _ in range(repeat + 1):
-            t0 = time.perf_counter()
+
+        def scatter_once(region: torch.Tensor = region, pool: KVPool = pool,
+                         pages: list[int] = pages) -> None:
             kernels.scatter_from_staging(region, pool.k, pool.v, pages, PAGE, 1, 1, 0, HEADS)
-            t1 = time.perf_counter()
+
+        def copy_once(region: torch.Tensor = region, dst: torch.Tensor = dst) -> None:
             dst.copy_(region)
-            t2 = time.perf_counter()
-            scatter.append(t1 - t0)
-            copy.append(t2 - t1)
-        out[n] = {"scatter_gbps": n / statistics.median(scatter[1:]) / 1e9,
-                  "copy_gbps": n / statistics.median(copy[1:]) / 1e9}
+
+        scatter, copy = [], []
+        for k in range(warmup + repeat):
+            s, c = _timed(scatter_once, dev), _timed(copy_once, dev)
+            if k >= warmup:
+                scatter.append(s)
+                copy.append(c)
+        out[n] = {"scatter_gbps": n / statistics.median(scatter) / 1e9,
+                  "copy_gbps": n / statistics.median(copy) / 1e9}
     return out
 
 
@@ -125,14 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     sizes = [m * MIB for m in args.sizes_mib]
     raw = measure_raw_write(sizes, args.repeat, device=args.device)
-    staged = measure_staged(sizes, args.repeat, args.device)
-    scat = measure_scatter(sizes, args.repeat, args.device)
+    staged = measure_staged(sizes, args.repeat, args.device, kernels_name=args.kernels)
+    scat = measure_scatter(sizes, args.repeat, args.device, kernels_name=args.kernels)
     print(f"{'MiB':>5} | {'raw WRITE GB/s':>14} | {'staged GB/s':>11} | {'ratio':>5} | "
           f"{'scatter GB/s':>12} | {'copy GB/s':>9} | {'ratio':>5}")
     rows = []
@@ -143,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{n // MIB:5d} | {r:14.2f} | {s:11.2f} | {s / r:5.2f} | "
               f"{c['scatter_gbps']:12.2f} | {c['copy_gbps']:9.2f} | "
               f"{c['scatter_gbps'] / c['copy_gbps']:5.2f}")
+    print(f"kernels: {get_kernels(args.device, args.kernels).name}")
     print("targets: staged/raw >= 0.8 for 4 MiB and up; scatter/copy >= 0.5 on CPU")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

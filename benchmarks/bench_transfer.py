@@ -5,7 +5,12 @@ Run: ``python benchmarks/bench_transfer.py [--sizes-mib 1 4 16 64] [--repeat 20]
 
 Modes: ``shm`` is ``NixlEndpoint(shm=True)`` (UCX error handling ``none``), ``noshm`` is
 ``shm=False`` (UCX default ``peer``). On one host both move bulk data with CMA; set
-``UCX_TLS=tcp`` in the environment to measure a TCP-only path instead.
+``UCX_TLS=tcp`` in the environment to measure a TCP-only path instead (on a host with NVIDIA GPUs
+NIXL rejects a ``UCX_TLS`` without CUDA support: use ``UCX_TLS=tcp,cuda_copy``).
+
+On CUDA, buffers are zeroed or filled by kernels on torch's stream while the WRITE reads and
+lands through UCX's own CUDA stream or copy engine, so every fill is followed by a device
+synchronize before its bytes are written or its metadata is sent.
 
 :func:`measure_raw_write` is the baseline the staged-chunk benchmark reuses: one WRITE of
 ``n`` contiguous bytes from a registered source in this process into a registered buffer
@@ -50,9 +55,16 @@ def _stats(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _settle(t: torch.Tensor) -> None:
+    """Wait for the kernels queued on ``t``'s device (no-op on CPU)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def _bench_target(parent_ep: str, name: str, shm: bool, device: str, nbytes: int) -> None:
     """Target rank: expose one buffer, answer CHECK (value fill test) until STOP."""
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    _settle(buf)  # zero before the initiator learns where to write
     with ControlSocket() as cs, NixlEndpoint(name, shm=shm) as ep:
         region = ep.register(buf)
         info = BootstrapInfo(name, cs.endpoint, ep.metadata(), (region,))
@@ -108,6 +120,7 @@ def measure_raw_write(
             for i, n in enumerate(sizes):
                 value = 1 + i % 250
                 src[:n].fill_(value)
+                _settle(src)  # the WRITE reads src outside torch's stream
                 samples: list[float] = []
                 for k in range(warmup + repeat):
                     t0 = time.perf_counter()

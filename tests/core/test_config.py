@@ -104,7 +104,12 @@ REJECTED = [
     pytest.param("[model]\nis_mla = true\n", "model.is_mla", "MLA", id="mla"),
     pytest.param("enable_prefill_context_parallel = true\n", "enable_prefill_context_parallel",
                  "context parallelism", id="prefill-cp"),
-    pytest.param("[prefill]\ntp_size = 3\n", "decode.tp_size", "divide", id="tp-not-dividing"),
+    pytest.param("[model]\nnum_kv_heads = 12\n[prefill]\ntp_size = 3\n", "decode.tp_size",
+                 "divide", id="tp-not-dividing"),
+    pytest.param("[model]\nnum_kv_heads = 4\n[prefill]\ntp_size = 3\n", "prefill.tp_size",
+                 "4 KV heads do not split over attention TP 3", id="head-split"),
+    pytest.param("[decode]\ntp_size = 6\n", "decode.tp_size", "do not split",
+                 id="head-split-decode"),
     pytest.param("[decode]\ntp_size = 4\ndp_size = 3\nenable_dp_attention = true\n",
                  "decode.dp_size", "divisible", id="dp-not-dividing"),
     pytest.param("[model]\nnum_kv_heads = 0\n", "model.num_kv_heads", "positive",
@@ -119,6 +124,13 @@ REJECTED = [
     pytest.param("chunk_size = 8192\n", "chunk_size", "unknown", id="unknown-top"),
     pytest.param("[model]\nnum_heads = 8\n", "model.num_heads", "unknown", id="unknown-model"),
     pytest.param("[decode]\ntp = 2\n", "decode.tp", "unknown", id="unknown-side"),
+    pytest.param("[modle]\nnum_layers = 2\n", "modle", "did you mean 'model'",
+                 id="unknown-table"),
+    pytest.param("[run]\nmax_concurrency = 2\n", "run", "unknown", id="trace-only-table"),
+    pytest.param("[model]\nnum_layer = 2\n", "model.num_layer", "did you mean 'num_layers'",
+                 id="misspelt-key"),
+    pytest.param("chunked_prefil_size = 256\n", "chunked_prefil_size",
+                 "did you mean 'chunked_prefill_size'", id="misspelt-top"),
     # wrong types
     pytest.param('page_size = "16"\n', "page_size", "integer", id="str-for-int"),
     pytest.param("page_size = 16.0\n", "page_size", "integer", id="float-for-int"),
@@ -140,6 +152,44 @@ def test_rejected_with_file_and_field(tmp_path, text, field, why):
     assert str(path) in msg, msg
     assert f"'{field}'" in msg, msg
     assert why in msg, msg
+
+
+def test_binary_file_and_folder_are_rejected(tmp_path):
+    binary = tmp_path / "blob.toml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match="not a text file"):
+        TwinConfig.from_toml(binary)
+    with pytest.raises(ConfigError, match="is a directory"):
+        TwinConfig.from_toml(tmp_path)
+
+
+def test_a_file_layers_over_a_base(tmp_path):
+    base = TwinConfig(prefill=ServerSide(tp_size=2), decode=ServerSide(tp_size=1),
+                      staging_pool_size_bytes=1 << 20, chunked_prefill_size=256)
+    path = write(tmp_path, "staging_pool_size_mb = 8\n[decode]\ntp_size = 2\n")
+    cfg = TwinConfig.from_toml(path, base=base)
+    assert (cfg.prefill.tp_size, cfg.decode.tp_size) == (2, 2)
+    assert cfg.chunked_prefill_size == 256 and cfg.ring_bytes == 8 << 20
+
+
+def test_head_split_matches_hardware_mode():
+    """The simulator refuses the head splits the hardware mode's KV pattern refuses."""
+    from twin.hw.kvpattern import rank_head_range
+
+    for heads in (1, 2, 4, 8):
+        for tp in (1, 2, 3, 4, 6, 8, 16):
+            try:
+                TwinConfig(model=ModelShape(num_kv_heads=heads), prefill=ServerSide(tp_size=tp),
+                           decode=ServerSide(tp_size=tp))
+                ok = True
+            except ConfigError:
+                ok = False
+            try:
+                rank_head_range(tp, 0, heads)
+                hw_ok = True
+            except ValueError:
+                hw_ok = False
+            assert ok == hw_ok, (heads, tp)
 
 
 def test_direct_construction_validates():

@@ -68,6 +68,7 @@ def test_tp1_to_tp2_page_size_1() -> None:
     s = result.summary()
     assert s["status"] == "completed", s
     assert s["completed"] == 5 and s["corruption"] == []
+    assert s["verified"] == 5  # both decode ranks checked every byte of every request
 
 
 @pytest.mark.parametrize("defect_on", [True, False], ids=["no-grid-alignment", "aligned"])
@@ -81,6 +82,7 @@ def test_radix_grid_byte_check(defect_on: bool) -> None:
     s = result.summary()
     if defect_on:
         assert s["status"] == "corrupted", s
+        assert s["verified"] < s["completed"]
         first = s["corruption"][0]
         assert "room" in first and "layer" in first and "token" in first and "head" in first
     else:

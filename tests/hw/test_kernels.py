@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -21,7 +22,10 @@ from twin.hw.kernels import (
     scatter_from_staging,
     staging_bytes,
     triton_available,
+    warm_up,
+    warm_up_rank,
 )
+from twin.hw.kernels.common import device_table, table_cache_misses
 from twin.hw.kvpattern import TransferCase, TransferResult, run_transfer
 
 # (prefill TP, decode TP, total KV heads)
@@ -150,27 +154,30 @@ def test_size_and_shape_errors() -> None:
 
 
 def test_get_kernels_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TWIN_KERNELS", raising=False)
+    """By device, or by an explicit name; the environment plays no part."""
+    monkeypatch.setenv("TWIN_KERNELS", "cutlass")  # ignored by the chooser
     assert get_kernels("cpu") is TORCH_BACKEND
-    assert get_kernels("cuda", prefer_triton=False) is TORCH_BACKEND
+    assert get_kernels("cpu", "auto") is TORCH_BACKEND
+    assert get_kernels("cuda", "torch") is TORCH_BACKEND
     if triton_available():
         assert get_kernels("cuda").name == "triton"
-    monkeypatch.setenv("TWIN_KERNELS", "torch")
-    assert get_kernels("cuda") is TORCH_BACKEND
-    monkeypatch.setenv("TWIN_KERNELS", "cutlass")
-    with pytest.raises(ValueError, match="TWIN_KERNELS"):
-        get_kernels("cpu")
+        assert get_kernels("cpu", "triton").name == "triton"
+    with pytest.raises(ValueError, match="cutlass"):
+        get_kernels("cpu", "cutlass")
 
 
 def test_without_triton_falls_back_to_torch() -> None:
     """With triton unimportable the Triton module still imports and selection picks torch."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from twin.hw import triton_kernels as tk\n"
+        "from twin.hw.kernels import triton_backend as tk\n"
         "from twin.hw.kernels import get_kernels, triton_available\n"
         "assert not tk.HAS_TRITON and not triton_available()\n"
         "assert get_kernels('cuda').name == 'torch'\n"
-        "print('ok')\n"
+        "try:\n"
+        "    get_kernels('cuda', 'triton')\n"
+        "except RuntimeError:\n"
+        "    print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TWIN_KERNELS"}
     repo = Path(__file__).resolve().parents[2]
@@ -187,3 +194,92 @@ def test_torch_cuda_matches_reference(src_tp: int, dst_tp: int, heads: int) -> N
     got = run_transfer(case, gather_to_staging, scatter_from_staging, device="cuda")
     want = run_transfer(case, reference_gather, reference_scatter)
     assert_same_transfer(got, want)
+
+
+def test_backend_modules_import_only_common() -> None:
+    """No cycles: every kernel module imports ``common`` at most, never the chooser or a peer."""
+    pkg = Path(__file__).resolve().parents[2] / "twin" / "hw" / "kernels"
+    allowed = {"common": set(), "reference": {"common"}, "torch_backend": {"common"},
+               "triton_backend": {"common"}}
+    for name, want in allowed.items():
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        got = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for mod in mods:
+                if mod == "twin.hw" or mod.startswith("twin.hw."):
+                    got.add(mod.removeprefix("twin.hw.kernels").lstrip(".") or "<package>")
+        assert got == want, (name, got)
+
+
+def test_tables_are_built_once_per_layout() -> None:
+    """Page-offset tables come from the cache; new chunks of one layout add no table."""
+    k = _noise_layers(2, (16 * 8, 4, 8), 7)
+    v = _noise_layers(2, (16 * 8, 4, 8), 8)
+    out = torch.empty(staging_bytes(k, 32, 4), dtype=torch.uint8)
+    gather_to_staging(k, v, [1, 2], 16, 0, 4, out)
+    scatter_from_staging(out, k, v, [3, 4], 16, 1, 1, 0, 4)
+    before = table_cache_misses()
+    for pages in ([5, 0], [7, 6], [2, 3]):
+        gather_to_staging(k, v, pages, 16, 0, 4, out)
+        scatter_from_staging(out, k, v, pages[::-1], 16, 1, 1, 0, 4)
+    assert table_cache_misses() == before
+    table = device_table(range(16), "cpu")
+    assert table is device_table(range(16), "cpu") and table.tolist() == list(range(16))
+    device_table([12345, 678], "cpu")
+    assert table_cache_misses() == before + 1
+
+
+@pytest.mark.parametrize("role,rank", [("prefill", 0), ("prefill", 3), ("decode", 1)])
+def test_warm_up_rank_leaves_the_pool_alone(role: str, rank: int) -> None:
+    heads = 2 if role == "prefill" else 4  # 8 KV heads: prefill TP4, decode TP2
+    k = _noise_layers(3, (16 * 4, heads, 8), 9)
+    v = _noise_layers(3, (16 * 4, heads, 8), 10)
+    before = [t.clone() for t in (*k, *v)]
+    seconds = warm_up_rank(TORCH_BACKEND, k, v, 16, role=role, rank=rank, prefill_attn_tp=4,
+                           decode_attn_tp=2, total_kv_heads=8)
+    assert seconds >= 0
+    for a, b in zip(before, (*k, *v), strict=True):
+        assert torch.equal(int_view(a), int_view(b))
+
+
+def test_warm_up_calls_each_layout_once() -> None:
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def gather(k, v, pages, page_size, head_start, nh, out):  # type: ignore[no-untyped-def]
+        calls.append(("g", (head_start, nh, out.numel(), len(k), k[0].shape[0])))
+        return gather_to_staging(k, v, pages, page_size, head_start, nh, out)
+
+    def scatter(region, k, v, pages, page_size, *layout):  # type: ignore[no-untyped-def]
+        calls.append(("s", (*layout, region.numel())))
+        scatter_from_staging(region, k, v, pages, page_size, *layout)
+
+    from twin.hw.kernels import KernelBackend
+
+    k = _noise_layers(2, (64, 4, 8), 11)
+    warm_up(KernelBackend("spy", gather, scatter), k, k, 16, gathers=[(0, 2), (2, 2), (0, 2)],
+            scatters=[(4, 2, 1, 8)])
+    per_head_token = 8 * 2 * 2 * 2  # head_dim * bf16 * layers * (K, V)
+    assert calls == [("g", (0, 2, 16 * 2 * per_head_token, 2, 16)),
+                     ("g", (2, 2, 16 * 2 * per_head_token, 2, 16)),
+                     ("s", (4, 2, 1, 8, 2 * 16 * 2 * per_head_token))]
+
+
+@needs_cuda
+def test_cuda_auto_choice_and_warm_up() -> None:
+    """On CUDA the chooser picks compiled Triton (when installed) and warm-up compiles it."""
+    backend = get_kernels("cuda")
+    if triton_available():
+        assert backend.name == "triton"
+    k = [t.cuda() for t in _noise_layers(4, (16 * 8, 4, 128), 12)]
+    v = [t.cuda() for t in _noise_layers(4, (16 * 8, 4, 128), 13)]
+    first = warm_up_rank(backend, k, v, 16, role="prefill", rank=0, prefill_attn_tp=2,
+                         decode_attn_tp=1, total_kv_heads=8)
+    again = warm_up_rank(backend, k, v, 16, role="prefill", rank=0, prefill_attn_tp=2,
+                         decode_attn_tp=1, total_kv_heads=8)
+    assert again <= max(first, 0.5)

@@ -38,6 +38,12 @@ def _pattern(n: int, seed: int) -> Any:
     return ((torch.arange(n, dtype=torch.int64) * 131 + seed) % 251).to(torch.uint8)
 
 
+def _settle(t: Any) -> None:
+    """Wait for kernels queued on ``t``'s GPU: a WRITE reads and lands outside torch's stream."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def _verify(buf: Any, spec: dict[str, Any]) -> dict[str, Any]:
     off, n, seed = int(spec["off"]), int(spec["n"]), int(spec["seed"])
     host = buf.cpu()
@@ -50,6 +56,7 @@ def _verify(buf: Any, spec: dict[str, Any]) -> dict[str, Any]:
 def _target_main(parent_ep: str, name: str, shm: bool, device: str, size: int) -> None:
     """Target rank: register a zeroed buffer, bootstrap, then verify on request."""
     buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    _settle(buf)
     with ControlSocket() as cs, NixlEndpoint(name, shm=shm) as ep:
         region = ep.register(buf)
         info = BootstrapInfo(name, cs.endpoint, ep.metadata(), (region,), {"pid": os.getpid()})
@@ -69,6 +76,7 @@ def _target_main(parent_ep: str, name: str, shm: bool, device: str, size: int) -
                 cs.send(peer.endpoint, [b"RESULT", json.dumps(res).encode()])
             elif frames[0] == b"RESET":
                 buf.zero_()
+                _settle(buf)
                 cs.send(peer.endpoint, [b"ACK"])
             elif frames[0] == b"STOP":
                 break
@@ -128,6 +136,7 @@ def spawn_target(shm: bool, device: str = "cpu", tag: str = "") -> Iterator[Rig]
     peer: BootstrapInfo | None = None
     try:
         src = torch.zeros(SOURCE_BYTES, dtype=torch.uint8, device=device)
+        _settle(src)
         ep.register(src)
         proc.start()
         peer = exchange_bootstrap(cs, None, BootstrapInfo(ep.name, cs.endpoint, ep.metadata()), 60)
@@ -191,6 +200,7 @@ def rig(request: pytest.FixtureRequest, targets: TargetPool) -> Rig:
 
 def _fill(rig: Rig, lo: int, n: int, seed: int) -> None:
     rig.src[lo : lo + n].copy_(_pattern(n, seed).to(rig.src.device))
+    _settle(rig.src)
 
 
 def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:

@@ -48,7 +48,7 @@ def assert_same_transfer(a: TransferResult, b: TransferResult) -> None:
 
 
 def check_case(case: TransferCase, device: str) -> None:
-    from twin.hw import triton_kernels as tk
+    from twin.hw.kernels import triton_backend as tk
 
     got = run_transfer(case, tk.gather_to_staging, tk.scatter_from_staging, device=device)
     want = run_transfer(case, reference_gather, reference_scatter)
@@ -58,7 +58,7 @@ def check_case(case: TransferCase, device: str) -> None:
 if CHILD:
 
     def test_kernels_are_interpreted() -> None:
-        from twin.hw import triton_kernels as tk
+        from twin.hw.kernels import triton_backend as tk
 
         assert tk.interpreted()
 
@@ -87,6 +87,53 @@ if CHILD:
 
     def test_interpreted_head_dim_not_power_of_two() -> None:
         check_case(TransferCase(2, 1, 4, head_dim=96, num_layers=3, chunk_pages=3), "cpu")
+
+    @pytest.mark.parametrize("src_tp,dst_tp,heads", [(1, 1, 16), (2, 1, 32), (1, 2, 32)])
+    def test_interpreted_several_element_blocks(src_tp: int, dst_tp: int, heads: int) -> None:
+        """Rows of 2048 elements (16 heads x 128): two element blocks per token."""
+        from twin.hw.kernels import triton_backend as tk
+
+        assert tk._blocks(16 * 128)[1] * 2 == 16 * 128
+        check_case(TransferCase(src_tp, dst_tp, heads, head_dim=128, num_layers=1,
+                                page_size=16, chunk_pages=1, pool_pages=2, seed=3), "cpu")
+
+    @pytest.mark.parametrize(
+        "src_tp,dst_tp,heads,head_dim,page_size",
+        [
+            (2, 1, 4, 32, 16),  # examples/tp2-tp1-small.toml (the GPU check's run)
+            (4, 2, 8, 128, 16),  # examples/8gpu-tp4-tp2.toml
+            (4, 2, 8, 128, 64),
+            (2, 4, 8, 128, 64),
+            (8, 2, 8, 128, 1),
+        ],
+    )
+    def test_interpreted_twin_hw_geometries(
+        src_tp: int, dst_tp: int, heads: int, head_dim: int, page_size: int
+    ) -> None:
+        pages = max(1, 32 // page_size)
+        check_case(TransferCase(src_tp, dst_tp, heads, head_dim=head_dim, num_layers=2,
+                                page_size=page_size, chunk_pages=pages, pool_pages=2 * pages,
+                                token_offset=page_size, seed=page_size), "cpu")
+
+    def test_interpreted_tables_cached_and_warm_up() -> None:
+        from twin.hw.kernels import get_kernels, warm_up_rank
+        from twin.hw.kernels.common import table_cache_misses
+
+        backend = get_kernels("cpu", "triton")
+        assert backend.name == "triton"
+        k = [torch.zeros(16 * 6, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+        v = [torch.zeros(16 * 6, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+        warm_up_rank(backend, k, v, 16, role="prefill", rank=1, prefill_attn_tp=2,
+                     decode_attn_tp=1, total_kv_heads=4)
+        assert not any(bool(t.any()) for t in (*k, *v))  # scratch layers, not the pool
+        out = torch.empty(2 * 2 * 32 * 2 * 2 * 32, dtype=torch.uint8)
+        backend.gather_to_staging(k, v, [0, 1], 16, 0, 2, out)
+        backend.scatter_from_staging(out, k, v, [2, 3], 16, 1, 1, 0, 2)
+        before = table_cache_misses()
+        for pages in ([4, 5], [3, 1], [0, 2]):
+            backend.gather_to_staging(k, v, pages, 16, 0, 2, out)
+            backend.scatter_from_staging(out, k, v, pages[::-1], 16, 1, 1, 0, 2)
+        assert table_cache_misses() == before
 
 else:
 
@@ -118,7 +165,7 @@ else:
 
     @needs_triton
     def test_cpu_tensors_rejected_without_interpreter() -> None:
-        from twin.hw import triton_kernels as tk
+        from twin.hw.kernels import triton_backend as tk
 
         if tk.interpreted():
             pytest.skip("kernels were built for the interpreter in this process")
@@ -126,6 +173,36 @@ else:
         out = torch.empty(1024, dtype=torch.uint8)
         with pytest.raises(RuntimeError, match="CUDA"):
             tk.gather_to_staging(k, k, [0], 16, 0, 2, out)
+
+    @needs_triton
+    @pytest.mark.parametrize(
+        "int_type,page_size,elems",
+        [("i16", 16, 2 * 32), ("i16", 16, 2 * 128), ("i16", 1, 16 * 128), ("i8", 64, 4 * 128)],
+        ids=["bf16-tp2tp1-small", "bf16-8gpu", "bf16-page1-two-blocks", "fp8-page64"],
+    )
+    def test_kernels_compile_for_hopper(int_type: str, page_size: int, elems: int) -> None:
+        """Both kernels compile to an sm_90 cubin (the H200) with no GPU present, with the block
+        sizes the wrappers pick, so a kernel that cannot compile fails here, not on the GPU."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from twin.hw.kernels import triton_backend as tk
+
+        if tk.interpreted():
+            pytest.skip("kernels were built for the interpreter in this process")
+        block_t, block_e = tk._blocks(elems)
+        consts = {"PAGE_SIZE": page_size, "BLOCK_T": block_t, "BLOCK_E": block_e}
+        common = {"layer_ptrs": "*i64", "pages": "*i64", "staging": f"*{int_type}"}
+        gather = {**common, "num_tokens": "i32", "elems_per_token": "i32",
+                  "token_stride": "i32", "head_offset": "i32"}
+        scatter = {**common, "writer_head_offsets": "*i64", "num_layers_x2": "i32",
+                   "num_tokens": "i32", "elems_per_token": "i32", "token_stride": "i32"}
+        for fn, sig in ((tk._gather_kernel, gather), (tk._scatter_kernel, scatter)):
+            sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+            compiled = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                                      target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"], fn
 
     @needs_cuda
     @needs_triton

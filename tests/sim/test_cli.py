@@ -37,7 +37,13 @@ EXPECTED_OPTIONS = {
                "--fault", "--seed", "--until", "--max-concurrency", "--trace-out",
                "--metrics-out", "--plot", "--json", "--prefill-args", "--decode-args", "--env"],
     ("scenarios",): ["--check", "--json"],
-    ("config",): ["--prefill-args", "--decode-args", "--env"],
+    ("config",): ["show"],
+    ("config", "show"): ["--config", "--scenario", "--workload", "--prefill-args",
+                         "--decode-args", "--env"],
+    ("hw",): ["--config", "--scenario", "--scenario-defects", "--workload", "--first-n",
+              "--slowdown", "--defect", "--fault", "--seed", "--until", "--max-concurrency",
+              "--trace-out", "--json", "--prefill-args", "--decode-args", "--env",
+              "--kv-pool-pages", "--log-dir", "--device"],
     ("defects",): ["--json"],
     ("walkthrough",): ["--help"],
     ("trace",): ["summary", "room", "diff"],
@@ -168,7 +174,7 @@ def test_sim_writes_metrics_and_plots(tmp_path: Path) -> None:
 
 
 def test_config_round_trip(tmp_path: Path) -> None:
-    r = invoke("config", "--prefill-args", "--tp-size 4 --dp-size 4 --enable-dp-attention "
+    r = invoke("config", "show", "--prefill-args", "--tp-size 4 --dp-size 4 --enable-dp-attention "
                "--chunked-prefill-size 256 --page-size 16", "--decode-args", "--tp-size 8",
                "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64",
                "--env", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT=120")
@@ -246,6 +252,37 @@ def test_perfetto(traces: dict[str, Path], tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     assert len(events) > 50
+
+
+def test_perfetto_protobuf_and_windows(traces: dict[str, Path], tmp_path: Path) -> None:
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    out = tmp_path / "w.pftrace"
+    r = invoke("perfetto", str(traces["wedge"]), "-o", str(out))
+    assert r.exit_code == 0 and str(out) in r.output
+    trace = pb.Trace()
+    trace.ParseFromString(out.read_bytes())
+    assert any(p.track_event.type == p.track_event.TYPE_SLICE_BEGIN for p in trace.packet)
+    forced = tmp_path / "w.bin"
+    r = invoke("perfetto", str(traces["wedge"]), "-o", str(forced), "--format", "json")
+    assert r.exit_code == 0 and json.loads(forced.read_text())["traceEvents"]
+    assert invoke("perfetto", str(traces["clean"]), "-o", str(tmp_path / "a.json")).exit_code == 0
+    full = json.loads((tmp_path / "a.json").read_text())["traceEvents"]
+    r = invoke("perfetto", str(traces["clean"]), "-o", str(tmp_path / "r.json"), "--room", "2")
+    assert r.exit_code == 0
+    room = json.loads((tmp_path / "r.json").read_text())["traceEvents"]
+    rooms = {e["args"].get("room") for e in room if e["ph"] == "X" and "room" in e["args"]}
+    assert rooms == {2} and len(room) < len(full)
+    r = invoke("perfetto", str(traces["clean"]), "-o", str(tmp_path / "x.json"), "--from", "0.5",
+               "--to", "0.1")
+    assert r.exit_code == 2 and "--to" in r.stderr
+
+
+def test_trace_files_have_an_index(traces: dict[str, Path]) -> None:
+    for path in traces.values():
+        assert Path(f"{path}.idx").exists()
+    r = invoke("trace", "room", str(traces["clean"]), "1")
+    assert r.exit_code == 0 and "RoomConcluded" in r.output
 
 
 def test_replay_reaches_the_same_outcome(traces: dict[str, Path]) -> None:

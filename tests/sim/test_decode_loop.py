@@ -172,7 +172,7 @@ def test_an_aborted_request_waiting_for_kv_pages_fails_cleanly() -> None:
     cfg = _cfg(decode={"max_total_tokens": 5000, "num_reserved_decode_tokens": 0})
     r = run_sim(cfg, wl, params=QUIET, faults=[parse_fault("abort:room=5:at=0.01")])
     s = r.summary()
-    assert s["status"] == "completed" and s["failed"] == 1 and s["completed"] == 5
+    assert s["status"] == "failed" and s["failed"] == 1 and s["completed"] == 5
     assert [q.room for q in r.sim.metrics.done if q.status == "Failed"] == [5]
 
 

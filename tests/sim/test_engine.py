@@ -14,7 +14,13 @@ import pytest
 from twin.core.defects import RAISE_ON_UNALIGNED_PREFIX, Defects
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import parse_fault
-from twin.runtime.outcome import EXIT_BAD_INPUT, EXIT_CORRUPTION, EXIT_OK, EXIT_WEDGE
+from twin.runtime.outcome import (
+    EXIT_BAD_INPUT,
+    EXIT_CORRUPTION,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_WEDGE,
+)
 from twin.runtime.params import SimParams
 from twin.sim.engine import Simulation
 from twin.sim.plots import write_plots
@@ -146,7 +152,8 @@ def test_fail_transfer_fails_exactly_that_room() -> None:
     assert s["failed"] == 1 and s["completed"] == 127 and s["unfinished"] == 0
     failed = [q for q in r.sim.metrics.done if q.status == "Failed"]
     assert "failed" in failed[0].reason
-    assert r.exit_code == EXIT_OK  # a failed room is the protocol working, not a wedge
+    # The protocol failed the room as designed (no wedge); the verdict still says so.
+    assert r.status == "failed" and r.exit_code == EXIT_FAILED
 
 
 def test_abort_fails_the_aborted_room_and_frees_its_allocations() -> None:
@@ -154,7 +161,7 @@ def test_abort_fails_the_aborted_room_and_frees_its_allocations() -> None:
     r = _run(sc)
     s = r.summary()
     assert s["failures"] == {"aborted by fault abort": 1}
-    assert s["completed"] == s["requests"] - 1 and r.exit_code == EXIT_OK
+    assert s["completed"] == s["requests"] - 1 and r.exit_code == EXIT_FAILED
     assert [q.room for q in r.sim.metrics.done if q.status == "Failed"] == [0]
 
 
@@ -314,7 +321,29 @@ def test_simulator_doc_lists_every_sim_param() -> None:
 
 
 def test_exit_code_constants() -> None:
-    assert (EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION) == (0, 2, 3, 4)
+    assert (EXIT_OK, EXIT_BAD_INPUT, EXIT_WEDGE, EXIT_CORRUPTION, EXIT_FAILED) == \
+        (0, 2, 3, 4, 5)
+
+
+def test_every_request_failing_is_never_a_clean_exit() -> None:
+    r = _run(DEFAULT, faults=("fail-transfer:p=1",))
+    s = r.summary()
+    assert s["completed"] == 0 and s["failed"] == s["requests"]
+    assert r.status == "failed" and r.exit_code == EXIT_FAILED
+
+
+def test_decide_rule() -> None:
+    from twin.runtime.outcome import RunStatus, decide
+
+    base = dict(corrupted=False, wedged=False, unfinished=0)
+    assert decide(**base) == RunStatus.COMPLETED
+    assert decide(**base, failed=1) == RunStatus.FAILED
+    assert decide(**{**base, "wedged": True}, failed=1) == RunStatus.WEDGED
+    assert decide(**{**base, "corrupted": True}, failed=1) == RunStatus.CORRUPTED
+    assert decide(**{**base, "unfinished": 2}, failed=1, stopped=RunStatus.UNTIL) == \
+        RunStatus.FAILED
+    assert decide(**{**base, "unfinished": 2}, stopped=RunStatus.UNTIL) == RunStatus.UNTIL
+    assert decide(**{**base, "unfinished": 2}, failed=1) == RunStatus.INTERRUPTED
 
 
 def test_a_quiet_gap_between_arrivals_is_not_a_wedge() -> None:

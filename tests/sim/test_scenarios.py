@@ -33,7 +33,20 @@ def test_scenario_symptom_on_and_clean_off(name: str) -> None:
     sc = SCENARIOS[name]
     got = check_scenario(sc)
     want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
-    assert got == {"on": want_on, "off": "completed", "ok": True}, (name, got)
+    assert got["ok"] is True and got["on"] == want_on, (name, got)
+    assert str(got["off"]).startswith(sc.clean_status), (name, got)
+
+
+def test_scenarios_that_fail_a_room_by_design_say_so() -> None:
+    """With the defects off, an injected abort or send error, an inflated send or an unaligned
+    prefix fails exactly one room: the run ends ``failed`` (exit 5), not ``completed``."""
+    from twin.runtime.outcome import EXIT_FAILED
+
+    by_design = {n: s.fails_by_design for n, s in SCENARIOS.items() if s.fails_by_design}
+    assert by_design == {"release-room": (0,), "chunk-ready-error": (0,),
+                         "slice-fallback": (1,), "unaligned-prefix": (1,)}
+    r = _run(SCENARIOS["release-room"], ())
+    assert r.status == "failed" and r.exit_code == EXIT_FAILED
 
 
 def test_multi_target_retry_finding_corrupts_todays_protocol() -> None:

@@ -445,7 +445,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("name", ["killed.jsonl", "killed.jsonl.gz"])
+@pytest.mark.parametrize("name", ["killed.jsonl", "killed.jsonl.gz", "killed.jsonl.zst"])
 @pytest.mark.parametrize("mode", ["wait", "busy"])
 def test_sigkill_leaves_readable_trace(tmp_path: Path, name: str, mode: str) -> None:
     path = tmp_path / name

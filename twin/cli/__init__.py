@@ -1,7 +1,8 @@
 """The ``twin`` command: simulate, inspect traces, replay, and validate on hardware.
 
-Exit codes: 0 every request ended with no wedge and no corruption; 2 bad input; 3 wedge;
-4 corruption.
+Exit codes (``twin.runtime.outcome``): 0 every request that ended succeeded (or ``--until``
+stopped the run first); 1 a rank died or raised, or the run was interrupted (Ctrl-C, SIGTERM,
+SIGHUP); 2 bad input; 3 wedge; 4 corruption; 5 requests failed with no wedge and no corruption.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ def cli() -> None:
 
     Start with `twin sim` (a built-in default run), `twin scenarios` (the upstream defects,
     reproduced) and `twin defects`.
+
+    Exit codes: 0 every request that ended succeeded (or --until stopped the run first),
+    1 a rank died or raised, or the run was interrupted, 2 bad input, 3 wedge,
+    4 corruption, 5 requests failed (no wedge, no corruption).
     """
 
 

@@ -1,16 +1,38 @@
-"""Shared CLI plumbing: bad-input errors, config and workload resolution, output."""
+"""Shared CLI plumbing: bad-input errors, checked option types, output paths, and the one
+resolver of run inputs (scenario, config file, launch lines, workload, defects, faults) that
+``twin sim``, ``twin hw`` and ``twin config show`` share.
+
+Layers, later ones win field by field:
+
+1. the scenario's config and cost parameters (``--scenario``; without it: the small-model
+   ``default`` scenario, or SGLang's defaults when ``--workload`` or ``--config`` is given);
+2. the ``--config`` file's tables (``[model]``, ``[prefill]``, ``[decode]``, top-level
+   fields, ``[sim]``);
+3. its ``[launch]`` table (``prefill``, ``decode``, ``env``);
+4. ``--prefill-args``, ``--decode-args`` and ``--env`` on the command line;
+5. ``--model`` and ``--gpu`` (over the config's ``[serving]`` table and a launch line's
+   ``--model-path``), then a check that the deployment fits (``Deployment.build``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
-from dataclasses import dataclass, replace
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import click
 
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import ALL_DEFECTS, Defects
-from twin.runtime.faults import FaultSpec, FaultSpecError, parse_fault
+from twin.core.grid import pages_for_tokens
+from twin.runtime.faults import FaultSpec, FaultSpecError, check_faults, parse_fault
 from twin.runtime.outcome import EXIT_BAD_INPUT
 from twin.runtime.params import SimParams
 from twin.sim.scenarios import Scenario
@@ -26,11 +48,114 @@ class BadInput(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+# -- checked option types ---------------------------------------------------------------------
+class FiniteFloat(click.ParamType):
+    """A finite float, positive (``min_open``) or non-negative; NaN and infinities rejected."""
+
+    name = "float"
+
+    def __init__(self, *, positive: bool = True) -> None:
+        self.positive = positive
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, float) and math.isfinite(value):
+            x = value
+        else:
+            try:
+                x = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.positive and x <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        if not self.positive and x < 0:
+            self.fail(f"{value!r} must not be negative", param, ctx)
+        return x
+
+
+POSITIVE_FLOAT = FiniteFloat(positive=True)
+POSITIVE_INT = click.IntRange(min=1)
+
+
+# -- output paths -----------------------------------------------------------------------------
+def check_output_file(path: str | os.PathLike[str] | None, flag: str) -> Path | None:
+    """Fail early (``BadInput``) unless ``path`` can be created or overwritten as a file: its
+    folder exists and is writable, and it is not a folder. For ``--trace-out``, ``perfetto -o``
+    and any other file a command writes."""
+    if path is None:
+        return None
+    p = Path(path)
+    if str(path) == "" or p.name in ("", ".", ".."):
+        raise BadInput(f"{flag} {str(path)!r}: expected a file name")
+    if p.is_dir():
+        raise BadInput(f"{flag} {str(p)!r}: is a folder; expected a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise BadInput(f"{flag} {str(p)!r}: folder {str(parent)!r} does not exist")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise BadInput(f"{flag} {str(p)!r}: not writable")
+    if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(f"{flag} {str(p)!r}: folder {str(parent)!r} is not writable")
+    return p
+
+
+def check_output_dir(path: str | os.PathLike[str] | None, flag: str) -> Path | None:
+    """Fail early unless ``path`` is a writable folder or one that can be created in an
+    existing, writable folder (``--plot``, ``--metrics-out``)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if str(path) == "":
+        raise BadInput(f"{flag}: expected a folder name")
+    if p.exists():
+        if not p.is_dir():
+            raise BadInput(f"{flag} {str(p)!r}: exists and is not a folder")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise BadInput(f"{flag} {str(p)!r}: folder is not writable")
+        return p
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise BadInput(f"{flag} {str(p)!r}: folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(f"{flag} {str(p)!r}: folder {str(parent)!r} is not writable")
+    return p
+
+
+#: errno values of a write that failed because of where it went, not because of a bug.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
+                errno.EFBIG, errno.EIO, errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+
+
+def write_error(exc: OSError, flag: str, path: Any) -> BadInput:
+    """A ``BadInput`` for an output that could not be written (a full disk, a lost folder)."""
+    return BadInput(f"{flag} {str(path)!r}: cannot write: {exc.strerror or exc}")
+
+
+@contextlib.contextmanager
+def writing(flag: str, path: Any) -> Iterator[None]:
+    """Check ``path`` as an output file for ``flag``, then turn a failed write inside the block
+    (a full disk, a folder removed meanwhile) into ``BadInput``::
+
+        with writing("--out", out_path):
+            write_perfetto(trace, out_path)
+    """
+    check_output_file(path, flag)
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        raise write_error(exc, flag, path) from None
+
+
+# -- small loaders ----------------------------------------------------------------------------
 def load_config(path: str | None, base: TwinConfig | None = None) -> TwinConfig:
+    """The config file ``path`` layered over ``base`` (SGLang's defaults when None)."""
     try:
         if path is None:
             return base or TwinConfig()
-        return TwinConfig.from_toml(path)
+        return TwinConfig.from_toml(path, base=base)
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
 
@@ -40,6 +165,8 @@ def load_workload(spec: str) -> Workload:
         return parse_workload_spec(spec)
     except (WorkloadError, ValueError, OSError) as exc:
         raise BadInput(str(exc)) from None
+    except UnicodeDecodeError as exc:  # pragma: no cover - ValueError covers it today
+        raise BadInput(f"{spec}: not a text trace: {exc}") from None
 
 
 def parse_faults(specs: tuple[str, ...] | list[str]) -> list[FaultSpec]:
@@ -56,50 +183,161 @@ def make_defects(names: tuple[str, ...] | list[str]) -> Defects:
         raise BadInput(str(exc)) from None
 
 
-defect_option = click.option(
-    "--defect", "defects", multiple=True, metavar="NAME",
-    help=f"Switch an upstream defect back on (repeatable): {', '.join(ALL_DEFECTS)}.")
-fault_option = click.option(
-    "--fault", "faults", multiple=True, metavar="SPEC",
-    help="Inject a fault (repeatable), e.g. drop:WATERMARK:nth=3, delay:CHUNK_READY:ms=20:p=0.5,"
-         " fail-transfer:p=0.01, crash:d0g0r0:at=2, abort:room=3:at=1.5.")
-
-
-model_option = click.option(
-    "--model", "model", default=None, metavar="NAME|config.json",
-    help="Served model: a catalogue name (`twin models`) or a Hugging Face config.json; sets "
-         "the KV geometry, weights and (with --gpu) measured compute costs.")
-gpu_option = click.option(
-    "--gpu", "gpu", default=None, metavar="NAME",
-    help="GPU of both servers (H200, H100, B200, A100, L40S): memory and measured costs.")
-
-
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
 
 
-def apply_launch(cfg: TwinConfig, prefill_args: str | None, decode_args: str | None,
-                 env_items: tuple[str, ...] | list[str], source: str | None) -> TwinConfig:
-    """Apply SGLang launch arguments from the command line, or from the config's ``[launch]``
-    table (``prefill = "..."``, ``decode = "..."``, ``env = {KEY = "VALUE"}``)."""
-    from twin.launch_args import config_from_launch
+# -- options ----------------------------------------------------------------------------------
+defect_option = click.option(
+    "--defect", "defects", multiple=True, metavar="NAME",
+    help=f"Switch an upstream defect back on (repeatable): {', '.join(ALL_DEFECTS)}.")
 
+
+def fault_option(examples: str) -> Callable[[Any], Any]:
+    return click.option(
+        "--fault", "faults", multiple=True, metavar="SPEC",
+        help=f"Inject a fault (repeatable), e.g. {examples}. A fault that names a node, room "
+             "or chunk that does not exist is rejected; the summary says how often each fired.")
+
+
+SIM_FAULT_EXAMPLES = ("drop:WATERMARK:nth=3, delay:CHUNK_READY:ms=20:p=0.5, fail-transfer:p=0.01,"
+                      " crash:d0g0r0:at=2, abort:room=3:at=1.5")
+HW_FAULT_EXAMPLES = ("drop:WATERMARK:nth=3, delay:CHUNK_READY:ms=20:p=0.5, dup:STAGING_RSP:p=0.1,"
+                     " abort:room=3:at=1.5 (crash, restart and fail-transfer are "
+                     "simulator-only)")
+
+
+def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--config, --scenario, --workload and the launch-line flags (everything that shapes the
+    deployment; shared by ``twin sim``, ``twin hw`` and ``twin config show``)."""
+    for opt in reversed([
+        click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                     help="TOML config (SGLang's names; [sim] sets cost parameters, [launch] "
+                          "launch lines). Layered over the scenario, or over SGLang's "
+                          "defaults without --scenario."),
+        click.option("--scenario", default=None, metavar="NAME",
+                     help="Built-in scenario (see `twin scenarios`); default: 'default' (its "
+                          "small demo model), or SGLang's defaults when --workload or "
+                          "--config is given."),
+        click.option("--workload", "workload_spec", default=None, metavar="FILE|SPEC",
+                     help="Mooncake JSONL or Azure CSV trace (detected by content), or a "
+                          "generator spec such as poisson:n=200,rate=5,input=4096,output=64,"
+                          "seed=1."),
+        click.option("--prefill-args", default=None, metavar="ARGS",
+                     help="Prefill server launch arguments, e.g. '--tp-size 4 "
+                          "--chunked-prefill-size 256'; only the fields named change."),
+        click.option("--decode-args", default=None, metavar="ARGS",
+                     help="Decode server launch arguments, e.g. '--tp-size 2'; only the fields "
+                          "named change."),
+        click.option("--env", "env_items", multiple=True, metavar="KEY=VALUE",
+                     help="Staging environment variable (repeatable), e.g. "
+                          "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64; unknown keys are rejected."),
+        click.option("--model", "model", default=None, metavar="NAME|config.json",
+                     help="Served model: a catalogue name (`twin models`) or a Hugging Face "
+                          "config.json; sets the KV geometry, weights and (with --gpu) "
+                          "measured compute costs."),
+        click.option("--gpu", "gpu", default=None, metavar="NAME",
+                     help="GPU of both servers (H200, H100, B200, A100, L40S): memory and "
+                          "measured costs."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def run_options(fault_examples: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Everything a run takes besides the deployment (shared by ``twin sim`` and ``twin hw``)."""
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        for opt in reversed([
+            click.option("--scenario-defects", is_flag=True,
+                         help="Switch on the defects the scenario reproduces."),
+            click.option("--first-n", type=POSITIVE_INT, default=None, metavar="N",
+                         help="Keep the first N requests (N >= 1)."),
+            click.option("--slowdown", type=POSITIVE_FLOAT, default=None, metavar="FACTOR",
+                         help="Stretch inter-arrival times by FACTOR (> 0; 2 halves the "
+                              "rate)."),
+            defect_option,
+            fault_option(fault_examples),
+            click.option("--seed", type=int, default=0, show_default=True,
+                         help="Root seed of every random stream (network jitter, "
+                              "probabilistic faults); the same seed gives the same run."),
+            click.option("--until", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
+                         help="Stop after this much run time (simulated in `twin sim`, wall "
+                              "clock in `twin hw`); status 'until', exit 0 unless requests "
+                              "failed."),
+            click.option("--max-concurrency", type=POSITIVE_INT, default=None, metavar="N",
+                         help="Closed-loop clients: at most N requests in flight (N >= 1)."),
+        ]):
+            f = opt(f)
+        return f
+    return wrap
+
+
+# -- the deployment line ----------------------------------------------------------------------
+def describe(cfg: TwinConfig) -> str:
+    """One line: who writes to whom, model, ring and grid."""
+    def side(x) -> str:  # type: ignore[no-untyped-def]
+        dp = f" DP{x.dp_size} (DP attention)" if x.enable_dp_attention else ""
+        inst = f" x{x.instances}" if x.instances > 1 else ""
+        return f"TP{x.tp_size}{dp}{inst}"
+
+    m = cfg.model
+    ring = cfg.ring_bytes / (1 << 20)
+    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, ring {ring:g} MiB per "
+            f"decode rank, chunked_prefill_size {cfg.chunked_prefill_size}, page "
+            f"{cfg.page_size}, model {m.num_layers} layers x {m.num_kv_heads} KV heads x "
+            f"{m.head_dim}")
+
+
+# -- the resolver -----------------------------------------------------------------------------
+def _launch_table(cfg: TwinConfig, source: str | None) -> tuple[str | None, str | None,
+                                                               dict[str, str]]:
     table = cfg.extra.get("launch", {})
-    env: dict[str, str] = {str(k): str(v) for k, v in table.get("env", {}).items()}
+    where = f"{source}: [launch]"
+    unknown = sorted(set(table) - {"prefill", "decode", "env"})
+    if unknown:
+        from twin.launch_args import did_you_mean
+
+        raise BadInput(f"{where}: field {unknown[0]!r}: unknown"
+                       f"{did_you_mean(unknown[0], ['prefill', 'decode', 'env'])} "
+                       f"(known: prefill, decode, env)")
+    for key in ("prefill", "decode"):
+        if key in table and not isinstance(table[key], str):
+            raise BadInput(f"{where}: field {key!r}: expected a string of launch arguments")
+    env = table.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool))
+                                            for v in env.values()):
+        raise BadInput(f"{where}: field 'env': expected a table of KEY = \"VALUE\"")
+    return table.get("prefill"), table.get("decode"), {str(k): str(v) for k, v in env.items()}
+
+
+def apply_launch(cfg: TwinConfig, prefill_args: str | None, decode_args: str | None,
+                 env_items: tuple[str, ...] | list[str], source: str | None,
+                 params: SimParams | None = None) -> tuple[TwinConfig, SimParams]:
+    """Layer the config's ``[launch]`` table, then the command line's launch lines and
+    ``--env`` items, over ``cfg`` (and ``params``)."""
+    from twin.launch_args import layer_launch
+
+    params = params or SimParams()
+    env: dict[str, str] = {}
     for item in env_items:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise BadInput(f"--env {item!r}: expected KEY=VALUE")
         env[key] = value
-    prefill = prefill_args if prefill_args is not None else table.get("prefill")
-    decode = decode_args if decode_args is not None else table.get("decode")
-    if prefill is None and decode is None and not env:
-        return cfg
-    try:
-        return config_from_launch(prefill or "", decode or "", env, base=cfg)
-    except ConfigError as exc:
-        where = f"{source}: [launch]: " if source and table else ""
-        raise BadInput(f"{where}{exc}") from None
+    t_prefill, t_decode, t_env = _launch_table(cfg, source)
+    layers = []
+    if t_prefill is not None or t_decode is not None or t_env:
+        layers.append((f"{source}: [launch]: ", t_prefill, t_decode, t_env))
+    if prefill_args is not None or decode_args is not None or env:
+        layers.append(("", prefill_args, decode_args, env))
+    for where, prefill, decode, env_layer in layers:
+        try:
+            cfg, changes = layer_launch(cfg, prefill, decode, env_layer)
+        except ConfigError as exc:
+            raise BadInput(f"{where}{exc}") from None
+        if changes:
+            params = replace(params, **changes)
+    return cfg, params
 
 
 @dataclass
@@ -114,37 +352,43 @@ class RunInputs:
     faults: list[FaultSpec]
     overrides: dict[int, dict[str, int]]
     max_concurrency: int | None
+    notes: list[str] = field(default_factory=list)
+    cut: str = ""
+
+    def workload_line(self) -> str:
+        """What runs: the workload, how it was cut, and the client model."""
+        n = len(self.workload.requests)
+        clients = (f"at most {self.max_concurrency} in flight" if self.max_concurrency
+                   else "open loop")
+        return f"{self.workload.name}: {n} request{'s' * (n != 1)}{self.cut}, {clients}"
 
 
-def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: str | None,
-                workload_spec: str | None, first_n: int | None, slowdown: float | None,
-                defects: tuple[str, ...], faults: tuple[str, ...],
-                prefill_args: str | None = None, decode_args: str | None = None,
-                env_items: tuple[str, ...] = (), max_concurrency: int | None = None,
-                sglang_defaults_for_own_workload: bool = True, model: str | None = None,
-                gpu: str | None = None) -> RunInputs:
-    """Shared by ``twin sim`` and ``twin hw``: scenario (default ``default``), then the config
-    file (with its ``[sim]`` costs and ``[launch]`` lines), flags, workload cut and defects.
-
-    With ``sglang_defaults_for_own_workload``, a ``--workload`` given without a scenario or
-    config runs on SGLang's defaults (8B-class model, 4096 MiB ring) rather than the scenario's
-    small demo model.
-    """
+def resolve_deployment(*, scenario: str | None, config_path: str | None,
+                       workload_spec: str | None, prefill_args: str | None = None,
+                       decode_args: str | None = None, env_items: tuple[str, ...] = (),
+                       model: str | None = None, gpu: str | None = None
+                       ) -> tuple[Scenario, TwinConfig, SimParams]:
+    """The scenario and the effective config and cost parameters (the layers in the module
+    docstring)."""
     from twin.sim.scenarios import SCENARIOS
 
     name = scenario or "default"
     if name not in SCENARIOS:
-        raise BadInput(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+        from twin.launch_args import did_you_mean
+
+        raise BadInput(f"unknown scenario {name!r}{did_you_mean(name, list(SCENARIOS))} "
+                       f"(known: {', '.join(SCENARIOS)})")
     sc = SCENARIOS[name]
-    own = sglang_defaults_for_own_workload and workload_spec is not None and scenario is None
-    cfg = load_config(config_path, TwinConfig() if own else sc.config)
+    own = scenario is None and (workload_spec is not None or config_path is not None)
+    base_cfg = TwinConfig() if own else sc.config
     params = SimParams() if own else sc.params
+    cfg = load_config(config_path, base_cfg)
     if config_path is not None:
         try:
-            params = SimParams.from_dict(cfg.extra.get("sim", {}), config_path)
+            params = SimParams.from_dict(cfg.extra.get("sim", {}), config_path, base=params)
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
-    cfg = apply_launch(cfg, prefill_args, decode_args, env_items, config_path)
+    cfg, params = apply_launch(cfg, prefill_args, decode_args, env_items, config_path, params)
     try:
         from twin.models.costs import Deployment, configure
 
@@ -152,21 +396,125 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
         Deployment.build(cfg, params)  # the model fits the GPU, the profile exists, ...
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
+    return sc, cfg, params
+
+
+def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: str | None,
+                workload_spec: str | None, first_n: int | None, slowdown: float | None,
+                defects: tuple[str, ...], faults: tuple[str, ...],
+                prefill_args: str | None = None, decode_args: str | None = None,
+                env_items: tuple[str, ...] = (), max_concurrency: int | None = None,
+                fault_check: Callable[[list[FaultSpec]], None] | None = None,
+                model: str | None = None, gpu: str | None = None) -> RunInputs:
+    """Shared by ``twin sim`` and ``twin hw``: the deployment (``resolve_deployment``), then
+    the workload and its cut, defects and faults, each checked against the deployment."""
+    if first_n is not None and first_n < 1:
+        raise BadInput(f"--first-n {first_n}: must be at least 1")
+    if slowdown is not None and not (math.isfinite(slowdown) and slowdown > 0):
+        raise BadInput(f"--slowdown {slowdown}: must be a positive number")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise BadInput(f"--max-concurrency {max_concurrency}: must be at least 1")
+    sc, cfg, params = resolve_deployment(
+        scenario=scenario, config_path=config_path, workload_spec=workload_spec,
+        prefill_args=prefill_args, decode_args=decode_args, env_items=env_items,
+        model=model, gpu=gpu)
+    if scenario_defects and not sc.defects:
+        raise BadInput(f"--scenario-defects: scenario {sc.name!r} reproduces no defect; name "
+                       f"one with --scenario (see `twin scenarios`)")
     workload = load_workload(workload_spec) if workload_spec else sc.workload()
+    total = len(workload.requests)
+    cut = ""
     if first_n is not None or slowdown is not None:
         workload = cut_workload(workload, first_n, slowdown)
+        if first_n is not None and first_n < total:
+            cut += f" (first {first_n} of {total})"
+        elif first_n is not None and first_n > total:
+            cut += f" (all of them; --first-n {first_n} asked for more)"
+        if slowdown is not None:
+            cut += f" (arrivals stretched x{slowdown:g})"
     names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
-    return RunInputs(sc, cfg, params, workload, make_defects(names),
-                     parse_faults([*sc.faults, *faults]),
-                     sc.overrides if not workload_spec else {},
-                     max_concurrency or sc.max_concurrency)
+    overrides = sc.overrides if not workload_spec else {}
+    specs = parse_faults([*sc.faults, *faults])
+    run = RunInputs(sc, cfg, params, workload, make_defects(names), specs, overrides,
+                    max_concurrency or sc.max_concurrency, cut=cut)
+    try:
+        check_faults(specs, cfg, [r.input_len for r in workload.requests])
+    except FaultSpecError as exc:
+        raise BadInput(str(exc)) from None
+    if fault_check is not None:
+        fault_check(specs)
+    run.notes += check_ring(cfg, workload, params, overrides)
+    return run
 
 
 def cut_workload(workload: Workload, first_n: int | None, slowdown: float | None) -> Workload:
     """The first ``first_n`` requests, inter-arrival times stretched by ``slowdown``."""
-    reqs = workload.requests[:first_n] if first_n else workload.requests
+    reqs = workload.requests[:first_n] if first_n is not None else workload.requests
     if slowdown is not None:
-        if slowdown <= 0:
-            raise BadInput("--slowdown must be positive")
+        if not (math.isfinite(slowdown) and slowdown > 0):
+            raise BadInput("--slowdown must be a positive number")
         reqs = tuple(replace(r, arrival_s=r.arrival_s * slowdown) for r in reqs)
     return Workload(name=workload.name, requests=tuple(reqs), source=workload.source)
+
+
+# -- can any request succeed? -----------------------------------------------------------------
+def region_bytes(cfg: TwinConfig, pages: int) -> int:
+    """The largest staging region ``pages`` pages take on any decode rank."""
+    return _region_bytes(cfg, pages)
+
+
+@lru_cache(maxsize=4096)
+def _region_bytes(cfg: TwinConfig, pages: int) -> int:
+    return max(cfg.region_layout(rank, pages)[2] for rank in range(cfg.decode.attn_tp_size))
+
+
+def _mib_up(nbytes: int) -> int:
+    return -(-nbytes // (1 << 20))
+
+
+def check_ring(cfg: TwinConfig, workload: Workload, params: SimParams,
+               overrides: dict[int, dict[str, int]]) -> list[str]:
+    """Reject (``BadInput``) a ring in which no request of ``workload`` can ever be staged;
+    return a note when some requests send chunks larger than the ring (they will fail).
+
+    Sends are grid slots anchored at the decode-side cached prefix, so a request sends one
+    region of ``min(full_chunk_pages, pages it transfers)`` pages; with a decode radix cache the
+    pages it transfers can shrink to its uncached suffix.
+    """
+    if not workload.requests:
+        return []
+    full = cfg.full_chunk_pages
+    page = cfg.page_size
+    radix = params.decode_radix_tokens
+    need_min = None
+    need_max = 0
+    too_big = 0
+    ring = cfg.ring_bytes
+    for r in workload.requests:
+        o = overrides.get(r.rid, {})
+        prefix = o.get("decode_prefix_len", 0)
+        largest = min(full, pages_for_tokens(max(r.input_len - prefix, 1), page))
+        smallest = largest
+        if radix and "decode_prefix_len" not in o:
+            cached = min(radix, max(r.input_len - 1, 0)) // page * page
+            smallest = min(full, pages_for_tokens(max(r.input_len - cached, 1), page))
+        lo = region_bytes(cfg, smallest)
+        hi = region_bytes(cfg, largest)
+        need_min = lo if need_min is None else min(need_min, lo)
+        need_max = max(need_max, hi)
+        too_big += hi > ring
+    full_region = region_bytes(cfg, full)
+    if need_min is not None and need_min > ring:
+        works = min(need_max, full_region)
+        raise BadInput(
+            f"no request can succeed: the staging ring ({ring} bytes per decode rank) is "
+            f"smaller than the smallest staged chunk this workload sends ({need_min} bytes; a "
+            f"full chunk at chunked_prefill_size {cfg.chunked_prefill_size} is {full_region} "
+            f"bytes). The smallest ring that fits every chunk is {works} bytes: "
+            f"SGLANG_DISAGG_STAGING_POOL_SIZE_MB={_mib_up(works)}, or lower "
+            f"chunked_prefill_size")
+    if too_big:
+        return [f"{too_big} request(s) send a chunk larger than the ring ({need_max} > {ring} "
+                f"bytes) and will fail; SGLANG_DISAGG_STAGING_POOL_SIZE_MB="
+                f"{_mib_up(need_max)} fits them all"]
+    return []

@@ -7,100 +7,163 @@ import sys
 import click
 
 from twin.cli.common import (
+    HW_FAULT_EXAMPLES,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    WRITE_ERRNOS,
     BadInput,
-    defect_option,
+    check_output_file,
+    deployment_options,
+    describe,
     emit_json,
-    fault_option,
     resolve_run,
+    run_options,
+    write_error,
 )
+from twin.runtime.outcome import EXIT_CODES_HELP, EXIT_ERROR
 
 
-def _gpus(text: str | None) -> list[int] | None:
+def _gpus(text: str | None, flag: str) -> list[int] | None:
     if not text:
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        gpus = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise BadInput(f"GPU list {text!r}: expected comma-separated indices like 0,1,2,3") from None
+        raise BadInput(f"{flag} {text!r}: expected comma-separated indices like 0,1,2,3") \
+            from None
+    if any(g < 0 for g in gpus):
+        raise BadInput(f"{flag} {text!r}: GPU indices are not negative")
+    return gpus
 
 
-@click.command("hw")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config (as for `twin sim`).")
-@click.option("--scenario", default=None, metavar="NAME",
-              help="Built-in scenario (see `twin scenarios`); default: 'default' cut to 16 "
-                   "requests.")
-@click.option("--scenario-defects", is_flag=True, help="Switch on the scenario's defects.")
-@click.option("--workload", "workload_spec", default=None, metavar="FILE|SPEC",
-              help="Trace file or generator spec (as for `twin sim`).")
-@click.option("--first-n", type=int, default=None, help="Keep the first N requests.")
-@defect_option
-@fault_option
-@click.option("--seed", type=int, default=0, show_default=True)
+def _hw_faults(specs) -> None:  # type: ignore[no-untyped-def]
+    from twin.core.defects import Defects
+    from twin.hw.run import HwInputError, check_supported
+
+    try:
+        check_supported(Defects(), [s.text for s in specs])
+    except HwInputError as exc:
+        raise BadInput(str(exc)) from None
+
+
+@click.command("hw", epilog=f"Exit status: {EXIT_CODES_HELP}")
+@deployment_options
+@run_options(HW_FAULT_EXAMPLES)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where KV pools, staging buffers and rings live (DRAM or VRAM).")
 @click.option("--prefill-gpus", default=None, metavar="LIST",
               help="GPUs of the prefill ranks, e.g. 0,1,2,3.")
 @click.option("--decode-gpus", default=None, metavar="LIST",
               help="GPUs of the decode ranks, e.g. 4,5.")
-@click.option("--kv-pool-pages", type=int, default=2048, show_default=True,
-              help="KV pool pages per rank.")
-@click.option("--max-concurrency", type=int, default=None,
-              help="Requests in flight at once (default: the scenario's, else 4).")
-@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
-              help="Stop the run after this many seconds.")
+@click.option("--kernels", type=click.Choice(["auto", "torch", "triton"]), default="auto",
+              envvar="TWIN_KERNELS", show_default=True,
+              help="Gather/scatter backend; auto: Triton on CUDA when installed, else torch "
+                   "(also read from TWIN_KERNELS).")
+@click.option("--kv-pool-pages", type=POSITIVE_INT, default=None, metavar="N",
+              help="KV pool pages per rank. Default: enough for --max-concurrency of the "
+                   "workload's longest requests. A pool smaller than one request is rejected "
+                   "before launch; requests wait for pool space otherwise.")
+@click.option("--timeout", "timeout_s", type=POSITIVE_FLOAT, default=300.0, show_default=True,
+              help="Stop the run after this many seconds (status interrupted, exit 1).")
 @click.option("--trace-out", type=click.Path(dir_okay=False), default=None,
               help="Write the trace (same format as `twin sim`).")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Write each rank's log (frames, full tracebacks) to LOG_DIR/NODE.log; "
+                   "default: a temporary folder kept only when a rank fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
-def hw_command(config_path, scenario, scenario_defects, workload_spec, first_n, defects, faults,
-               seed, device, prefill_gpus, decode_gpus, kv_pool_pages, max_concurrency,
-               timeout_s, trace_out, as_json) -> None:
+def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, env_items,
+               model, gpu,
+               scenario_defects, first_n, slowdown, defects, faults, seed, until,
+               max_concurrency, device, prefill_gpus, decode_gpus, kernels, kv_pool_pages,
+               timeout_s, trace_out, log_dir, as_json) -> None:
     """Run a workload on real rank processes and verify every byte.
 
     One process per prefill and decode rank, pyzmq with SGLang's frames, NIXL WRITEs into the
-    decode ring, torch (or Triton on CUDA) gather/scatter into paged KV pools. Exit status as
-    `twin sim`: 0 clean, 2 bad input, 3 wedge, 4 corruption (1 if a rank crashed).
+    decode ring, torch (or Triton on CUDA) gather/scatter into paged KV pools. Inputs resolve
+    exactly as in `twin sim` (same flags, same defaults, same deployment line); without
+    --max-concurrency at most 4 requests are in flight. Ctrl-C, SIGTERM and SIGHUP stop the
+    run and its ranks; the ranks also die with this process.
     """
-    from twin.hw.launcher import HwOptions
+    from twin.cli.common import check_output_dir
+    from twin.hw.launcher import HwOptions, LaunchError, PoolError, plan_pool
     from twin.hw.run import HwInputError, run_hw
 
-    if first_n is None and scenario is None and not workload_spec:
-        first_n = 16
+    check_output_file(trace_out, "--trace-out")
+    check_output_dir(log_dir, "--log-dir")
     run = resolve_run(scenario=scenario, scenario_defects=scenario_defects,
                       config_path=config_path, workload_spec=workload_spec, first_n=first_n,
-                      slowdown=None, defects=defects, faults=faults,
-                      max_concurrency=max_concurrency, sglang_defaults_for_own_workload=False)
-    options = HwOptions(device=device, prefill_gpus=_gpus(prefill_gpus),
-                        decode_gpus=_gpus(decode_gpus), kv_pool_pages=kv_pool_pages,
-                        timeout_s=timeout_s)
+                      slowdown=slowdown, defects=defects, faults=faults,
+                      prefill_args=prefill_args, decode_args=decode_args, env_items=env_items,
+                      max_concurrency=max_concurrency, fault_check=_hw_faults, model=model,
+                      gpu=gpu)
+    options = HwOptions(device=device, prefill_gpus=_gpus(prefill_gpus, "--prefill-gpus"),
+                        decode_gpus=_gpus(decode_gpus, "--decode-gpus"), timeout_s=timeout_s,
+                        until_s=until, log_dir=log_dir,
+                        kernels="" if kernels == "auto" else kernels)
+    concurrency = run.max_concurrency or options.max_concurrency
+    run.max_concurrency = concurrency
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise BadInput("--device cuda: no CUDA device is visible")
     try:
+        plan = plan_pool(run.cfg, run.workload, run.params, run.overrides, options,
+                         kv_pool_pages, concurrency)
+    except (HwInputError, PoolError) as exc:
+        raise BadInput(str(exc)) from None
+    options.kv_pool_pages = plan.pages
+    if not as_json:
+        click.echo(f"deployment  {describe(run.cfg)}")
+        click.echo(f"workload    {run.workload_line()}")
+        click.echo(f"kv pool     {plan.describe()}")
+        for note in run.notes:
+            click.echo(f"note        {note}")
+    try:
         result = run_hw(run.cfg, run.workload, defects=run.defects,
                         faults=[f.text for f in run.faults], seed=seed, params=run.params,
                         options=options, trace_out=trace_out, request_overrides=run.overrides,
-                        max_concurrency=run.max_concurrency)
+                        max_concurrency=concurrency, echo=None if as_json else click.echo)
     except HwInputError as exc:
         raise BadInput(str(exc)) from None
+    except KeyboardInterrupt as exc:  # during start-up; the run itself handles its own
+        why = exc.args[0] if exc.args else "Ctrl-C"
+        click.echo(f"status      interrupted by {why} while starting the ranks; ranks stopped")
+        sys.exit(EXIT_ERROR)
+    except LaunchError as exc:
+        click.echo("status      crashed (the ranks did not start)")
+        click.echo(f"error       {exc}")
+        sys.exit(EXIT_ERROR)
+    except OSError as exc:
+        if trace_out is None or exc.errno not in WRITE_ERRNOS:
+            raise
+        raise write_error(exc, "--trace-out", trace_out) from None
     s = result.summary()
     if as_json:
-        emit_json(s)
+        emit_json({**s, "deployment": describe(run.cfg), "workload_line": run.workload_line(),
+                   "kv_pool": plan.describe(), "notes": run.notes + s["notes"]})
     else:
+        from twin.cli.sim_cmd import print_faults
+
         click.echo(f"status      {s['status']}")
-        check = (f"{len(result.corruption)} with wrong bytes" if result.corruption
-                 else "every byte verified")
+        wrong = s["corrupted_requests"]
+        check = (f"{wrong} with wrong bytes" if wrong else f"{s['verified']} byte-verified")
         click.echo(f"requests    {s['requests']}: {s['completed']} completed ({check}), "
                    f"{s['failed']} failed, {s['unfinished']} unfinished")
         click.echo(f"ran         {s['sim_seconds']:.2f} s, {s['events']} core events")
+        for reason, n in s["failures"].items():
+            click.echo(f"failed      {n} x {reason}")
+        print_faults(s["fault_report"])
         for line in s["diagnosis"]:
             click.echo(f"wedge       {line}")
         for line in s["corruption"][:20]:
             click.echo(f"corruption  {line}")
         for line in s["errors"]:
             click.echo(f"error       {line}")
+        for line in s["notes"]:
+            click.echo(f"note        {line}")
+        if s.get("log_dir"):
+            click.echo(f"rank logs   {s['log_dir']}")
         if trace_out:
             click.echo(f"trace       {trace_out}")
     sys.exit(result.exit_code)

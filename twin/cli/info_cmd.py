@@ -9,7 +9,7 @@ from twin.core.defects import CATALOG
 
 
 @click.command("defects")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def defects_command(as_json: bool) -> None:
     """List the upstream defects the twin can switch back on."""
     if as_json:

@@ -8,35 +8,39 @@ from pathlib import Path
 import click
 
 from twin.cli.common import (
-    apply_launch,
-    defect_option,
+    SIM_FAULT_EXAMPLES,
+    WRITE_ERRNOS,
+    RunInputs,
+    check_output_dir,
+    check_output_file,
+    deployment_options,
+    describe,
     emit_json,
-    fault_option,
-    gpu_option,
-    model_option,
+    resolve_deployment,
     resolve_run,
+    run_options,
+    write_error,
 )
-from twin.core.config import TwinConfig
+from twin.runtime.outcome import EXIT_CODES_HELP
 from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS
 
 
-def describe(cfg: TwinConfig) -> str:
-    """One line: who writes to whom, ring and grid."""
-    def side(x) -> str:  # type: ignore[no-untyped-def]
-        dp = f" DP{x.dp_size} (DP attention)" if x.enable_dp_attention else ""
-        inst = f" x{x.instances}" if x.instances > 1 else ""
-        return f"TP{x.tp_size}{dp}{inst}"
-
-    ring = cfg.ring_bytes / (1 << 20)
-    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, ring {ring:g} MiB per "
-            f"decode rank, chunked_prefill_size {cfg.chunked_prefill_size}, page {cfg.page_size}")
+def print_faults(faults: list[dict]) -> None:
+    """One line per injected fault: how often it fired, flagging one that never did."""
+    for f in faults:
+        n = f["fired"]
+        flag = "  <- never fired" if n == 0 else ""
+        click.echo(f"fault       {f['fault']}: fired {n} time{'s' * (n != 1)}{flag}")
 
 
-def _print_human(result: SimResult) -> None:
+def _print_human(result: SimResult, run: RunInputs) -> None:
     s = result.summary()
     click.echo(f"deployment  {describe(result.sim.cfg)}")
     click.echo(f"serving     {result.sim.deployment.describe()}")
+    click.echo(f"workload    {run.workload_line()}")
+    for note in run.notes:
+        click.echo(f"note        {note}")
     click.echo(f"status      {s['status']}  ({s['stop_reason']})")
     click.echo(f"requests    {s['requests']}: {s['completed']} completed, {s['failed']} failed, "
                f"{s['unfinished']} unfinished")
@@ -53,83 +57,84 @@ def _print_human(result: SimResult) -> None:
         click.echo(f"defects on  {', '.join(s['defects'])}")
     for reason, n in s["failures"].items():
         click.echo(f"failed      {n} x {reason}")
+    print_faults(s["fault_report"])
     for line in s["diagnosis"]:
         click.echo(f"wedge       {line}")
     for line in s["corruption"][:20]:
         click.echo(f"corruption  {line}")
 
 
-@click.command("sim")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config (SGLang's names; a [sim] table sets cost parameters).")
-@click.option("--scenario", default=None, metavar="NAME",
-              help="Built-in scenario (see `twin scenarios`); default: 'default' (its small demo "
-                   "model), or SGLang's defaults when --workload is given.")
-@click.option("--scenario-defects", is_flag=True,
-              help="Switch on the defects the scenario reproduces.")
-@click.option("--workload", "workload_spec", default=None, metavar="FILE|SPEC",
-              help="Mooncake JSONL or Azure CSV trace (detected by content), or a generator "
-                   "spec such as poisson:n=200,rate=5,input=4096,output=64,seed=1.")
-@click.option("--first-n", type=int, default=None, help="Keep the first N requests.")
-@click.option("--slowdown", type=float, default=None, help="Stretch inter-arrival times.")
-@click.option("--prefill-args", default=None, metavar="ARGS",
-              help="Prefill server launch arguments, e.g. '--tp-size 4 --chunked-prefill-size 256'.")
-@click.option("--decode-args", default=None, metavar="ARGS",
-              help="Decode server launch arguments, e.g. '--tp-size 2'.")
-@click.option("--env", "env_items", multiple=True, metavar="KEY=VALUE",
-              help="Staging environment variable, e.g. SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64.")
-@model_option
-@gpu_option
-@defect_option
-@fault_option
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--until", type=float, default=None, metavar="SECONDS",
-              help="Stop after this much simulated time.")
-@click.option("--max-concurrency", type=int, default=None,
-              help="Closed-loop clients: at most N requests in flight.")
+@click.command("sim", epilog=f"Exit status: {EXIT_CODES_HELP}")
+@deployment_options
+@run_options(SIM_FAULT_EXAMPLES)
 @click.option("--trace-out", type=click.Path(dir_okay=False), default=None,
               help="Write the trace (JSON Lines; .gz compresses).")
 @click.option("--metrics-out", type=click.Path(file_okay=False), default=None,
-              help="Write requests.csv, occupancy.csv, watermark_lag.csv, metrics.json here.")
+              help="Write requests.csv, occupancy.csv, watermark_lag.csv, decode_batch.csv, "
+                   "prefill_pool.csv and metrics.json here.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
-              help="Write latency.png, ring.png and deferrals.png here.")
+              help="Write latency.png, ring.png, deferrals.png and decode.png here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
-def sim_command(config_path, scenario, scenario_defects, workload_spec, first_n, slowdown,
-                prefill_args, decode_args, env_items, model, gpu, defects, faults, seed, until,
+def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args, env_items,
+                model, gpu,
+                scenario_defects, first_n, slowdown, defects, faults, seed, until,
                 max_concurrency, trace_out, metrics_out, plot_dir, as_json) -> None:
-    """Simulate a staged PD deployment and report wedges, corruption and latency.
-
-    Exit status: 0 every request ended with no wedge and no corruption, 2 bad input,
-    3 wedge, 4 corruption.
-    """
+    """Simulate a staged PD deployment and report wedges, corruption, failures and latency."""
+    check_output_file(trace_out, "--trace-out")
+    check_output_dir(metrics_out, "--metrics-out")
+    check_output_dir(plot_dir, "--plot")
     run = resolve_run(scenario=scenario, scenario_defects=scenario_defects,
                       config_path=config_path, workload_spec=workload_spec, first_n=first_n,
                       slowdown=slowdown, defects=defects, faults=faults,
                       prefill_args=prefill_args, decode_args=decode_args, env_items=env_items,
                       max_concurrency=max_concurrency, model=model, gpu=gpu)
-    result = run_sim(
-        run.cfg, run.workload, defects=run.defects, faults=run.faults, seed=seed,
-        params=run.params, until=until, progress=not as_json, request_overrides=run.overrides,
-        max_concurrency=run.max_concurrency, trace_out=trace_out)
-    if metrics_out:
-        result.sim.metrics.write(Path(metrics_out))
-    if plot_dir:
-        from twin.sim.plots import write_plots
+    from twin.runtime.signals import signals_interrupt
 
-        write_plots(result.sim.metrics, Path(plot_dir))
+    try:
+        with signals_interrupt():
+            result = run_sim(
+                run.cfg, run.workload, defects=run.defects, faults=run.faults, seed=seed,
+                params=run.params, until=until, progress=not as_json,
+                request_overrides=run.overrides, max_concurrency=run.max_concurrency,
+                trace_out=trace_out)
+    except OSError as exc:
+        if trace_out is None or exc.errno not in WRITE_ERRNOS:
+            raise
+        raise write_error(exc, "--trace-out", trace_out) from None
+    written: list[tuple[str, Path]] = []
+    try:
+        if metrics_out:
+            result.sim.metrics.write(Path(metrics_out))
+            written.append(("metrics", Path(metrics_out)))
+        if plot_dir:
+            from twin.sim.plots import write_plots
+
+            write_plots(result.sim.metrics, Path(plot_dir), stopped_at=result.sim.env.now,
+                        wedged=result.wedged, last_progress=result.sim.runtime.last_progress)
+            written.append(("plots", Path(plot_dir)))
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        flag, path = ("--plot", plot_dir) if written or not metrics_out else \
+            ("--metrics-out", metrics_out)
+        raise write_error(exc, flag, path) from None
     if as_json:
-        emit_json(result.summary())
+        emit_json({**result.summary(), "deployment": describe(run.cfg),
+                   "workload_line": run.workload_line(), "notes": run.notes})
     else:
-        _print_human(result)
+        _print_human(result, run)
         if trace_out:
             click.echo(f"trace       {trace_out}")
+        for label, path in written:
+            names = ", ".join(sorted(p.name for p in path.iterdir() if p.is_file()))
+            click.echo(f"{label:<11} {path}/ ({names})")
     sys.exit(result.exit_code)
 
 
 @click.command("scenarios")
 @click.option("--check", is_flag=True,
               help="Run every scenario with its defects on and off and check the symptom.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def scenarios_command(check: bool, as_json: bool) -> None:
     """List the built-in scenarios (one per upstream defect) or check them all."""
     from twin.sim.scenarios import check_scenario
@@ -157,16 +162,31 @@ def scenarios_command(check: bool, as_json: bool) -> None:
         sys.exit(1)
 
 
-@click.command("config")
-@click.option("--prefill-args", required=True, metavar="ARGS")
-@click.option("--decode-args", required=True, metavar="ARGS")
-@click.option("--env", "env_items", multiple=True, metavar="KEY=VALUE")
-def config_command(prefill_args: str, decode_args: str, env_items: tuple[str, ...]) -> None:
-    """Translate SGLang launch arguments into the twin's TOML config."""
+@click.group("config")
+def config_group() -> None:
+    """The effective deployment config: what a run with the same flags would use."""
+
+
+@config_group.command("show")
+@deployment_options
+def config_show_command(config_path, scenario, workload_spec, prefill_args, decode_args,
+                        env_items, model, gpu) -> None:
+    """Print the effective config as TOML (the scenario or SGLang's defaults, then --config,
+    its [launch] table, then --prefill-args, --decode-args and --env, then --model and --gpu,
+    later layers winning field by field). The output is a config file: `--config` reads it back to the same
+    deployment and cost parameters."""
     import tomli_w
 
-    cfg = apply_launch(TwinConfig(), prefill_args, decode_args, env_items, None)
-    click.echo(tomli_w.dumps(cfg.to_dict()), nl=False)
+    _, cfg, params = resolve_deployment(
+        scenario=scenario, config_path=config_path, workload_spec=workload_spec,
+        prefill_args=prefill_args, decode_args=decode_args, env_items=env_items, model=model,
+        gpu=gpu)
+    data = cfg.to_dict()
+    for table in ("launch", "run"):
+        data.pop(table, None)  # applied above; reading it back would apply it twice
+    data["sim"] = params.to_dict()
+    click.echo(f"# {describe(cfg)}")
+    click.echo(tomli_w.dumps(data), nl=False)
 
 
-COMMANDS = [sim_command, scenarios_command, config_command]
+COMMANDS = [sim_command, scenarios_command, config_group]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
 
-from twin.cli.common import BadInput
+from twin.cli.common import BadInput, writing
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
+    """The whole trace in memory (hardware replay, which scripts every rank up front)."""
     from twin.trace.codec import TraceError
     from twin.trace.format import read_trace
 
@@ -22,6 +24,30 @@ def _read(path: str):  # type: ignore[no-untyped-def]
     return trace
 
 
+@contextlib.contextmanager
+def _streaming(*paths: str):  # type: ignore[no-untyped-def]
+    """Turn trace errors met while streaming into bad input; print the readers' warnings
+    (final once a view has read its traces) afterwards."""
+    from twin.trace.codec import TraceError
+
+    readers: list = []  # type: ignore[type-arg]
+
+    def open_reader(path: str, **kwargs):  # type: ignore[no-untyped-def]
+        from twin.trace.format import TraceReader
+
+        reader = TraceReader(path, lazy=True, **kwargs)
+        readers.append(reader)
+        return reader
+
+    try:
+        yield open_reader
+    except (TraceError, OSError) as exc:
+        raise BadInput(str(exc)) from None
+    for reader in readers:
+        for w in reader.warnings:
+            click.echo(f"warning: {w}", err=True)
+
+
 @click.group("trace")
 def trace_group() -> None:
     """Inspect traces written by `twin sim` or `twin hw`."""
@@ -31,9 +57,11 @@ def trace_group() -> None:
 @click.argument("trace_path", type=click.Path(exists=True, dir_okay=False))
 def trace_summary(trace_path: str) -> None:
     """Counts, outcome and per-room timing of a trace."""
-    from twin.trace.inspect import summary
+    from twin.trace.inspect import _SUMMARY_TYPES, summary
 
-    click.echo(summary(_read(trace_path)))
+    with _streaming() as open_reader:
+        text = summary(open_reader(trace_path, select=_SUMMARY_TYPES))
+    click.echo(text, nl=False)
 
 
 @trace_group.command("room")
@@ -43,7 +71,9 @@ def trace_room(trace_path: str, room: int) -> None:
     """A readable timeline of one room across every rank."""
     from twin.trace.inspect import room_timeline
 
-    click.echo(room_timeline(_read(trace_path), room))
+    with _streaming():
+        text = room_timeline(trace_path, room)
+    click.echo(text, nl=False)
 
 
 @trace_group.command("diff")
@@ -51,22 +81,41 @@ def trace_room(trace_path: str, room: int) -> None:
 @click.argument("b", type=click.Path(exists=True, dir_okay=False))
 def trace_diff(a: str, b: str) -> None:
     """First divergence between two traces, then a summary of differences."""
-    from twin.trace.inspect import diff, first_divergence
+    from twin.trace.inspect import compare
 
-    ta, tb = _read(a), _read(b)
-    click.echo(diff(ta, tb))
-    sys.exit(1 if first_divergence(ta, tb) is not None else 0)
+    with _streaming() as open_reader:
+        result = compare(open_reader(a), open_reader(b))
+    click.echo(result.text, nl=False)
+    sys.exit(1 if result.diverged else 0)
 
 
 @click.command("perfetto")
 @click.argument("trace_path", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False),
-              help="Chrome trace-event JSON for ui.perfetto.dev or chrome://tracing.")
-def perfetto_command(trace_path: str, out_path: str) -> None:
-    """Write a Perfetto-viewable timeline of a trace."""
+              help="Output file: Perfetto protobuf (e.g. run.pftrace), or Chrome trace-event "
+                   "JSON when it ends in .json or .json.gz; .gz compresses.")
+@click.option("--format", "fmt", type=click.Choice(["proto", "json"]), default=None,
+              help="Output format  [default: json for .json/.json.gz names, else proto]")
+@click.option("--from", "t_from", type=float, default=None, metavar="SECONDS",
+              help="Only the part of the run from this trace time on.")
+@click.option("--to", "t_to", type=float, default=None, metavar="SECONDS",
+              help="Only the part of the run up to this trace time.")
+@click.option("--room", type=int, default=None,
+              help="Only this room's slices, instants and flows (and counters while it lives).")
+def perfetto_command(trace_path: str, out_path: str, fmt: str | None, t_from: float | None,
+                     t_to: float | None, room: int | None) -> None:
+    """Write a Perfetto timeline of a trace (open it in ui.perfetto.dev).
+
+    The trace is streamed; with its index (TRACE.idx, written beside it) a window or a room
+    is cut without reading the whole trace.
+    """
     from twin.trace.perfetto import write_perfetto
 
-    write_perfetto(_read(trace_path), out_path)
+    if t_from is not None and t_to is not None and t_to < t_from:
+        raise BadInput(f"--to {t_to:g} is before --from {t_from:g}")
+    with writing("--out", out_path), _streaming() as open_reader:
+        write_perfetto(open_reader(trace_path), out_path, fmt=fmt, t_from=t_from, t_to=t_to,
+                       room=room)
     click.echo(f"wrote {out_path} (open it in ui.perfetto.dev)")
 
 
@@ -81,18 +130,20 @@ COMMANDS = [trace_group, perfetto_command]
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               default=None, help="A hardware trace's timing comparison simulates with this "
                                  "config's [sim] costs (e.g. from `twin calibrate`).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def replay_command(trace_path: str, mode: str, config_path: str | None, as_json: bool) -> None:
     """Replay a trace and check that it reaches the same outcome.
 
     Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
-    4 corruption (reproduced).
+    4 corruption, 5 failed requests (reproduced).
     """
-    trace = _read(trace_path)
+    if mode == "hw" and config_path is not None:
+        raise BadInput("--config: a cost model for the simulated timing comparison; "
+                       "--mode hw replays on real ranks and takes none")
     if mode == "hw":
         from twin.hw.replay import replay_hw
 
-        result = replay_hw(trace)
+        result = replay_hw(_read(trace_path))
     else:
         from twin.calibrate import costs_from
         from twin.replay import replay_sim
@@ -101,7 +152,8 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
             params = costs_from(config_path)
         except ValueError as exc:  # ConfigError
             raise BadInput(str(exc)) from None
-        result = replay_sim(trace, params)
+        with _streaming() as open_reader:
+            result = replay_sim(open_reader(trace_path), params)
     if as_json:
         from twin.cli.common import emit_json
 

@@ -1,15 +1,19 @@
 """Typed, validated configuration of a staged PD deployment, with SGLang's names.
 
 ``TwinConfig.from_toml(path)`` / ``from_dict`` reject bad input with a ``ConfigError`` naming the
-file and field. Validation mirrors SGLang's start-up checks for the staging buffer: positive
-``chunked_prefill_size`` that is a multiple of ``page_size``, no ``pp_size > 1``, no MLA model,
-no prefill context parallelism. Sections the core does not know (for example ``[sim]``) are
-kept in ``extra`` for the drivers.
+file and field (a misspelt key or table gets a suggestion). Validation mirrors SGLang's start-up
+checks for the staging buffer: positive ``chunked_prefill_size`` that is a multiple of
+``page_size``, no ``pp_size > 1``, no MLA model, no prefill context parallelism, KV heads that
+split over each side's attention TP (or are replicated across it). The driver tables
+(``[sim]``, ``[launch]``; ``[run]`` in a trace header) are kept in ``extra``; any other table is
+rejected. Given a ``base``, the file is a layer: the fields it names replace the base's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,19 +139,32 @@ class TwinConfig:
 
     # Loading --------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "<config>") -> TwinConfig:
-        return _from_dict(data, source)
+    def from_dict(cls, data: dict[str, Any], *, source: str = "<config>",
+                  base: TwinConfig | None = None,
+                  tables: tuple[str, ...] = ("sim", "launch", "run", "serving")
+                  ) -> TwinConfig:
+        """A config from plain data; with ``base``, only the fields ``data`` names change.
+        ``tables``: the driver tables accepted into ``extra``."""
+        return _from_dict(data, source, base, tables)
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> TwinConfig:
+    def from_toml(cls, path: str | Path, base: TwinConfig | None = None) -> TwinConfig:
+        """A config file (tables ``[model]``, ``[prefill]``, ``[decode]``, ``[sim]``,
+        ``[launch]``, ``[serving]``), layered over ``base`` when given."""
         p = Path(path)
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{p}: no such file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{p}: is a directory, not a TOML file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file (not UTF-8); expected TOML") from None
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
-        return _from_dict(data, str(p))
+        return _from_dict(data, str(p), base, ("sim", "launch", "serving"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that ``from_dict`` reads back to an equal config."""
@@ -168,7 +185,16 @@ class TwinConfig:
 _SECTIONS = {"model": ModelShape, "prefill": ServerSide, "decode": ServerSide}
 
 
+def _unknown(source: str, name: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{source}: field {name!r}: unknown{hint} (known: "
+                       f"{', '.join(sorted(known))})")
+
+
 def _typed(source: str, name: str, value: Any, want: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: field {name!r}: expected a finite number, got {value}")
     if want in (bool, "bool"):
         if not isinstance(value, bool):
             raise ConfigError(f"{source}: field {name!r}: expected true/false, got {value!r}")
@@ -191,9 +217,7 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(
-                f"{source}: field {prefix + key!r}: unknown; known: {', '.join(sorted(fields))}"
-            )
+            raise _unknown(source, prefix + key, key, list(fields))
         kwargs[key] = _typed(source, prefix + key, value, fields[key].type)
     return kwargs
 
@@ -203,7 +227,10 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
 _MOVED_FROM_SIM = ("deferral_wait_s", "late_register_delay_s")
 
 
-def _from_dict(data: dict[str, Any], source: str) -> TwinConfig:
+def _from_dict(data: dict[str, Any], source: str, base: TwinConfig | None = None,
+               tables: tuple[str, ...] = ("sim", "launch", "run", "serving")) -> TwinConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a table of fields")
     sim = data.get("sim")
     if isinstance(sim, dict) and any(k in sim for k in _MOVED_FROM_SIM):
         data = {**data, "sim": {k: v for k, v in sim.items() if k not in _MOVED_FROM_SIM}}
@@ -217,17 +244,27 @@ def _from_dict(data: dict[str, Any], source: str) -> TwinConfig:
     }
     for key, value in data.items():
         if key in _SECTIONS:
-            top[key] = _SECTIONS[key](**_build(_SECTIONS[key], value, source, f"{key}."))
+            fields = _build(_SECTIONS[key], value, source, f"{key}.")
+            if base is not None:
+                fields = {**dataclasses.asdict(getattr(base, key)), **fields}
+            try:
+                top[key] = _SECTIONS[key](**fields)
+            except TypeError as exc:  # pragma: no cover - _build checked the names
+                raise ConfigError(f"{source}: field {key!r}: {exc}") from None
         elif key in scalar_fields:
             top[key] = _typed(source, key, value, scalar_fields[key].type)
-        elif isinstance(value, dict):
+        elif key in tables:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: field {key!r}: expected a table")
             extra[key] = value
         else:
-            raise ConfigError(
-                f"{source}: field {key!r}: unknown; known: "
-                f"{', '.join(sorted([*_SECTIONS, *scalar_fields]))}"
-            )
+            raise _unknown(source, key, key, [*_SECTIONS, *scalar_fields, *tables])
+    if base is not None and "staging_pool_size_mb" in top and \
+            "staging_pool_size_bytes" not in top:
+        top["staging_pool_size_bytes"] = None  # the ring size this layer asked for wins
     try:
+        if base is not None:
+            return base.replace(**top, extra=extra)
         return TwinConfig(**top, extra=extra)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
@@ -270,6 +307,13 @@ def validate(cfg: TwinConfig) -> None:
             "context parallelism"
         )
     pa, da = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
+    heads = m.num_kv_heads
+    for side_name, tp in (("prefill", pa), ("decode", da)):
+        if heads % tp and tp % heads:
+            raise ConfigError(
+                f"field '{side_name}.tp_size': {heads} KV heads do not split over attention TP "
+                f"{tp} (SGLang needs num_kv_heads % tp == 0 or tp % num_kv_heads == 0)"
+            )
     if max(pa, da) % min(pa, da):
         raise ConfigError(
             f"field 'decode.tp_size': attention TP sizes must divide each other "

@@ -22,13 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from twin.hw.kernels import (
-    PageIndices,
-    compute_head_slice_params,
-    int_view,
-    pool_token_indices,
-    staging_bytes,
-)
+from twin.core.layout import compute_head_slice_params
+from twin.hw.kernels.common import PageIndices, int_view, pool_token_indices, staging_bytes
 
 IntOrTensor = int | torch.Tensor
 

@@ -3,8 +3,14 @@
 ``Launcher`` spawns one process per prefill and decode attention-TP rank (free ports picked
 automatically), hands out the directory of endpoints, NIXL metadata and ring descriptors, and
 starts every rank on one clock. It always tears everything down (success, failure, timeout,
-Ctrl-C): ranks are told to stop, joined, and killed if they do not exit; sockets are closed.
-Records stream in from the ranks and are written to the trace in time order, a window behind.
+Ctrl-C, SIGTERM, SIGHUP): ranks are told to stop, joined, and killed if they do not exit;
+sockets are closed. Ranks also die with the coordinator if it is killed (``lifeline``). A rank
+that dies or raises is named in ``errors``, one line each; its full output (tracebacks, NIXL
+messages) is in its log file, ``log_dir/NODE.log``. Records stream in from the ranks and are
+written to the trace in time order, a window behind.
+
+``plan_pool`` sizes the KV pool of every rank before launch, or checks a given size, so that no
+request can run a rank out of pages.
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ import contextlib
 import heapq
 import json
 import multiprocessing as mp
+import os
 import pickle
+import shutil
+import signal
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +31,10 @@ from typing import Any
 
 from twin.core.config import TwinConfig
 from twin.core.defects import Defects
+from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology
-from twin.hw.control import ControlSocket
+from twin.hw.control import ControlError, ControlSocket
+from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
 from twin.hw.rank import (
     CMD,
     DIRECTORY,
@@ -45,12 +57,14 @@ class HwOptions:
     prefill_gpus: list[int] | None = None
     decode_gpus: list[int] | None = None
     kv_pool_pages: int = 2048
-    wedge_window_s: float = 5.0
+    wedge_window_s: float | None = None  # None: the run's SimParams.wedge_window_s
     timeout_s: float = 120.0
     start_timeout_s: float = 120.0
     max_concurrency: int = 4
     forward_s: float = 0.002
     kernels: str = ""
+    until_s: float | None = None
+    log_dir: str | None = None
 
     def device_of(self, role: str, index: int) -> str:
         if self.device != "cuda":
@@ -61,6 +75,124 @@ class HwOptions:
 
 class LaunchError(RuntimeError):
     """A rank failed to start or died."""
+
+
+class PoolError(ValueError):
+    """The KV pool cannot hold a request, or the ranks' memory does not fit the host."""
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """KV pool pages per rank and what the ranks will allocate."""
+
+    pages: int
+    largest_request_pages: int
+    auto: bool
+    bytes_per_rank: dict[str, int]
+
+    def describe(self) -> str:
+        total = sum(self.bytes_per_rank.values()) / (1 << 30)
+        how = (f"sized for {self.pages // max(1, self.largest_request_pages)} of the longest "
+               f"requests" if self.auto else "--kv-pool-pages")
+        return (f"{self.pages} pages per rank ({how}; the longest request needs "
+                f"{self.largest_request_pages}); {total:.2f} GiB in all ranks' pools, "
+                f"buffers and rings")
+
+
+def page_bytes(cfg: TwinConfig, role: str) -> int:
+    """Bytes of one KV page (K and V, every layer) on one rank of ``role``."""
+    m = cfg.model
+    tp = getattr(cfg, role).attn_tp_size
+    heads = max(1, m.num_kv_heads // tp)
+    return 2 * m.num_layers * cfg.page_size * heads * m.head_dim * m.dtype_bytes
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_gpu_memory(topo: Topology, per_rank: dict[str, int], options: HwOptions, pages: int,
+                      longest: int) -> None:
+    """Every GPU's ranks must fit in its free memory."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        counters = {"prefill": 0, "decode": 0}
+        need: dict[str, int] = {}
+        for n in topo.nodes.values():
+            dev = options.device_of(n.role, counters[n.role])
+            counters[n.role] += 1
+            need[dev] = need.get(dev, 0) + per_rank[n.id]
+        for dev, nbytes in need.items():
+            index = int(dev.split(":")[1])
+            if index >= torch.cuda.device_count():
+                raise PoolError(f"{dev}: no such GPU ({torch.cuda.device_count()} visible)")
+            free = torch.cuda.mem_get_info(index)[0]
+            if nbytes > 0.95 * free:
+                raise PoolError(f"{dev}: its ranks would allocate {nbytes / (1 << 30):.1f} GiB "
+                                f"(KV pools of {pages} pages, buffers, rings) but "
+                                f"{free / (1 << 30):.1f} GiB is free; lower --max-concurrency "
+                                f"or --kv-pool-pages (at least {longest}), or spread the ranks "
+                                f"over more GPUs")
+    except PoolError:
+        raise
+    except Exception:  # noqa: BLE001 - a failed probe must not block a run
+        return
+
+
+def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, dict[str, int]],
+              options: HwOptions, pages: int | None, max_concurrency: int) -> PoolPlan:
+    """The KV pool pages per rank: ``pages`` if given (it must hold the longest request),
+    else ``max_concurrency`` times the longest request. Raises ``PoolError`` (a ``ValueError``)
+    naming the ``--kv-pool-pages`` needed, or when the ranks would not fit in host memory."""
+    from twin.core.prefill import PrefillRank
+    from twin.core.topology import build_rank
+
+    longest = max((pages_for_tokens(r.input_len, cfg.page_size) for r in workload.requests),
+                  default=1)
+    longest = max(longest, 1)
+    auto = pages is None
+    if pages is None:
+        pages = longest * max(1, min(max_concurrency, len(workload.requests) or 1))
+    elif pages < longest:
+        raise PoolError(f"--kv-pool-pages {pages}: the longest request needs {longest} pages "
+                        f"({longest * cfg.page_size} tokens at page size {cfg.page_size}); use "
+                        f"--kv-pool-pages {longest} or more, or leave it out to size the pool "
+                        f"for --max-concurrency requests")
+    topo = Topology(cfg)
+    per_rank: dict[str, int] = {}
+    for n in topo.nodes.values():
+        nbytes = pages * page_bytes(cfg, n.role)
+        if n.role == "decode":
+            nbytes += cfg.ring_bytes
+        else:
+            core = build_rank(cfg, n, Defects())
+            if isinstance(core, PrefillRank):
+                nbytes += core.buffer_bytes * core.num_workers
+        per_rank[n.id] = nbytes
+    plan = PoolPlan(pages, longest, auto, per_rank)
+    if options.device == "cuda":
+        _check_gpu_memory(topo, per_rank, options, pages, longest)
+    else:
+        avail = _available_host_bytes()
+        total = sum(per_rank.values())
+        if avail is not None and total > 0.9 * avail:
+            raise PoolError(
+                f"the ranks would allocate {total / (1 << 30):.1f} GiB of host memory (KV pools "
+                f"of {pages} pages, staging buffers, {cfg.ring_bytes / (1 << 20):g} MiB rings) "
+                f"but {avail / (1 << 30):.1f} GiB is available; lower --max-concurrency or "
+                f"--kv-pool-pages (at least {longest}), cut the workload (--first-n), or use a "
+                f"smaller model or ring in --config")
+    return plan
 
 
 @dataclass(order=True)
@@ -102,6 +234,11 @@ class Launcher:
         self.on_records: Callable[[str, list[Any]], None] | None = None
         self.on_report: Callable[[dict[str, Any]], None] | None = None
         self.errors: list[str] = []
+        self.failed_nodes: set[str] = set()
+        self.stopping = False
+        self.log_dir = options.log_dir
+        self._own_log_dir = options.log_dir is None
+        self._set_frame_log = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -116,6 +253,16 @@ class Launcher:
         self.stop()
 
     def start(self) -> None:
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="twin-hw-logs-")
+        else:
+            os.makedirs(self.log_dir, exist_ok=True)
+        # Spawned ranks inherit these: they die with this process and log to their own file.
+        os.environ[PARENT_ENV] = str(os.getpid())
+        os.environ[LOG_ENV] = self.log_dir
+        self._set_frame_log = not self._own_log_dir and "TWIN_HW_LOG_DIR" not in os.environ
+        if self._set_frame_log:
+            os.environ["TWIN_HW_LOG_DIR"] = self.log_dir  # --log-dir: frame logs there too
         ctx = mp.get_context("spawn")
         by_unique = {n.unique_rank: n.id for n in self.topo.nodes.values()
                      if n.role == "prefill"}
@@ -143,7 +290,7 @@ class Launcher:
                 info = json.loads(frames[1])
                 hellos[info["node"]] = (info, frames[2])
             elif frames[0] == REPORT:
-                raise LaunchError(json.loads(frames[2]).get("detail", "rank failed"))
+                raise LaunchError(self._start_error(frames))
         order = sorted(hellos)
         directory = [hellos[n][0] for n in order]
         metas = [hellos[n][1] for n in order]
@@ -158,7 +305,7 @@ class Launcher:
             if frames[0] == b"TWIN_READY":
                 ready.add(frames[1].decode())
             elif frames[0] == REPORT:
-                raise LaunchError(json.loads(frames[2]).get("detail", "rank failed"))
+                raise LaunchError(self._start_error(frames))
         self.t0 = time.monotonic()
         for node in order:
             self.sock.send(self.endpoints[node], [START, repr(self.t0).encode()])
@@ -171,14 +318,40 @@ class Launcher:
                                   f"{self.options.start_timeout_s:g} s")
             dead = [n for n, p in self.procs.items() if not p.is_alive()]
             if dead:
+                self.failed_nodes.update(dead)
                 raise LaunchError(f"rank {dead[0]} exited during {phase} "
-                                  f"(exit code {self.procs[dead[0]].exitcode})")
+                                  f"({_exit_text(self.procs[dead[0]].exitcode)}); its log: "
+                                  f"{self.log_of(dead[0])}")
             frames = self.sock.recv_frames(timeout_ms=min(500, int(left * 1000) + 1))
             if frames is not None:
                 return frames
 
+    def _start_error(self, frames: list[bytes]) -> str:
+        report = json.loads(frames[2])
+        node = report.get("node", frames[1].decode())
+        self.failed_nodes.add(node)
+        return f"{node} failed to start: {_last_line(report.get('detail', ''))} (full " \
+               f"traceback: {self.log_of(node)})"
+
+    def log_of(self, node: str) -> str:
+        """The log file of ``node`` (its stderr: tracebacks, NIXL messages)."""
+        return rank_log_path(self.log_dir or ".", node)
+
+    def check_alive(self) -> list[str]:
+        """Name ranks whose process ended while the run goes on (an error each)."""
+        dead = []
+        for node, p in self.procs.items():
+            if node in self.failed_nodes or p.is_alive():
+                continue
+            self.failed_nodes.add(node)
+            dead.append(node)
+            self.errors.append(f"{node}: rank process died ({_exit_text(p.exitcode)}); its "
+                               f"log: {self.log_of(node)}")
+        return dead
+
     def stop(self) -> None:
         """Stop every rank (gracefully, then by force), flush the trace, close the socket."""
+        self.stopping = True
         for node, ep in self.endpoints.items():
             if self.procs.get(node) is not None and self.procs[node].is_alive():
                 # A dead peer must not stop the teardown.
@@ -201,13 +374,27 @@ class Launcher:
                       f"the trace in time order"}, t=self._written_t)
         self.flush_records(final=True)
         self.sock.close()
+        for key in (PARENT_ENV, LOG_ENV) + (("TWIN_HW_LOG_DIR",) if self._set_frame_log else ()):
+            os.environ.pop(key, None)
+        if self._own_log_dir and self.log_dir and not self.failed_nodes:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # -- talking to ranks ----------------------------------------------------------------------
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     def command(self, node: str, cmd: dict[str, Any]) -> None:
-        self.sock.send(self.endpoints[node], [CMD, pickle.dumps(cmd)])
+        """Send ``cmd`` to ``node``; a rank that cannot take it is an error, not a raise."""
+        if node in self.failed_nodes:
+            return
+        try:
+            self.sock.send(self.endpoints[node], [CMD, pickle.dumps(cmd)])
+        except ControlError as exc:
+            self.failed_nodes.add(node)
+            proc = self.procs.get(node)
+            state = ("its process is gone" if proc is not None and not proc.is_alive()
+                     else "it is stuck or unreachable")
+            self.errors.append(f"{node}: the coordinator cannot reach it ({state}): {exc}")
 
     def feed(self, node: str, event: Any) -> None:
         self.command(node, {"op": "feed", "event": event})
@@ -246,7 +433,10 @@ class Launcher:
 
     def _report(self, report: dict[str, Any]) -> None:
         if report.get("kind") == "error":
-            self.errors.append(f"{report.get('node')}: {report.get('detail')}")
+            node = str(report.get("node"))
+            self.failed_nodes.add(node)
+            self.errors.append(f"{node}: {_last_line(str(report.get('detail', '')))} (full "
+                               f"traceback: {self.log_of(node)})")
         if self.on_report is not None:
             self.on_report(report)
 
@@ -287,3 +477,20 @@ class Launcher:
                 event, effects = p.payload
                 self.writer.write_input(t, p.node, event)
                 self.writer.write_effects(t, p.node, effects)
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a traceback."""
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else "rank failed"
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

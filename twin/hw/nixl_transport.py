@@ -21,7 +21,9 @@ Behaviour of NIXL 1.5.1 (UCX backend) observed on a CPU-only host, relied on her
   WRITEs still use the CMA zero-copy transport (``process_vm_writev``) in both modes, so
   bulk throughput is about the same. To really push data through TCP set ``UCX_TLS=tcp``
   in the environment before the agent is created (UCX then stripes over all TCP
-  interfaces, loopback included).
+  interfaces, loopback included). On a host with NVIDIA GPUs NIXL's UCX plugin refuses a
+  ``UCX_TLS`` without CUDA support (``all``, ``cuda`` or ``cuda_copy``): use
+  ``UCX_TLS=tcp,cuda_copy`` there, or ``tcp,cuda_copy,cuda_ipc`` to keep CUDA IPC.
 * With ``shm=False`` the first WRITE to a peer needs the peer's progress thread (TCP
   wire-up): while the peer is stopped it stays ``PROC``. With ``shm=True`` writes complete
   without any help from the target process.

@@ -3,6 +3,11 @@
 Every layer's K and V is a ``[num_pages * page_size, heads, head_dim]`` tensor (token-major, as
 SGLang's MHA pool). Pages are handed out from a free list; a request's pages need not be
 contiguous, so gather and scatter really are scatter-gathers.
+
+On CUDA, zeroing is a kernel queued on the current stream, while a peer's NIXL WRITE lands
+through UCX on its own stream (CUDA IPC) or its own engine: nothing orders the two. Both
+constructors therefore wait for the device before returning, so memory whose metadata is sent
+afterwards is already zero.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class KVPool:
         self.heads = heads
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        settle(device)
         self.free_pages: deque[int] = deque(range(num_pages))
         self.owned: dict[int, list[int]] = {}
 
@@ -52,6 +58,15 @@ class KVPool:
         return p * self.page_size + t % self.page_size
 
 
+def settle(device: torch.device | str) -> None:
+    """Wait until every kernel queued on ``device`` has finished (no-op off CUDA)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def byte_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A zeroed, 64-byte-aligned ``uint8`` buffer (staging buffer or ring)."""
-    return torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
+    """A zeroed, 64-byte-aligned ``uint8`` buffer (staging buffer or ring), zero on return."""
+    buf = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
+    settle(device)
+    return buf

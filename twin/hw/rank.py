@@ -37,7 +37,7 @@ from twin.core.layout import compute_head_slice_params
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Node, build_rank
 from twin.hw.control import ControlError, ControlSocket
-from twin.hw.kernels import get_kernels
+from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
@@ -110,7 +110,11 @@ class RankProcess:
         self.heads = rank_head_range(tp, spec.rank, m.num_kv_heads)
         self.pool = KVPool(m.num_layers, spec.kv_pool_pages, cfg.page_size, len(self.heads),
                            m.head_dim, DTYPES[m.dtype_bytes], self.device)
-        self.kernels = get_kernels(self.device) if not spec.kernels else _named(spec.kernels)
+        self.kernels = get_kernels(self.device, spec.kernels or None)
+        # Compile (Triton) before reporting ready, not inside the loop where it looks like a wedge.
+        warm_up_rank(self.kernels, self.pool.k, self.pool.v, cfg.page_size, role=spec.role,
+                     rank=spec.rank, prefill_attn_tp=cfg.prefill.attn_tp_size,
+                     decode_attn_tp=cfg.decode.attn_tp_size, total_kv_heads=m.num_kv_heads)
         self.sock = ControlSocket(send_timeout_ms=60_000)
         self.nixl = NixlEndpoint(spec.node)
         if isinstance(self.core, PrefillRank):
@@ -164,6 +168,8 @@ class RankProcess:
 
     # -- bootstrap -----------------------------------------------------------------------------
     def bootstrap(self) -> None:
+        if self.device.type == "cuda":  # zeroed ring and pools land before a peer may write
+            torch.cuda.synchronize(self.device)
         hello = {"node": self.spec.node, "endpoint": self.sock.endpoint,
                  "ring": self.ring_region.to_dict() if self.ring is not None else None}
         self.sock.send(self.coordinator, [HELLO, json.dumps(hello).encode(),
@@ -471,13 +477,13 @@ class RankProcess:
             self.sock.close(linger_ms=2000)
 
 
-def _named(name: str):  # type: ignore[no-untyped-def]
-    os.environ["TWIN_KERNELS"] = name
-    return get_kernels(torch.device("cpu"))
 
 
 def rank_main(spec: RankSpec) -> None:
     """Process entry point (spawned by the launcher)."""
+    from twin.hw.lifeline import rank_setup
+
+    rank_setup(spec.node)  # die with the coordinator; stderr to the rank's log
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     proc = None

@@ -4,8 +4,14 @@ The coordinator plays router and prefill scheduler: it places each request (same
 radix caches as the simulator), has the ranks allocate and fill KV pages, starts the decode
 rooms, and once every prefill rank of the group has its metadata it issues the prefetch and the
 ``send_kv_chunk`` calls of each chunked forward. Every decode rank verifies every byte of each
-finished room against the prefill pattern. The verdicts and exit codes are the simulator's:
-0 clean, 3 wedge (with the same kind of diagnosis), 4 corruption.
+finished room against the prefill pattern. The verdicts and exit codes are the simulator's
+(``twin.runtime.outcome``): 0 completed (or ``--until`` reached), 1 a rank died or raised, or
+the run was interrupted, 3 wedge (with the same kind of diagnosis), 4 corruption, 5 failed
+requests.
+
+A request is admitted only when every rank of its groups has KV pool pages for it, as SGLang's
+scheduler admits only what fits; ``plan_pool`` has already checked that each request fits an
+empty pool. ``abort:room=N:at=T`` faults abort the room on every rank of its groups at ``T``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,17 +28,23 @@ import numpy as np
 from twin.core import events as ev
 from twin.core.config import TwinConfig
 from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
+from twin.core.grid import pages_for_tokens
 from twin.core.sendplan import early_send_end
 from twin.hw.launcher import HwOptions, Launcher
 from twin.runtime.diagnosis import diagnose
+from twin.runtime.faults import FaultSpec, fault_report, parse_fault
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
 from twin.runtime.runtime import PROGRESS_EFFECTS
+from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.workloads import Workload
 
-UNSUPPORTED_FAULTS = ("crash", "restart")
+UNSUPPORTED_FAULTS = ("crash", "restart", "fail-transfer")
+#: The wedge window on hardware is wall-clock time: at least this long, since a loaded host can
+#: stall a rank for seconds without anything being stuck.
+HW_MIN_WEDGE_WINDOW_S = 15.0
 
 
 class HwInputError(ValueError):
@@ -53,11 +66,17 @@ class HwResult:
     events: int
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    verified: int = 0  # completed requests whose every decode rank checked every byte
+    stopped: RunStatus = RunStatus.INTERRUPTED
+    corrupted_rooms: list[int] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    log_dir: str | None = None
 
     @property
     def status(self) -> RunStatus:
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
-                      unfinished=len(self.unfinished), crashed=bool(self.errors))
+                      unfinished=len(self.unfinished), crashed=bool(self.errors),
+                      failed=sum(r.status == "Failed" for r in self.done), stopped=self.stopped)
 
     @property
     def exit_code(self) -> int:
@@ -68,7 +87,8 @@ class HwResult:
         return Verdict(status=self.status, requests=self.requests,
                        completed=sum(r.status == "Success" for r in self.done),
                        failed=sum(r.status == "Failed" for r in self.done),
-                       unfinished=len(self.unfinished), diagnosis=self.diagnosis + self.errors,
+                       unfinished=self.requests - len(self.done),
+                       diagnosis=self.diagnosis + self.errors,
                        corruption=self.corruption[:50])
 
     def summary(self) -> dict[str, Any]:
@@ -81,19 +101,32 @@ class HwResult:
         return {
             "status": self.status.value, "mode": "hw", "requests": self.requests,
             "completed": len(ok), "failed": sum(r.status == "Failed" for r in self.done),
-            "unfinished": len(self.unfinished), "wedged": self.wedged,
+            "unfinished": self.requests - len(self.done), "wedged": self.wedged,
             "corrupted": bool(self.corruption), "diagnosis": self.diagnosis,
             "corruption": self.corruption[:50], "sim_seconds": round(self.run_seconds, 6),
             "wall_seconds": round(self.wall_seconds, 3), "events": self.events,
             "latency": lat, "errors": self.errors, "notes": self.notes,
+            "verified": self.verified,
+            "corrupted_requests": len(self.corrupted_rooms), "failures": self._failures(),
+            "fault_report": self.faults, "log_dir": self.log_dir,
         }
+
+    def _failures(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.done:
+            if r.status == "Failed":
+                key = r.reason.split(":")[0][:80] or "failed"
+                out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items()))
 
 
 class HwRun:
     """Drives one workload through a started ``Launcher``."""
 
     def __init__(self, launcher: Launcher, workload: Workload, params: SimParams,
-                 overrides: dict[int, dict[str, int]], max_concurrency: int) -> None:
+                 overrides: dict[int, dict[str, int]], max_concurrency: int,
+                 faults: list[FaultSpec] | None = None,
+                 echo: Callable[[str], None] | None = None) -> None:
         self.launcher = launcher
         self.cfg: TwinConfig = launcher.cfg
         self.topo = launcher.topo
@@ -108,9 +141,23 @@ class HwRun:
         self._n = 0
         self.last_progress = 0.0
         self.corruption: list[str] = []
+        self.verified: dict[int, set[str]] = {}  # room -> decode nodes whose byte check passed
+        self.corrupted_rooms: set[int] = set()
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
         self.notes: list[str] = []
+        self.echo = echo
+        self.faults = list(faults or [])
+        self.fired = [0] * len(self.faults)
+        self.pool_free = {n: launcher.options.kv_pool_pages for n in self.topo.nodes}
+        self.pool_held: dict[tuple[str, int], int] = {}
+        # (node, room) whose KV pages a rank is still allocating and filling: a rank busy with
+        # that is working, not wedged, however long the pattern fill takes on a loaded host.
+        self.setting_up: set[tuple[str, int]] = set()
+        opts = launcher.options
+        self.wedge_window_s = (opts.wedge_window_s if opts.wedge_window_s is not None
+                               else max(params.wedge_window_s, HW_MIN_WEDGE_WINDOW_S))
+        self.stopped = RunStatus.INTERRUPTED
         launcher.on_records = self._records
         launcher.on_report = self._report
 
@@ -129,6 +176,8 @@ class HwRun:
                 if type(e) is ev.Dropped and e.room >= 0:
                     self.dropped.setdefault(e.room, []).append(f"{node} dropped {e.what}: "
                                                                f"{e.reason}")
+                if type(e) is ev.RoomTornDown:
+                    self._release(node, e.room)
 
     def _report(self, r: dict[str, Any]) -> None:
         kind = r.get("kind")
@@ -136,8 +185,12 @@ class HwRun:
             req = self.reqs.get(r["room"])
             if req is None:
                 return
+            self._release(r["node"], r["room"])
             if r.get("mismatch"):
+                self.corrupted_rooms.add(r["room"])
                 self.corruption.append(f"{r['node']} room {r['room']}: {r['mismatch']}")
+            elif "mismatch" in r:
+                self.verified.setdefault(r["room"], set()).add(r["node"])
             group = len(self.topo.decode_groups[req.decode_group].nodes)
             status = req.note_concluded(r["node"], r["status"], r.get("reason", ""), group)
             if status is not None:
@@ -147,18 +200,61 @@ class HwRun:
                     self.placement.decode_done(self.workload.requests[req.rid])
         elif kind == "setup-done":
             self.last_progress = self.launcher.now()
+            self.setting_up.discard((r["node"], r["room"]))
         elif kind == "crashed":
             self.crashed[r["node"]] = r["reason"]
         elif kind == "fault":
             self.launcher.sys({"type": "FaultInjected", "fault": r["fault"], "detail": r["detail"]})
+            for text in r["fault"].split(";"):
+                for i, spec in enumerate(self.faults):
+                    if spec.text == text:
+                        self.fired[i] += 1
+                        break
         elif kind in ("bad-frame", "bad-scatter", "send-failed"):
             self.notes.append(f"{r['node']}: {r['detail']}")
+
+    # -- the KV pools --------------------------------------------------------------------------
+    def _nodes_of(self, index: int) -> list[str]:
+        r = self.workload.requests[index]
+        o = self.placement.overrides.get(r.rid, {})
+        pg = self.topo.prefill_groups[o.get("prefill_group", r.rid % len(self.topo.prefill_groups))]
+        dg = self.topo.decode_groups[o.get("decode_group", r.rid % len(self.topo.decode_groups))]
+        return [n.id for n in (*pg.nodes, *dg.nodes)]
+
+    def _fits(self, index: int) -> bool:
+        """Every rank of the request's groups has pages for its whole prompt."""
+        need = pages_for_tokens(self.workload.requests[index].input_len, self.cfg.page_size)
+        return all(self.pool_free[n] >= need for n in self._nodes_of(index))
+
+    def _reserve(self, index: int, room: int) -> None:
+        need = pages_for_tokens(self.workload.requests[index].input_len, self.cfg.page_size)
+        for n in self._nodes_of(index):
+            self.pool_free[n] -= need
+            self.pool_held[(n, room)] = need
+
+    def _release(self, node: str, room: int) -> None:
+        self.pool_free[node] += self.pool_held.pop((node, room), 0)
+
+    # -- timed faults --------------------------------------------------------------------------
+    def _abort(self, i: int) -> None:
+        spec = self.faults[i]
+        req = self.reqs.get(spec.room if spec.room is not None else -1)
+        if req is None or req.finished:
+            return
+        self.fired[i] += 1
+        reason = f"aborted by fault {spec.text}"
+        self.launcher.sys({"type": "FaultInjected", "fault": spec.text, "detail": ""})
+        pg = self.topo.prefill_groups[req.prefill_group]
+        dg = self.topo.decode_groups[req.decode_group]
+        for n in (*pg.nodes, *dg.nodes):
+            self.launcher.feed(n.id, ev.RoomAborted(room=req.room, reason=reason))
 
     # -- requests ------------------------------------------------------------------------------
     def _admit(self, index: int) -> None:
         r = self.workload.requests[index]
         req = self.placement.place(r, self.launcher.now())
         self.reqs[req.room] = req
+        self._reserve(index, req.room)
         self.launcher.sys(self.placement.arrival_record(req), t=req.arrival_s)
         self.last_progress = self.launcher.now()
         pg = self.topo.prefill_groups[req.prefill_group]
@@ -166,6 +262,7 @@ class HwRun:
         setup = {"op": "request", "room": req.room, "rid": req.rid,
                  "input_len": req.input_len, "decode_prefix_len": req.decode_prefix_len}
         for n in (*pg.nodes, *dg.nodes):
+            self.setting_up.add((n.id, req.room))
             self.launcher.command(n.id, setup)
         total = self.placement.total_pages(req)
         for d in dg.nodes:
@@ -217,15 +314,31 @@ class HwRun:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> HwResult:
-        lau, opts = self.launcher, self.launcher.options
+        lau = self.launcher
         t_start = time.perf_counter()
         pending = deque(range(len(self.workload.requests)))
         wedged = False
+        for i, spec in enumerate(self.faults):
+            if spec.action == "abort":
+                self._at(spec.at or 0.0, lambda i=i: self._abort(i))
+        try:
+            wedged = self._loop(pending)
+        except KeyboardInterrupt as exc:
+            why = (f"interrupted by {exc.args[0]}" if isinstance(exc, Interrupted)
+                   else "interrupted by Ctrl-C")
+            self.notes.append(f"{why} at {lau.now():.2f} s; ranks stopped")
+            self.stopped = RunStatus.INTERRUPTED
+        return self._result(wedged, t_start)
+
+    def _loop(self, pending: deque[int]) -> bool:
+        """Drive the run; True when it wedged."""
+        lau, opts = self.launcher, self.launcher.options
         while True:
             now = lau.now()
             in_flight = sum(not r.finished for r in self.reqs.values())
             while pending and in_flight < self.max_concurrency and \
-                    self.workload.requests[pending[0]].arrival_s <= now:
+                    self.workload.requests[pending[0]].arrival_s <= now and \
+                    self._fits(pending[0]):
                 self._admit(pending.popleft())
                 in_flight += 1
             while self.timers and self.timers[0][0] <= now:
@@ -236,16 +349,31 @@ class HwRun:
             if pending:
                 wait = min(wait, self.workload.requests[pending[0]].arrival_s - lau.now())
             lau.pump(max(0, int(wait * 1000)))
+            lau.check_alive()
             if lau.errors:
-                break
+                if self.echo is not None:
+                    self.echo(f"{lau.errors[0].split(':')[0]} failed; stopping the other "
+                              f"ranks ...")
+                return False
             if not pending and all(r.finished for r in self.reqs.values()):
-                break
-            if in_flight and now - self.last_progress > opts.wedge_window_s:
-                wedged = True
-                break
+                return False
+            if in_flight and not self.setting_up and \
+                    now - self.last_progress > self.wedge_window_s:
+                return True
+            if pending and not in_flight and not self._fits(pending[0]):
+                self.notes.append(f"request {pending[0]} does not fit the KV pools with "
+                                  f"nothing in flight (pages not released)")
+                return True
+            if opts.until_s is not None and now >= opts.until_s:
+                self.stopped = RunStatus.UNTIL
+                self.notes.append(f"stopped at --until {opts.until_s:g} s")
+                return False
             if now > opts.timeout_s:
                 self.notes.append(f"stopped after --timeout {opts.timeout_s:g} s")
-                break
+                return False
+
+    def _result(self, wedged: bool, t_start: float) -> HwResult:
+        lau = self.launcher
         unfinished = sorted(r.room for r in self.reqs.values() if not r.finished)
         diagnosis: list[str] = []
         if wedged:
@@ -254,14 +382,22 @@ class HwRun:
             silent = sorted(set(lau.endpoints) - set(snapshots))
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
-                                f"progress for {opts.wedge_window_s:g} s (rooms "
+                                f"progress for {self.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
+        verified = sum(
+            r.status == "Success" and self.verified.get(r.room, set()) >= set(r.decode_status)
+            for r in self.reqs.values())
+        rooms = sorted(self.corrupted_rooms)
         return HwResult(
+            verified=verified,
             requests=len(self.workload.requests), done=[r for r in self.reqs.values()
                                                         if r.finished],
             unfinished=unfinished, wedged=wedged, diagnosis=diagnosis,
             corruption=self.corruption, wall_seconds=time.perf_counter() - t_start,
-            run_seconds=lau.now(), events=lau.inputs, errors=list(lau.errors), notes=self.notes)
+            run_seconds=lau.now(), events=lau.inputs, errors=list(lau.errors), notes=self.notes,
+            stopped=self.stopped, corrupted_rooms=rooms,
+            faults=fault_report(self.faults, self.fired),
+            log_dir=lau.log_dir if lau.failed_nodes else None)
 
 
 def check_supported(defects: Defects, faults: list[str]) -> None:
@@ -270,38 +406,45 @@ def check_supported(defects: Defects, faults: list[str]) -> None:
         raise HwInputError("defect 'silent-slice-fallback': the per-slice fallback transfer "
                            "is not implemented on hardware; use the simulator")
     for f in faults:
-        if f.split(":", 1)[0] in UNSUPPORTED_FAULTS:
-            raise HwInputError(f"fault {f!r}: rank crash/restart is simulator-only")
+        action = f.split(":", 1)[0]
+        if action in ("crash", "restart"):
+            raise HwInputError(f"fault {f!r}: rank crash/restart is simulator-only; on "
+                               f"hardware, kill a rank process instead")
+        if action in UNSUPPORTED_FAULTS:
+            raise HwInputError(f"fault {f!r}: {action} is simulator-only")
 
 
 def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
            faults: list[str] | None = None, seed: int = 0, params: SimParams | None = None,
            options: HwOptions | None = None, trace_out: str | None = None,
            request_overrides: dict[int, dict[str, int]] | None = None,
-           max_concurrency: int | None = None) -> HwResult:
-    """Run ``workload`` on real rank processes; the trace streams to ``trace_out``."""
+           max_concurrency: int | None = None,
+           echo: Callable[[str], None] | None = None) -> HwResult:
+    """Run ``workload`` on real rank processes; the trace streams to ``trace_out``. Ctrl-C,
+    SIGTERM and SIGHUP end the run as ``interrupted``; ``echo`` gets rank errors as they
+    happen."""
     defects = defects or Defects()
     faults = list(faults or [])
     params = params or SimParams()
     options = options or HwOptions()
     check_supported(defects, faults)
+    specs = [parse_fault(f) for f in faults]
     writer = None
     if trace_out is not None:
-        from twin.runtime.faults import parse_fault
         from twin.runtime.header import trace_header
         from twin.trace.format import TraceWriter
 
         header = trace_header(cfg, workload, defects=defects,
-                              faults=[parse_fault(f) for f in faults], seed=seed, params=params,
+                              faults=specs, seed=seed, params=params,
                               request_overrides=request_overrides or {},
                               max_concurrency=max_concurrency, mode="hw")
         writer = TraceWriter(trace_out, header)
     result: HwResult | None = None
     try:
-        with Launcher(cfg, defects=defects, faults=faults, seed=seed, options=options,
-                      writer=writer) as launcher:
+        with signals_interrupt(), Launcher(cfg, defects=defects, faults=faults, seed=seed,
+                                           options=options, writer=writer) as launcher:
             run = HwRun(launcher, workload, params, request_overrides or {},
-                        max_concurrency or options.max_concurrency)
+                        max_concurrency or options.max_concurrency, faults=specs, echo=echo)
             result = run.run()
     except BaseException as exc:
         if writer is not None:

@@ -1,19 +1,20 @@
 """Replay a recorded trace (from the simulator or the hardware mode) through fresh cores.
 
 The replayer rebuilds every rank from the trace header (config, defects) and feeds each rank
-its recorded inputs in the recorded order at the recorded times, in a SimPy environment: the
-recorded durations are the latency model. After every input it compares the effects the core
-returns with the effects recorded after that input. The first difference stops the replay
-(``Divergence``). At the end it recomputes the outcome (completed rooms, wedge diagnosis from the
+its recorded inputs in the recorded order, each with its recorded time (the cores take time only
+as an argument, so no event loop is needed). After every input it compares the effects the core
+returns with the effects recorded after that input (as text first: the line encoder writes an
+effect exactly as it was recorded). The first difference stops the replay (``Divergence``); the
+rest of the trace is still read for its driver records and its ``Outcome``. The trace streams:
+memory holds the cores and what is in flight, whatever the trace's length. At the end it recomputes the outcome (completed rooms, wedge diagnosis from the
 cores' state, integrity violations) and compares it with the recorded ``Outcome``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-import simpy
 
 from twin.core import events as ev
 from twin.core.decode import DecodeRank
@@ -25,9 +26,9 @@ from twin.core.topology import Topology, build_rank
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
-from twin.trace.codec import event_to_json
+from twin.trace.codec import BODY_TEXT, event_to_json
 from twin.trace.compat import comparable
-from twin.trace.format import FORMAT_VERSION, Record, Trace
+from twin.trace.format import FORMAT_VERSION, Record, Trace, TraceSource, open_trace
 
 
 @dataclass
@@ -91,10 +92,15 @@ def _line(d: dict[str, Any]) -> str:
 
 
 class Replayer:
-    """Feeds a trace's inputs to fresh cores and checks their effects."""
+    """Feeds a trace's inputs to fresh cores and checks their effects.
 
-    def __init__(self, trace: Trace) -> None:
-        self.trace = trace
+    The trace is read once, in order: each input is handed to its rank as soon as its
+    recorded effects (the lines after it) have been read, so memory holds the cores, the rooms
+    and what is in flight, never the trace.
+    """
+
+    def __init__(self, trace: TraceSource) -> None:
+        self.trace = trace = open_trace(trace)
         cfg = trace.config
         self.cfg = cfg
         self.defects = Defects.of(trace.header.get("defects", []))
@@ -104,46 +110,51 @@ class Replayer:
             if n.id in trace.nodes}
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
-        self.rooms: dict[int, dict[str, Any]] = {}
+        # open rooms only: (decode nodes, total pages); a room leaves when every decode node
+        # of it concluded, and is counted then
+        self.rooms: dict[int, tuple[int, int]] = {}
         self.concluded: dict[int, dict[str, str]] = {}
+        self.completed = 0
+        self.failed = 0
         self.crashed: dict[str, str] = {}
         self.divergence: Divergence | None = None
         self.inputs = 0
+        self._decode_nodes = {nid for nid, n in self.topo.nodes.items() if n.role == "decode"}
         self.version: int = trace.header["version"]
-
-    def _groups(self) -> list[tuple[Record, list[Record]]]:
-        """Each input record with the effect records written right after it."""
-        out: list[tuple[Record, list[Record]]] = []
-        for rec in self.trace.events:
-            if rec.dir == "in":
-                out.append((rec, []))
-            elif rec.dir == "out" and out and out[-1][0].node == rec.node:
-                out[-1][1].append(rec)
-            elif rec.dir == "sys":
-                self._sys(rec)
-        return out
+        self._observers = frozenset({ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
+                                     ev.RankCrashed})
 
     def _sys(self, rec: Record) -> None:
         if rec.type == "RequestArrived":
-            self.rooms[rec.data["room"]] = rec.data
+            d = rec.data
+            total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
+            self.rooms[d["room"]] = (len(d["decode_node"]), total)
         elif rec.type == "FaultInjected" and rec.data.get("fault", "").startswith(
                 ("crash:", "restart:")):
             node = rec.data["fault"].split(":")[1]
             self.crashed[node] = f"crashed by fault {rec.data['fault']}"
 
     def run(self) -> ReplayResult:
-        env = simpy.Environment()
-        groups = self._groups()
-        env.process(self._feed_all(env, groups))
-        env.run()
+        pending: Record | None = None
+        recorded: list[Record] = []
+        feeding = True
+        for rec in self.trace:
+            d = rec.dir
+            if d == "out":
+                if pending is not None and rec.node == pending.node:
+                    recorded.append(rec)
+                continue
+            if pending is not None and feeding:
+                feeding = self._feed(pending, recorded)
+            pending = None
+            if d == "in":
+                if feeding:
+                    pending, recorded = rec, []
+            else:
+                self._sys(rec)
+        if pending is not None and feeding:
+            self._feed(pending, recorded)
         return self._result()
-
-    def _feed_all(self, env: simpy.Environment, groups):  # type: ignore[no-untyped-def]
-        for rec, recorded in groups:
-            if rec.t > env.now:
-                yield env.timeout(rec.t - env.now)
-            if not self._feed(rec, recorded):
-                return
 
     def _feed(self, rec: Record, recorded: list[Record]) -> bool:
         rank = self.ranks.get(rec.node)
@@ -156,19 +167,30 @@ class Replayer:
             if t is not None:
                 self.integrity.on_transfer(t.session, t)
         effects = rank.handle(event, rec.t)
-        got = [_line(d) for d in comparable(effects, self.version, event_to_json)]
-        want = [_line(d) for d in comparable([r.event for r in recorded], self.version,
-                                             event_to_json)]
-        if got != want:
-            i = next((k for k in range(max(len(got), len(want)))
-                      if k >= len(got) or k >= len(want) or got[k] != want[k]), 0)
-            line = recorded[i].line if i < len(recorded) else rec.line
-            self.divergence = Divergence(line, rec.node, rec.t,
-                                         want[i] if i < len(want) else "(no further effect)",
-                                         got[i] if i < len(got) else "(no further effect)")
-            return False
+        same = len(effects) == len(recorded)
+        if same:
+            for e, r in zip(effects, recorded):  # noqa: B905 - equal lengths
+                if BODY_TEXT[type(e)](e).encode() != r.body:
+                    same = False
+                    break
+        if not same:
+            # not the same text: compare the decoded events (a hand-edited line may order its
+            # fields differently), and name the first difference
+            got = [_line(d) for d in comparable(effects, self.version, event_to_json)]
+            want = [_line(d) for d in comparable([r.event for r in recorded], self.version,
+                                                 event_to_json)]
+            if got != want:
+                i = next((k for k in range(max(len(got), len(want)))
+                          if k >= len(got) or k >= len(want) or got[k] != want[k]), 0)
+                line = recorded[i].line if i < len(recorded) else rec.line
+                self.divergence = Divergence(
+                    line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
+                    got[i] if i < len(got) else "(no further effect)")
+                return False
+        observers = self._observers
         for e in effects:
-            self._observe(rec.node, e)
+            if type(e) in observers:
+                self._observe(rec.node, e)
         return True
 
     def _observe(self, node: str, e: ev.Effect) -> None:
@@ -177,30 +199,47 @@ class Replayer:
             self.in_flight[(node, e.worker)] = e
         elif t is ev.StartScatter:
             self.integrity.on_scatter(node, e, list(e.writer_bytes))
-        elif t is ev.RoomConcluded and self.topo.nodes[node].role == "decode":
-            self.concluded.setdefault(e.room, {})[node] = e.status
+        elif t is ev.RoomConcluded and node in self._decode_nodes:
             room = self.rooms.get(e.room)
-            if room is not None:
-                total = pages_for_tokens(room["input_len"] - room["decode_prefix_len"],
-                                         self.cfg.page_size)
-                self.integrity.on_concluded(node, e.room, e.status, total)
+            if room is None:
+                return  # never introduced, or already counted
+            st = self.concluded.setdefault(e.room, {})
+            st[node] = e.status
+            self.integrity.on_concluded(node, e.room, e.status, room[1])
+            if len(st) >= room[0]:
+                if all(s == "Success" for s in st.values()):
+                    self.completed += 1
+                else:
+                    self.failed += 1
+                del self.rooms[e.room], self.concluded[e.room]
         elif t is ev.RankCrashed:
             self.crashed[node] = e.reason
 
     def _result(self) -> ReplayResult:
         corruption = [str(v) for v in self.integrity.violations]
-        status, completed, failed, unfinished = verdict(self.rooms, self.concluded, corruption,
-                                                        self.trace.outcome)
+        unfinished = set(self.rooms)
+        status = _status(len(unfinished), corruption, self.trace.outcome, self.failed)
         snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
         diagnosis = diagnose(snapshots, self.crashed, unfinished).lines() if unfinished else []
-        return ReplayResult(self.inputs, self.divergence, status, completed, failed, diagnosis,
-                            corruption, self.trace.outcome, version=self.version)
+        return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
+                            diagnosis, corruption, self.trace.outcome, version=self.version)
+
+
+def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | None,
+            failed: int) -> str:
+    """The replay's status: rooms left unfinished are a wedge when the recording ended in one,
+    otherwise the replay stopped where the recording stopped."""
+    rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
+    wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
+    return decide(corrupted=bool(corruption), wedged=wedged, unfinished=unfinished,
+                  failed=failed, stopped=rec).value
 
 
 def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str]],
             corruption: list[str], recorded: dict[str, Any] | None
             ) -> tuple[str, int, int, set[int]]:
-    """``(status, completed, failed, unfinished rooms)`` of a replay.
+    """``(status, completed, failed, unfinished rooms)`` of a replay from every room's
+    ``RequestArrived`` record and its decode nodes' conclusions.
 
     A room is finished when every decode node of its ``RequestArrived`` record concluded it.
     Rooms left unfinished are a wedge when the recording ended in one, otherwise the replay
@@ -216,20 +255,20 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
             completed += 1
         else:
             failed += 1
-    rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
-    wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
-    status = decide(corrupted=bool(corruption), wedged=wedged, unfinished=len(unfinished),
-                    stopped=rec)
-    return status.value, completed, failed, unfinished
+    return _status(len(unfinished), corruption, recorded, failed), completed, failed, unfinished
 
 
-def replay_sim(trace: Trace, params: SimParams | None = None) -> ReplayResult:
-    """Replay ``trace`` in simulation (see the module docstring). For a hardware trace the
-    result also says how far a fresh simulation's timings are from the measured ones (with
-    ``params`` as the cost model, else the trace's own ``[sim]`` table)."""
-    result = Replayer(trace).run()
-    if trace.header.get("mode") == "hw":
+def replay_sim(trace: TraceSource, params: SimParams | None = None) -> ReplayResult:
+    """Replay ``trace`` (a ``Trace``, a reader or a path, streamed) in simulation (see the
+    module docstring). For a hardware trace the result also says how far a fresh simulation's
+    timings are from the measured ones (which reads the trace a second time), with ``params``
+    as the cost model, else the trace's own ``[sim]`` table."""
+    replayer = Replayer(trace)
+    result = replayer.run()
+    source = replayer.trace
+    if source.header.get("mode") == "hw":
         from twin.replay.timing import compare_with_simulation
 
-        result.timing = compare_with_simulation(trace, params)
+        again = source if isinstance(source, Trace) else Path(source.path)
+        result.timing = compare_with_simulation(again, params)
     return result

@@ -15,18 +15,18 @@ import numpy as np
 from twin.core.defects import Defects
 from twin.runtime.faults import parse_fault
 from twin.runtime.params import SimParams
-from twin.trace.format import Trace
+from twin.trace.format import Trace, TraceReader, TraceSource, open_trace
 from twin.workloads import Workload, WorkloadError
 
 
-def room_phases(trace: Trace) -> dict[int, dict[str, float]]:
-    """Per room: ``kv_done_s`` (from arrival) and ``transfer_s`` of a trace."""
+def room_phases(trace: Trace | TraceReader) -> dict[int, dict[str, float]]:
+    """Per room: ``kv_done_s`` (from arrival) and ``transfer_s`` of a trace (read once)."""
     out: dict[int, dict[str, float]] = {}
     arrival: dict[int, float] = {}
     first: dict[int, float] = {}
     last_xfer: dict[int, float] = {}
     worker_room: dict[tuple[str, int], int] = {}
-    for rec in trace.events:
+    for rec in trace:
         if rec.type == "RequestArrived":
             arrival[rec.data["room"]] = rec.t
         elif rec.type == "StartTransfer":
@@ -48,11 +48,13 @@ def room_phases(trace: Trace) -> dict[int, dict[str, float]]:
     return out
 
 
-def compare_with_simulation(trace: Trace, params: SimParams | None = None) -> dict[str, Any]:
+def compare_with_simulation(source: TraceSource,
+                            params: SimParams | None = None) -> dict[str, Any]:
     """Simulate the trace's run afresh and compare per-room timings (ratios sim / trace);
-    ``params`` replaces the trace's own ``[sim]`` costs."""
+    ``params`` replaces the trace's own ``[sim]`` costs. A path is streamed."""
     from twin.sim.runner import run_sim
 
+    trace = open_trace(source)
     header = trace.header
     try:
         workload = Workload.from_jsonable(header.get("workload", {}))

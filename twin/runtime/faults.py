@@ -14,14 +14,26 @@ A spec is ``ACTION:TARGET[:key=value]...``::
 Message kinds are the frame tags (STAGING_REQ, STAGING_RSP, WATERMARK, CHUNK_READY, KV_STATUS)
 or ``*``; ``src=``/``dst=`` restrict to a node, ``room=``/``chunk=`` to one room or chunk
 (``delay:STAGING_RSP:room=0:chunk=0:ms=50`` holds back every answer for that chunk).
+
+A spec that could never fire is rejected: a key its action does not read (``at=`` on a drop),
+``nth=0``, a negative or non-finite number, and (``check_faults``, once the deployment and the
+workload are known) a node, room or chunk that does not exist, or a sender that never sends that
+kind. ``FaultInjector.fired`` counts how often each spec fired; ``fault_report`` lists them.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from twin.core import wire
+
+if TYPE_CHECKING:
+    from twin.core.config import TwinConfig
 
 MESSAGE_ACTIONS = ("drop", "delay", "dup", "reorder", "fail-send")
 ACTIONS = (*MESSAGE_ACTIONS, "fail-transfer", "crash", "restart", "abort")
@@ -29,6 +41,23 @@ KINDS = tuple(t.decode() for t in wire.MESSAGE_TYPES) + ("*",)
 _FLOAT_KEYS = {"p", "ms", "at", "down"}
 _INT_KEYS = {"nth", "room", "chunk"}
 _STR_KEYS = {"src", "dst", "node"}
+#: The keys each action reads (any other key would be silently ignored, so it is rejected).
+KEYS = {
+    "drop": {"p", "nth", "room", "chunk", "src", "dst"},
+    "dup": {"p", "nth", "room", "chunk", "src", "dst"},
+    "fail-send": {"p", "nth", "room", "chunk", "src", "dst"},
+    "delay": {"p", "nth", "ms", "room", "chunk", "src", "dst"},
+    "reorder": {"p", "nth", "ms", "room", "chunk", "src", "dst"},
+    "fail-transfer": {"p", "nth", "node"},
+    "crash": {"at"},
+    "restart": {"at", "down"},
+    "abort": {"room", "at"},
+}
+#: Which side sends each frame kind, and which fields it carries.
+SENDER = {"STAGING_REQ": "prefill", "CHUNK_READY": "prefill", "KV_STATUS": "prefill",
+          "STAGING_RSP": "decode", "WATERMARK": "decode"}
+_HAS_ROOM = {"STAGING_REQ", "STAGING_RSP", "CHUNK_READY", "KV_STATUS", "*"}
+_HAS_CHUNK = {"STAGING_REQ", "STAGING_RSP", "CHUNK_READY", "*"}
 
 
 class FaultSpecError(ValueError):
@@ -73,10 +102,16 @@ def parse_fault(text: str) -> FaultSpec:
         if action in MESSAGE_ACTIONS and kwargs["target"] not in KINDS:
             raise FaultSpecError(f"fault {text!r}: unknown message kind {kwargs['target']!r}; "
                                  f"known: {', '.join(KINDS)}")
+    allowed = KEYS[action]
     for item in rest:
         key, sep, value = item.partition("=")
         if not sep:
             raise FaultSpecError(f"fault {text!r}: expected key=value, got {item!r}")
+        if key in kwargs:
+            raise FaultSpecError(f"fault {text!r}: key {key!r} given twice")
+        if key in _FLOAT_KEYS | _INT_KEYS | _STR_KEYS and key not in allowed:
+            raise FaultSpecError(f"fault {text!r}: key {key!r} does not apply to {action} "
+                                 f"(its keys: {', '.join(sorted(allowed))})")
         try:
             if key in _FLOAT_KEYS:
                 kwargs[key] = float(value)
@@ -85,21 +120,111 @@ def parse_fault(text: str) -> FaultSpec:
             elif key in _STR_KEYS:
                 kwargs[key] = value
             else:
-                raise FaultSpecError(f"fault {text!r}: unknown key {key!r}")
+                close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise FaultSpecError(f"fault {text!r}: unknown key {key!r}{hint} (keys of "
+                                     f"{action}: {', '.join(sorted(allowed))})")
         except ValueError as exc:
             if isinstance(exc, FaultSpecError):
                 raise
             raise FaultSpecError(f"fault {text!r}: key {key!r}: bad value {value!r}") from None
+    for key in _FLOAT_KEYS:
+        if key in kwargs and not math.isfinite(kwargs[key]):  # type: ignore[arg-type]
+            raise FaultSpecError(f"fault {text!r}: key {key!r}: must be a finite number")
     spec = FaultSpec(**kwargs)  # type: ignore[arg-type]
     if spec.p is not None and not 0 <= spec.p <= 1:
         raise FaultSpecError(f"fault {text!r}: key 'p': must be within [0, 1]")
+    if spec.p is not None and spec.nth is not None:
+        raise FaultSpecError(f"fault {text!r}: give p= or nth=, not both (nth wins silently)")
+    if spec.nth is not None and spec.nth < 1:
+        raise FaultSpecError(f"fault {text!r}: key 'nth': counts from 1, got {spec.nth}")
+    if spec.ms < 0:
+        raise FaultSpecError(f"fault {text!r}: key 'ms': must not be negative")
+    if spec.at is not None and spec.at < 0:
+        raise FaultSpecError(f"fault {text!r}: key 'at': must not be negative")
+    if spec.down is not None and spec.down <= 0:
+        raise FaultSpecError(f"fault {text!r}: key 'down': must be positive")
+    for key in ("room", "chunk"):
+        if getattr(spec, key) is not None and getattr(spec, key) < 0:
+            raise FaultSpecError(f"fault {text!r}: key {key!r}: must not be negative")
     if action in ("crash", "restart", "abort") and spec.at is None:
         raise FaultSpecError(f"fault {text!r}: {action} needs at=SECONDS")
     if action == "abort" and spec.room is None:
         raise FaultSpecError(f"fault {text!r}: abort needs room=N")
     if action == "restart" and spec.down is None:
         raise FaultSpecError(f"fault {text!r}: restart needs down=SECONDS")
+    target = spec.target
+    if action in MESSAGE_ACTIONS and target != "*":
+        if spec.room is not None and target not in _HAS_ROOM:
+            raise FaultSpecError(f"fault {text!r}: {target} frames carry no room; room= "
+                                 f"would never match")
+        if spec.chunk is not None and target not in _HAS_CHUNK:
+            raise FaultSpecError(f"fault {text!r}: {target} frames carry no chunk; chunk= "
+                                 f"would never match")
     return spec
+
+
+def check_faults(specs: Iterable[FaultSpec], cfg: TwinConfig, input_lens: list[int]) -> None:
+    """Reject specs that cannot fire in this deployment and workload: unknown nodes (with a
+    suggestion), rooms past the workload, chunks past the longest request's chunk count, a
+    sender that never sends that kind, a transfer fault on a node that starts no transfer."""
+    from twin.core.topology import Topology
+
+    nodes = Topology(cfg).nodes
+    ids = sorted(nodes)
+
+    def node(spec: FaultSpec, key: str, value: str) -> str:
+        if value not in nodes:
+            close = difflib.get_close_matches(value, ids, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            shown = ", ".join(ids[:16]) + (", ..." if len(ids) > 16 else "")
+            raise FaultSpecError(f"fault {spec.text!r}: {key} {value!r} is not a node of this "
+                                 f"deployment{hint} (nodes: {shown})")
+        return nodes[value].role
+
+    for spec in specs:
+        if spec.action in ("crash", "restart"):
+            node(spec, "node", spec.target)
+        if spec.node is not None:
+            role = node(spec, "node", spec.node)
+            if spec.action == "fail-transfer" and role != "prefill":
+                raise FaultSpecError(f"fault {spec.text!r}: node {spec.node!r} is a decode "
+                                     f"rank; transfers start on prefill ranks")
+        for key in ("src", "dst"):
+            value = getattr(spec, key)
+            if value is None:
+                continue
+            role = node(spec, key, value)
+            sender = SENDER.get(spec.target)
+            if sender is not None:
+                receiver = "decode" if sender == "prefill" else "prefill"
+                if role != (sender if key == "src" else receiver):
+                    raise FaultSpecError(f"fault {spec.text!r}: {spec.target} goes from "
+                                         f"{sender} to {receiver} ranks; {key}={value} is a "
+                                         f"{role} rank, so it would never fire")
+        n_requests = len(input_lens)
+        if spec.room is not None and spec.room >= n_requests:
+            raise FaultSpecError(f"fault {spec.text!r}: room {spec.room} does not exist; the "
+                                 f"workload has rooms 0..{n_requests - 1}")
+        if spec.chunk is not None and input_lens:
+            lens = [input_lens[spec.room]] if spec.room is not None else input_lens
+            chunk_tokens = cfg.full_chunk_pages * cfg.page_size
+            chunks = max(-(-n // chunk_tokens) for n in lens)
+            if spec.chunk >= chunks:
+                whose = f"room {spec.room}" if spec.room is not None else "the longest request"
+                raise FaultSpecError(f"fault {spec.text!r}: chunk {spec.chunk} does not exist; "
+                                     f"{whose} sends chunks 0..{max(chunks - 1, 0)}")
+
+
+def fault_report(specs: list[FaultSpec], fired: list[int]) -> list[dict[str, Any]]:
+    """One entry per spec: ``{"fault", "fired"}`` plus ``"note"`` for one that never fired."""
+    out: list[dict[str, Any]] = []
+    for spec, n in zip(specs, fired, strict=True):
+        entry: dict[str, Any] = {"fault": spec.text, "fired": n}
+        if n == 0:
+            entry["note"] = "never fired"
+        out.append(entry)
+    return out
 
 
 @dataclass(slots=True)
@@ -119,14 +244,18 @@ class FaultInjector:
         self.specs = specs
         self.rng = rng
         self.counts = [0] * len(specs)
+        self.fired = [0] * len(specs)
 
     def _fires(self, i: int, spec: FaultSpec) -> bool:
         self.counts[i] += 1
         if spec.nth is not None:
-            return self.counts[i] == spec.nth
-        if spec.p is not None:
-            return self.rng.random() < spec.p
-        return True
+            hit = self.counts[i] == spec.nth
+        elif spec.p is not None:
+            hit = self.rng.random() < spec.p
+        else:
+            hit = True
+        self.fired[i] += hit
+        return hit
 
     def message(self, src: str, dst: str, msg: wire.Message) -> MessageFate:
         fate = MessageFate()

@@ -13,6 +13,8 @@ named model and GPU. They live in the config's ``[serving]`` table (``[serving.p
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,13 +77,21 @@ class SimParams:
     wedge_window_s: float = 20.0
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<config>") -> SimParams:
+    def from_dict(cls, data: dict[str, Any], source: str = "<config>",
+                  base: SimParams | None = None) -> SimParams:
+        """Parameters from a ``[sim]`` table; with ``base``, only the named fields change.
+
+        Every value is finite and non-negative; bandwidths, the poll cadence and the wedge
+        window are positive (a zero there divides by zero or never advances time).
+        """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key not in fields:
-                raise ConfigError(f"{source}: field 'sim.{key}': unknown; known: "
-                                  f"{', '.join(sorted(fields))}")
+                close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+                hint = f"; did you mean 'sim.{close[0]}'?" if close else ""
+                raise ConfigError(f"{source}: field 'sim.{key}': unknown{hint} (known: "
+                                  f"{', '.join(sorted(fields))})")
             want = fields[key].type
             if want == "str":
                 if value not in COMPUTE_COSTS:
@@ -95,20 +105,26 @@ class SimParams:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             else:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (not isinstance(value, bool) and value < 0):
-                raise ConfigError(f"{source}: field 'sim.{key}': expected a non-negative "
-                                  f"{want}, got {value!r}")
+            if not ok or (not isinstance(value, bool) and not (math.isfinite(value)
+                                                               and value >= 0)):
+                raise ConfigError(f"{source}: field 'sim.{key}': expected a finite, "
+                                  f"non-negative {want}, got {value!r}")
+            if key in POSITIVE and value <= 0:
+                raise ConfigError(f"{source}: field 'sim.{key}': must be positive, got "
+                                  f"{value!r}")
             kwargs[key] = value
-        params = cls(**kwargs)
-        if params.ranks_per_nic < 1:
-            raise ConfigError(f"{source}: field 'sim.ranks_per_nic': must be at least 1")
-        return params
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> SimParams:
         return dataclasses.replace(self, **changes)
+
+
+#: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
+POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",
+                      "ranks_per_nic", "decode_poll_interval_s", "wedge_window_s"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +216,7 @@ def _server_args(data: Any, where: str, source: str) -> ServerArgs:
                               f"{', '.join(sorted(fields))}")
         want = fields[name].type
         if name == "kv_cache_dtype":
-            if value not in KV_CACHE_DTYPES:
+            if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
                 raise ConfigError(f"{source}: field '{where}.{key}': expected one of "
                                   f"{', '.join(KV_CACHE_DTYPES)}, got {value!r}")
         elif "float" in want:

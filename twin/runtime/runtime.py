@@ -81,6 +81,8 @@ class Runtime:
         self.last_progress = 0.0
         self.inputs = 0
         self._poll_tokens: dict[tuple[str, int], int] = {}
+        self._time = driver.time
+        self._now = 0.0  # the time of the input being handled (effects happen then)
         self._table = self._dispatch_table(hooks or {})
 
     # -- feeding -------------------------------------------------------------------------------
@@ -89,10 +91,11 @@ class Runtime:
         if node in self.crashed:
             return []
         rank = self.ranks[node]
-        now = self.driver.time()
+        now = self._time()
         if now < rank.now:  # a wall clock read twice can step back by rounding
             now = rank.now
         self.inputs += 1
+        self._now = now
         effects = rank.handle(event, now)
         if self.recorder is not None:
             self.recorder.write_input(now, node, event)
@@ -176,11 +179,11 @@ class Runtime:
             self.driver.control(node, d, aborted)
 
     def _start_transfer(self, node: str, e: ev.StartTransfer) -> None:
-        self.last_progress = self.driver.time()
+        self.last_progress = self._now
         self.driver.start_transfer(node, e)
 
     def _start_scatter(self, node: str, e: ev.StartScatter) -> None:
-        self.last_progress = self.driver.time()
+        self.last_progress = self._now
         self.driver.start_scatter(node, e)
 
     def _deferred(self, node: str, e: ev.Deferred) -> None:
@@ -204,7 +207,7 @@ class Runtime:
                 notes.append(f"{node} dropped {e.what}: {e.reason}")
 
     def _progress(self, node: str, e: ev.Effect) -> None:
-        self.last_progress = self.driver.time()
+        self.last_progress = self._now
 
 
 def _ignore(node: str, e: Any) -> None:

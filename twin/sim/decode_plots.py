@@ -13,9 +13,11 @@ import numpy as np  # noqa: E402
 from twin.sim.metrics import Metrics  # noqa: E402
 
 
-def write_decode_plot(metrics: Metrics, out_dir: Path) -> list[Path]:
+def write_decode_plot(metrics: Metrics, out_dir: Path, *,
+                      stopped_at: float | None = None) -> list[Path]:
     """Write ``decode.png``: decode batch size, decode KV pool and prefill KV pool over time
-    (one line per scheduler), with the pool sizes as dashed lines."""
+    (one line per scheduler), with the pool sizes as dashed lines; the time axis ends at
+    ``stopped_at`` when given."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
     serving = metrics.serving
@@ -42,6 +44,8 @@ def write_decode_plot(metrics: Metrics, out_dir: Path) -> list[Path]:
     a3.set_title("Prefill KV pool in use (held until the transfer is done)")
     a3.set_ylabel("k tokens")
     a3.set_xlabel("simulated time (s)")
+    if stopped_at is not None:
+        a3.set_xlim(0, max(stopped_at, 1e-9) * 1.01)
     for ax in (a1, a2, a3):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)

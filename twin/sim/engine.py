@@ -65,6 +65,8 @@ class Simulation:
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
                                })
+        self.feed = self.runtime.feed
+        """Hand an input to a node's core now and carry out its effects."""
         self.rng_net = random.Random(f"{seed}:net")
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
@@ -130,10 +132,6 @@ class Simulation:
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
             self.recorder.write_sys(self.env.now, node, record)
-
-    def feed(self, node: str, event: ev.Input) -> None:
-        """Hand ``event`` to ``node``'s core now and carry out its effects."""
-        self.runtime.feed(node, event)
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:

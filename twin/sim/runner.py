@@ -12,7 +12,7 @@ from twin.core.config import TwinConfig
 from twin.core.defects import Defects
 from twin.models.costs import Deployment
 from twin.runtime.diagnosis import diagnose
-from twin.runtime.faults import FaultSpec
+from twin.runtime.faults import FaultSpec, fault_report
 from twin.runtime.header import trace_header
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
@@ -29,6 +29,7 @@ class SimResult:
     stop_reason: str
     wall_seconds: float
     diagnosis: list[str] = field(default_factory=list)
+    stopped: RunStatus = RunStatus.UNTIL  # INTERRUPTED after Ctrl-C, SIGTERM or SIGHUP
 
     @property
     def wedged(self) -> bool:
@@ -44,8 +45,9 @@ class SimResult:
 
     @property
     def status(self) -> RunStatus:
+        failed = sum(r.status == "Failed" for r in self.sim.metrics.done)
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
-                      unfinished=self.sim.unfinished, stopped=RunStatus.UNTIL)
+                      unfinished=self.sim.unfinished, failed=failed, stopped=self.stopped)
 
     def _counts(self) -> tuple[int, int]:
         """Requests whose KV transfer completed, and that failed (the protocol's outcome, as
@@ -85,10 +87,24 @@ class SimResult:
             "seed": sim.seed,
             "defects": sim.defects.sorted(),
             "faults": [f.text for f in sim.injector.specs],
+            "fault_report": fault_report(sim.injector.specs, _fired(sim)),
             "failures": _failure_reasons(sim),
             **sim.metrics.summary(),
             "nic_utilisation": sim.metrics.nic_utilisation(sim.env.now),
         }
+
+
+def _fired(sim: Simulation) -> list[int]:
+    """How often each fault fired. Message and transfer faults are counted as they fire; a
+    timed one fired if the run reached its time (an abort: if it aborted its room)."""
+    fired = list(sim.injector.fired)
+    aborted = {r.reason for r in sim.metrics.done if r.reason.startswith("aborted by fault ")}
+    for i, spec in enumerate(sim.injector.specs):
+        if spec.action == "abort":
+            fired[i] = int(f"aborted by fault {spec.text}" in aborted)
+        elif spec.action in ("crash", "restart"):
+            fired[i] = int(sim.env.now >= (spec.at or 0.0))
+    return fired
 
 
 def _failure_reasons(sim: Simulation) -> dict[str, int]:
@@ -155,13 +171,16 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
 
         sim.progress_cb = tick
     t0 = time.perf_counter()
+    stopped = RunStatus.UNTIL
     try:
         reason = sim.run(until=until)
+    except KeyboardInterrupt:
+        reason, stopped = "interrupted", RunStatus.INTERRUPTED
     finally:
         if bar is not None:
             bar.close()
     wall = time.perf_counter() - t0
-    result = SimResult(sim, reason, wall)
+    result = SimResult(sim, reason, wall, stopped=stopped)
     if result.wedged:
         unfinished = {r.room for r in sim.requests.values() if not r.finished}
         snapshots = {n: r.snapshot() for n, r in sim.ranks.items()}

@@ -1,8 +1,11 @@
 """Built-in scenarios: a clean default and one reproduction per upstream defect.
 
 Each defect scenario names the defects that make it fail (``defects``) and what that failure
-looks like (``symptom``: ``wedge`` or ``corruption``); with those switched off it runs clean
-(every request ends, no wedge, no corruption). ``twin scenarios --check`` runs them both ways.
+looks like (``symptom``: ``wedge`` or ``corruption``); with those switched off every request
+ends with no wedge and no corruption. Where today's protocol fails a request by design (an
+injected abort or send error, an unaligned prefix), ``fails_by_design`` names those rooms: with
+the defects off the run ends ``failed`` with exactly those rooms failed, else ``completed``.
+``twin scenarios --check`` runs them both ways.
 A *finding* scenario shows a failure of today's protocol (every defect off) that the twin found;
 it has no switch, so it is checked once, for its symptom.
 """
@@ -48,6 +51,12 @@ class Scenario:
     overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     max_concurrency: int | None = None
     finding: bool = False
+    fails_by_design: tuple[int, ...] = ()
+
+    @property
+    def clean_status(self) -> str:
+        """The status of a run with the scenario's defects off."""
+        return "failed" if self.fails_by_design else "completed"
 
     def fault_specs(self) -> list[FaultSpec]:
         return [parse_fault(f) for f in self.faults]
@@ -120,14 +129,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         lambda: fixed([(0.0, 16 * 1024, 8, 0)] + [(0.2 + 0.2 * i, 2048, 8, 0)
                                                    for i in range(8)], name="abort-long"),
         defects=(NO_RELEASE_ROOM,), symptom="wedge", faults=("abort:room=0:at=0.03",),
-        params=QUIET,
+        params=QUIET, fails_by_design=(0,),
     ),
     Scenario(
         "chunk-ready-error", "the first CHUNK_READY send fails; swallowed, decode never "
         "scatters that chunk and its allocation pins the ring until the room times out",
         _cfg(**TP4_TP2, staging_pool_size_bytes=12 * 256 * 1024),
         _serial(8, 1024, 0.2), defects=(SWALLOWED_CHUNK_READY_ERROR,), symptom="wedge",
-        faults=("fail-send:CHUNK_READY:nth=1",), params=QUIET,
+        faults=("fail-send:CHUNK_READY:nth=1",), params=QUIET, fails_by_design=(0,),
     ),
     Scenario(
         "slice-fallback", "a prefill radix hit inflates the first send past the chunk-sized "
@@ -137,7 +146,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         lambda: fixed([(0.0, 1024, 8, 0), (0.3, 1536, 8, 0)] + [(0.6 + 0.2 * i, 1024, 8, 0)
                                                               for i in range(8)], name="fallback"),
         defects=(SILENT_SLICE_FALLBACK,), base_defects=(NO_GRID_ALIGNMENT,), symptom="wedge",
-        params=QUIET, overrides={1: {"prefill_prefix_len": 1024}},
+        params=QUIET, overrides={1: {"prefill_prefix_len": 1024}}, fails_by_design=(1,),
     ),
     Scenario(
         "teardown-deferred", "the STAGING_RSP of a room's first chunk is late, so that chunk "
@@ -151,7 +160,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         "raising kills the scheduler and every later room on that rank stalls",
         _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(4, 1024, 0.3),
         defects=(RAISE_ON_UNALIGNED_PREFIX,), symptom="wedge", params=QUIET,
-        overrides={1: {"decode_prefix_len": 100}},
+        overrides={1: {"decode_prefix_len": 100}}, fails_by_design=(1,),
     ),
     Scenario(
         "completion-race", "a late STAGING_RSP defers a room's first chunk behind its last; "
@@ -177,20 +186,29 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 
 def check_scenario(sc: Scenario) -> dict[str, object]:
-    """Run ``sc`` with its defects on and off; ``ok`` when on shows the symptom and off is
-    clean (for the clean default: both runs clean)."""
+    """Run ``sc`` with its defects on and off; ``ok`` when on shows the symptom and off ends
+    as ``clean_status`` with exactly the ``fails_by_design`` rooms failed (for the clean
+    default: both runs completed)."""
     from twin.core.defects import Defects
     from twin.sim.runner import run_sim
 
-    results = {}
+    results: dict[str, str] = {}
+    failed: dict[str, tuple[int, ...]] = {}
     runs = (("on", sc.defects),) if sc.finding else (("on", sc.defects), ("off", ()))
     for label, extra in runs:
         r = run_sim(sc.config, sc.workload(), defects=Defects.of(sc.base_defects + extra),
                     faults=sc.fault_specs(), params=sc.params, request_overrides=sc.overrides,
                     max_concurrency=sc.max_concurrency)
-        results[label] = r.status
-    want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
+        results[label] = r.status.value
+        failed[label] = tuple(sorted(q.room for q in r.sim.metrics.done if q.status == "Failed"))
+    want_on = {"clean": sc.clean_status, "wedge": "wedged",
+               "corruption": "corrupted"}[sc.symptom]
     if sc.finding:
         return {"on": results["on"], "off": "n/a (no switch)", "ok": results["on"] == want_on}
-    ok = results["on"] == want_on and results["off"] == "completed"
-    return {"on": results["on"], "off": results["off"], "ok": ok}
+    ok = (results["on"] == want_on and results["off"] == sc.clean_status
+          and failed["off"] == sc.fails_by_design)
+    off = results["off"]
+    if failed["off"]:
+        rooms = "room" + "s" * (len(failed["off"]) > 1)
+        off += f" ({rooms} {', '.join(map(str, failed['off']))} failed by design)"
+    return {"on": results["on"], "off": off, "ok": ok}

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import types
 import typing
 from collections.abc import Callable
+from json import encoder as json_encoder
 from typing import Any, Union
 
 from twin.core import events as ev
@@ -28,11 +30,15 @@ from twin.core import wire
 from twin.core.wire import KVPoll
 
 __all__ = [
+    "BODY_TEXT",
     "EFFECT_NAMES",
     "INPUT_NAMES",
+    "LINE_TEXT",
     "MESSAGE_KINDS",
+    "ROOM_OF",
     "TraceError",
     "event_from_json",
+    "event_text",
     "event_to_json",
     "field_specs",
     "message_from_json",
@@ -172,6 +178,194 @@ ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
 """Event class -> encoder; the writer's hot path looks classes up here directly."""
 
 
+# ---------------------------------------------------------------------------------------------
+# Text encoding: JSON text straight from the objects, no intermediate dicts
+# ---------------------------------------------------------------------------------------------
+# The text is byte-identical to ``json.dumps(event_to_json(e), separators=(",", ":"))`` (ASCII,
+# ``\u``-escaped strings, ``repr`` floats); ``tests/trace/test_format.py`` checks that.
+_str_text: Callable[[str], str] = json_encoder.encode_basestring_ascii  # type: ignore[assignment]
+
+
+class _StrTextCache(dict):  # type: ignore[type-arg]
+    """str -> its JSON text, computed once (node ids, sessions and reasons repeat a lot)."""
+
+    def __missing__(self, s: str) -> str:
+        if type(s) is not str:
+            raise TypeError(f"expected a string, got {type(s).__name__}")
+        if len(self) > 50_000:
+            self.clear()
+        text = self[s] = _str_text(s)
+        return text
+
+
+_STR_CACHE = _StrTextCache()
+
+
+def _float_text(v: Any) -> str:
+    if type(v) is float:
+        if not math.isfinite(v):
+            raise ValueError(f"out of range float value {v!r}: traces hold finite numbers only")
+        return repr(v)
+    if type(v) is int:
+        return repr(v)
+    return _float_text(float(v))
+
+
+def _bool_text(v: Any) -> str:
+    return "true" if v else "false"
+
+
+_TEXT: dict[type, Callable[[Any], str]] = {}
+"""Message and nested-object class -> ``obj -> JSON text`` (with braces)."""
+
+
+def _msg_text(m: Any) -> str:
+    try:
+        return _TEXT[type(m)](m)
+    except KeyError:
+        raise TypeError(f"not a control message: {type(m).__name__}") from None
+
+
+def _value_fn(spec: Spec) -> Callable[[Any], str]:
+    """``value -> JSON text`` for any field spec (used for the composite kinds)."""
+    kind = spec[0]
+    if kind == "int":
+        return repr
+    if kind == "str":
+        return _str_text
+    if kind == "bool":
+        return _bool_text
+    if kind == "float":
+        return _float_text
+    if kind == "opt":
+        inner = _value_fn(spec[1])
+        return lambda v: "null" if v is None else inner(v)
+    if kind == "list":
+        inner = _value_fn(spec[1])
+        return lambda v: "[" + ",".join(map(inner, v)) + "]"
+    if kind == "enum":
+        enum_cls = spec[1]
+        return lambda v: '"' + enum_cls(v).name + '"'
+    if kind == "msg":
+        return _msg_text
+    if kind == "event":
+        cls = spec[1]
+        return lambda v: _TEXT[cls](v)
+    raise AssertionError(spec)
+
+
+def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str:
+    """The inside of an f-string (no quotes) writing ``"tag":..., fields`` of ``o``."""
+    out = [f'"{tag_key}":"{tag}"']
+    for i, f in enumerate(_SPECS[cls]):
+        kind = f.spec[0]
+        value = f"o.{f.name}"
+        if kind == "int":
+            expr = f"{{{value}}}"
+        elif kind == "str":
+            expr = f"{{_S[{value}]}}"
+        elif kind == "bool":
+            expr = f'{{"true" if {value} else "false"}}'
+        elif kind == "float":
+            expr = f"{{_f({value})}}"
+        elif kind == "msg":
+            expr = f"{{_m[type({value})]({value})}}"
+        else:
+            scope[f"_v{i}"] = _value_fn(f.spec)
+            expr = f"{{_v{i}({value})}}"
+        out.append(f'"{f.name}":{expr}')
+    return ",".join(out)
+
+
+def _compile(cls: type, src: str, scope: dict[str, Any], name: str) -> Callable[..., str]:
+    scope.update({"_S": _STR_CACHE, "_f": _float_text, "_m": _TEXT})
+    exec(compile(src, f"<trace text {name} {cls.__name__}>", "exec"), scope)  # noqa: S102
+    return scope["fn"]
+
+
+def _fstring(text: str) -> str:
+    """``text`` (f-string inside, quotes excluded) as f-string source."""
+    return "f'" + text + "'"
+
+
+def _object_text(cls: type, tag_key: str, tag: str) -> Callable[[Any], str]:
+    scope: dict[str, Any] = {}
+    parts = _text_parts(cls, tag_key, tag, scope)
+    src = f"def fn(o):\n    return {_fstring('{{' + parts + '}}')}\n"
+    return _compile(cls, src, scope, "object")
+
+
+for _kind, _mcls in MESSAGE_KINDS.items():
+    _TEXT[_mcls] = _object_text(_mcls, "kind", _kind)
+_TEXT[ev.Target] = _object_text(ev.Target, "type", "Target")
+
+
+_EMITTER_FACTORIES: dict[type, Callable[..., Callable[[Any, int, str, str], None]]] = {}
+
+
+def _make_line(cls: type) -> tuple[Callable[[Any, int, str], str], Callable[[Any], str]]:
+    scope: dict[str, Any] = {}
+    parts = _text_parts(cls, "type", cls.__name__, scope)
+    line_src = _fstring('{{"seq":{seq},{head}' + parts + '}}\\n')
+    line = _compile(cls, f"def fn(o, seq, head):\n    return {line_src}\n", scope, "line")
+    body = _compile(cls, f"def fn(o):\n    return {_fstring(parts)}\n", dict(scope), "body")
+    # The writer's hot path: one call encodes, appends, notes the room and calls a hook.
+    names = {f.name for f in _SPECS[cls]}
+    room = ("    _ra(o.room)\n" if "room" in names else
+            "    _ra(getattr(o.msg, 'room', None))\n" if "msg" in names else "")
+    src = ("def fn(_ap, _ra, _hook):\n"
+           "    def emit(o, seq, head, node):\n"
+           f"        line = {line_src}\n"
+           "        _ap(line)\n"
+           + room.replace("    _ra", "        _ra")
+           + "        if _hook is not None:\n"
+           "            _hook(node, o, seq, line)\n"
+           "    return emit\n")
+    _EMITTER_FACTORIES[cls] = _compile(cls, src, dict(scope), "emitter")
+    return line, body
+
+
+LINE_TEXT: dict[type, Callable[[Any, int, str], str]] = {}
+"""Event class -> ``(event, seq, head) -> line``: one whole trace line, ``head`` being the
+envelope after ``seq`` (``'"t":0.5,"node":"p0g0r0","dir":"out",'``)."""
+BODY_TEXT: dict[type, Callable[[Any], str]] = {}
+"""Event class -> ``event -> '"type":"Name",field...'``: the payload of a line without braces."""
+for _ecls in ev.EVENT_TYPES.values():
+    LINE_TEXT[_ecls], BODY_TEXT[_ecls] = _make_line(_ecls)
+
+
+def line_emitters(append: Callable[[str], None], rooms_add: Callable[[Any], None],
+                  hooks: dict[type, Callable[[str, Any, int, str], None]]
+                  ) -> dict[type, Callable[[Any, int, str, str], None]]:
+    """Event class -> ``emit(event, seq, head, node)``, which appends the event's trace line
+    (as ``LINE_TEXT``) with ``append``, hands the room it names (or None) to ``rooms_add`` and
+    calls ``hooks[cls](node, event, seq, line)`` when the class has a hook."""
+    return {cls: make(append, rooms_add, hooks.get(cls))
+            for cls, make in _EMITTER_FACTORIES.items()}
+
+
+def event_text(obj: Any) -> str:
+    """The JSON text of ``event_to_json(obj)`` (compact, ASCII), built without a dict."""
+    try:
+        return "{" + BODY_TEXT[type(obj)](obj) + "}"
+    except KeyError:
+        raise TypeError(f"not a core event: {type(obj).__name__}") from None
+
+
+def _room_getter(cls: type) -> Callable[[Any], int | None] | None:
+    names = {f.name for f in _SPECS[cls]}
+    if "room" in names:
+        return operator.attrgetter("room")
+    if "msg" in names:
+        return lambda e: getattr(e.msg, "room", None)
+    return None
+
+
+ROOM_OF: dict[type, Callable[[Any], int | None] | None] = {
+    cls: _room_getter(cls) for cls in ev.EVENT_TYPES.values()}
+"""Event class -> ``event -> room`` (its ``room`` field, or its message's) or None."""
+
+
 def event_to_json(obj: Any) -> dict[str, Any]:
     """``{"type": ClassName, **fields}`` of a core event (a fresh dict of JSON values)."""
     try:
@@ -298,12 +492,18 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | Non
         lines.append(f"{pad}{tmp} = _fast_msg({var})")
         lines.append(f"{pad}if {tmp} is None: return None")
         return tmp
+    if kind == "list" and spec[1][0] == "event" and spec[1][1] in _FAST_NESTED:
+        tmp = f"l{depth}"
+        lines.append(f"{pad}if type({var}) is not list: return None")
+        lines.append(f"{pad}{tmp} = tuple(map(_fast_{spec[1][1].__name__}, {var}))")
+        lines.append(f"{pad}if None in {tmp}: return None")
+        return tmp
     return None
 
 
-def _make_fast(cls: type) -> Callable[[dict[str, Any]], Any] | None:
+def _make_fast(cls: type, extra: int = 0) -> Callable[[dict[str, Any]], Any] | None:
     specs = _SPECS[cls]
-    lines = [f"    if len(d) != {len(specs) + 1}: return None"]
+    lines = [f"    if len(d) != {len(specs) + 1 + extra}: return None"]
     args = []
     for i, f in enumerate(specs):
         var = f"v{i}"
@@ -316,11 +516,13 @@ def _make_fast(cls: type) -> Callable[[dict[str, Any]], Any] | None:
     src = "def dec(d):\n" + "\n".join(lines) + "\n"
     scope: dict[str, Any] = {"_cls": cls, "_isfinite": math.isfinite, "_MISSING": object(),
                              "_KVPOLL": KVPoll.__members__, "_fast_msg": _fast_msg}
+    scope.update({f"_fast_{c.__name__}": fn for c, fn in _FAST_NESTED.items()})
     exec(compile(src, f"<trace decoder {cls.__name__}>", "exec"), scope)  # noqa: S102
     return scope["dec"]
 
 
 _FAST_MSG: dict[str, Callable[[dict[str, Any]], Any]] = {}
+_FAST_NESTED: dict[type, Callable[[Any], Any]] = {}
 
 
 def _fast_msg(x: Any) -> Any:
@@ -335,11 +537,28 @@ for _kind, _mcls in MESSAGE_KINDS.items():
     _dec = _make_fast(_mcls)
     if _dec is not None:
         _FAST_MSG[_kind] = _dec
+_dec = _make_fast(ev.Target)
+if _dec is not None:
+    _target_dec = _dec
+
+    def _fast_target(x: Any, _dec: Callable[[dict[str, Any]], Any] = _target_dec) -> Any:
+        if type(x) is not dict or x.get("type") != "Target":
+            return None
+        return _dec(x)
+
+    _FAST_NESTED[ev.Target] = _fast_target
 _FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = {}
+FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
+"""Type name -> ``decode(line dict)``: the event of a whole parsed line (envelope keys ``seq``,
+``t``, ``node``, ``dir`` included) when it is complete and well typed, else None (then
+``event_from_json`` on the payload names the problem)."""
 for _name, _ecls in ev.EVENT_TYPES.items():
     _dec = _make_fast(_ecls)
     if _dec is not None:
         _FAST_EVENT[_name] = _dec
+    _dec = _make_fast(_ecls, extra=4)
+    if _dec is not None:
+        FAST_LINE_DECODERS[_name] = _dec
 
 
 def event_from_json(d: Any, *, where: str) -> Any:

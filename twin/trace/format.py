@@ -23,32 +23,48 @@ After changing an event class, run ``python -m twin.trace.format schema`` (regen
 from __future__ import annotations
 
 import contextlib
-import gzip
+import itertools
 import json
 import math
 import os
 import platform
 import re
 import sys
-import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from twin.core import events as ev
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import CATALOG
+from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
-    ENCODERS,
+    FAST_LINE_DECODERS,
     INPUT_NAMES,
     MESSAGE_KINDS,
     TraceError,
     event_from_json,
     field_specs,
+    line_emitters,
 )
+from twin.trace.index import STATE_EVERY, Block, BlockMeta, IndexWriter, LiveState, index_path
+
+try:
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - a declared dependency; the standard parser also works
+    _fast_loads = json.loads
+
+
+def _loads(raw: bytes) -> Any:
+    """``orjson.loads``, falling back to ``json.loads`` (integers beyond 64 bits)."""
+    try:
+        return _fast_loads(raw)
+    except ValueError:
+        return json.loads(raw)
 
 __all__ = [
     "DRIVER",
@@ -64,6 +80,7 @@ __all__ = [
     "build_schema",
     "iter_trace",
     "make_header",
+    "open_trace",
     "markdown_event_tables",
     "node_id",
     "read_trace",
@@ -77,8 +94,7 @@ DRIVER = "driver"
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
-OUTCOME_STATUSES = ("completed", "wedged", "corrupted", "interrupted", "crashed")
-GZIP_MAGIC = b"\x1f\x8b"
+OUTCOME_STATUSES = ("completed", "failed", "wedged", "corrupted", "interrupted", "crashed")
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 SYS_TYPES: dict[str, dict[str, str]] = {
@@ -261,152 +277,186 @@ def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Writer
 # ---------------------------------------------------------------------------------------------
-class _GzipSink:
-    """A gzip member whose ``flush`` is a Z_SYNC_FLUSH: everything written so far is readable."""
-
-    def __init__(self, path: Path) -> None:
-        self._raw = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, compresslevel=6,
-                                 mtime=0)
-
-    def write(self, text: str) -> None:
-        self._gz.write(text.encode("utf-8"))
-
-    def flush(self) -> None:
-        self._gz.flush(zlib.Z_SYNC_FLUSH)
-        self._raw.flush()
-
-    def close(self) -> None:
-        try:
-            self._gz.close()
-        finally:
-            self._raw.close()
-
-
-_INPUT_ENCODERS = {cls: ENCODERS[cls] for cls in ev.INPUT_TYPES}
-_EFFECT_ENCODERS = {cls: ENCODERS[cls] for cls in ev.EFFECT_TYPES}
-
-
 class TraceWriter:
-    """Streams one trace to ``path`` (gzip when the name ends in ``.gz``).
+    """Streams one trace to ``path``: gzip when the name ends in ``.gz``, zstd for ``.zst``,
+    plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
 
-    The header is validated and written at once. Lines are buffered and written and flushed
-    every ``flush_every`` lines and on ``close``, so a killed process leaves a readable trace
-    that ends at most ``flush_every`` lines early (a partial last line is tolerated by the
-    reader). Used as a context manager, an exception inside the block writes an ``Outcome``
-    with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is re-raised.
-    Times must be finite and non-decreasing; nodes must be declared in the header.
+    The header is validated and written at once. Lines are encoded straight from the event
+    objects (one generated emitter per class, ``twin.trace.codec.line_emitters``) into a
+    buffer that becomes one *block* every ``flush_every`` lines (after an input's effects, so
+    an input and its effects share a block; ``2 * flush_every`` lines at most) and on
+    ``flush``/``close``. Each block is compressed (zstd level 1 or gzip level 3 unless
+    ``level`` says otherwise) and written, and the file flushed: a killed process leaves a
+    readable trace that ends at most a block early (a partial last line or block is tolerated
+    by the reader). ``threaded=True`` compresses and writes in a background thread instead,
+    which only pays when the caller leaves the GIL free. ``index=False`` writes no index (and
+    removes a stale one). Used as a context manager, an exception inside the block writes an
+    ``Outcome`` with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is
+    re-raised. Times must be finite and non-decreasing; nodes must be declared in the header.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any], *,
-                 flush_every: int = 1000) -> None:
+                 flush_every: int = 1000, level: int | None = None, index: bool = True,
+                 threaded: bool = False) -> None:
         self.path = Path(path)
         self.header = dict(header)
         self.config, nodes = _check_header(self.header, f"{self.path}: header")
         self.flush_every = max(1, flush_every)
         self._encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False,
                                         check_circular=False).encode
-        self._prefix: dict[tuple[str, str], str] = {}
-        for nid in nodes:
-            for d in DIRS:
-                self._prefix[(nid, d)] = f'"node":{json.dumps(nid)},"dir":"{d}",'
-        self._prefix[(DRIVER, "sys")] = f'"node":"{DRIVER}","dir":"sys",'
+        self._pin = {nid: f'"node":{json.dumps(nid)},"dir":"in",' for nid in nodes}
+        self._pout = {nid: f'"node":{json.dumps(nid)},"dir":"out",' for nid in nodes}
+        self._psys = {nid: f'"node":{json.dumps(nid)},"dir":"sys",' for nid in nodes}
+        self._psys[DRIVER] = f'"node":"{DRIVER}","dir":"sys",'
         self._decode_nodes = frozenset(n for n, v in nodes.items() if v["role"] == "decode")
         self._nodes = nodes
         self._seq = 0
         self._t = 0.0
-        self._t_text = "0.0"
+        self._tt = '"t":0.0,'
         self._buf: list[str] = []
+        self._hard_limit = 2 * self.flush_every
         self._closed = False
         self.requests = 0
         self.succeeded: set[int] = set()
         self.failed: set[int] = set()
-        if self.path.name.endswith(".gz"):
-            self._sink: Any = _GzipSink(self.path)
+        # per block: first seq and time, rooms named; every STATE_EVERY blocks a state snapshot
+        self._live = LiveState()
+        self._rooms: set[Any] = set()
+        self._blk_seq = 0
+        self._blk_t0 = 0.0
+        self._blocks = 0
+        self._state: str | None = '{"alloc":{},"lines":[]}'
+        out_hooks = {**self._live.out_hooks, ev.RoomConcluded: self._concluded}
+        self._in_emit = line_emitters(self._buf.append, self._rooms.add, self._live.in_hooks)
+        self._in_emit = {cls: self._in_emit[cls] for cls in ev.INPUT_TYPES}
+        self._out_emit = line_emitters(self._buf.append, self._rooms.add, out_hooks)
+        self._out_emit = {cls: self._out_emit[cls] for cls in ev.EFFECT_TYPES}
+        codec = codec_for_name(self.path.name)
+        header_line = (self._encode(self.header) + "\n").encode("utf-8")
+        if index:
+            self._index: IndexWriter | None = IndexWriter(self.path, codec, header_line)
         else:
-            self._sink = open(self.path, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
-        self._sink.write(self._encode(self.header) + "\n")
-        self._sink.flush()
+            self._index = None
+            index_path(self.path).unlink(missing_ok=True)  # an older trace's index
+        try:
+            self._sink = BlockSink(self.path, codec, level=level, threaded=threaded,
+                                   on_block=self._index.block if self._index else None)
+            self._sink.write(header_line)
+            self._sink.flush()
+        except BaseException:
+            if self._index is not None:
+                self._index.close()
+            raise
+
+    def _concluded(self, node: str, e: Any, seq: int, line: str) -> None:
+        if node in self._decode_nodes:
+            (self.succeeded if e.status == "Success" else self.failed).add(e.room)
 
     # -- hot path ----------------------------------------------------------------------------
-    def _time(self, t: float) -> str:
-        if t != self._t:
-            t = float(t)
-            if not t >= self._t or not math.isfinite(t):
-                raise TraceError(f"{self.path}:{self._seq + 2}",
-                                 f"time {t!r} is before {self._t!r} or not finite", "t")
-            self._t = t
-            self._t_text = repr(t)
-        return self._t_text
-
-    def _line_prefix(self, node: str, d: str) -> str:
-        try:
-            return self._prefix[(node, d)]
-        except KeyError:
+    def _set_time(self, t: float) -> None:
+        t = float(t)
+        if not t >= self._t or not math.isfinite(t):
             raise TraceError(f"{self.path}:{self._seq + 2}",
-                             f"unknown node {node!r} for dir {d!r}", "node") from None
+                             f"time {t!r} is before {self._t!r} or not finite", "t")
+        self._t = t
+        self._tt = f'"t":{t!r},'
 
-    def _push(self) -> None:
-        if len(self._buf) >= self.flush_every:
-            if self._closed:
-                raise ValueError(f"{self.path}: trace writer is closed")
-            self._drain()
+    def _unknown_node(self, node: str, d: str) -> TraceError:
+        return TraceError(f"{self.path}:{self._seq + 2}", f"unknown node {node!r} for dir "
+                          f"{d!r}", "node")
 
     def write_input(self, t: float, node: str, event: Any) -> None:
         """Record that ``node`` handled input ``event`` at time ``t``."""
-        ts = self._time(t)
-        head = self._line_prefix(node, "in")
+        if t != self._t:
+            self._set_time(t)
         try:
-            enc = _INPUT_ENCODERS[type(event)]
+            head = self._tt + self._pin[node]
+        except KeyError:
+            raise self._unknown_node(node, "in") from None
+        try:
+            emit = self._in_emit[type(event)]
         except KeyError:
             raise TypeError(f"not a core input: {type(event).__name__}") from None
-        body = self._encode(enc(event))
-        self._buf.append(f'{{"seq":{self._seq},"t":{ts},{head}{body[1:]}\n')
-        self._seq += 1
-        self._push()
+        seq = self._seq
+        if not self._buf:
+            self._blk_seq, self._blk_t0 = seq, self._t
+        emit(event, seq, head, node)
+        self._seq = seq + 1
+        if len(self._buf) >= self._hard_limit:  # normally the block ends after the effects
+            self._drain()
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
         """Record the effects ``node`` returned for its last input, in order."""
-        ts = self._time(t)
-        head = self._line_prefix(node, "out")
-        encode, encoders, buf, seq = self._encode, _EFFECT_ENCODERS, self._buf, self._seq
-        decode = node in self._decode_nodes
-        for e in effects:
-            try:
-                enc = encoders[type(e)]
-            except KeyError:
-                self._seq = seq
-                raise TypeError(f"not a core effect: {type(e).__name__}") from None
-            buf.append(f'{{"seq":{seq},"t":{ts},{head}{encode(enc(e))[1:]}\n')
-            seq += 1
-            if decode and type(e) is ev.RoomConcluded:
-                (self.succeeded if e.status == "Success" else self.failed).add(e.room)
-        self._seq = seq
-        self._push()
+        if t != self._t:
+            self._set_time(t)
+        try:
+            head = self._tt + self._pout[node]
+        except KeyError:
+            raise self._unknown_node(node, "out") from None
+        table, seq = self._out_emit, self._seq
+        if not self._buf:
+            self._blk_seq, self._blk_t0 = seq, self._t
+        try:
+            for e in effects:
+                try:
+                    emit = table[type(e)]
+                except KeyError:
+                    raise TypeError(f"not a core effect: {type(e).__name__}") from None
+                emit(e, seq, head, node)
+                seq += 1
+        finally:
+            self._seq = seq
+        if len(self._buf) >= self.flush_every:
+            self._drain()
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
-        ts = self._time(t)
-        head = self._line_prefix(node, "sys")
+        if t != self._t:
+            self._set_time(t)
+        try:
+            head = self._tt + self._psys[node]
+        except KeyError:
+            raise self._unknown_node(node, "sys") from None
         rec = dict(record)
         rtype = _check_sys(rec, f"{self.path}:{self._seq + 2}", self._nodes)
         if rtype == "RequestArrived":
             self.requests += 1
         rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
-        self._buf.append(f'{{"seq":{self._seq},"t":{ts},{head}{self._encode(rec)[1:]}\n')
+        if not self._buf:
+            self._blk_seq, self._blk_t0 = self._seq, self._t
+        line = f'{{"seq":{self._seq},{head}{self._encode(rec)[1:]}\n'
+        self._buf.append(line)
+        if "room" in SYS_TYPES[rtype]:
+            self._rooms.add(rec["room"])
+        hook = self._live.sys_hooks.get(rtype)
+        if hook is not None:
+            hook(node, rec, self._seq, line)
         self._seq += 1
-        self._push()
+        if len(self._buf) >= self.flush_every:
+            self._drain()
 
-    # -- closing -----------------------------------------------------------------------------
+    # -- blocks and closing --------------------------------------------------------------------
     def _drain(self) -> None:
-        if self._buf:
-            self._sink.write("".join(self._buf))
-            self._buf.clear()
-        self._sink.flush()
+        if self._closed:
+            raise ValueError(f"{self.path}: trace writer is closed")
+        buf = self._buf
+        if not buf:
+            return
+        rooms = self._rooms
+        rooms.discard(None)
+        meta = BlockMeta(self._blk_seq, len(buf), self._blk_t0, self._t,
+                         sorted(rooms), self._state)
+        data = "".join(buf).encode("utf-8")
+        buf.clear()
+        rooms.clear()
+        self._blocks += 1
+        self._state = self._live.snapshot_text() if self._blocks % STATE_EVERY == 0 else None
+        self._sink.write(data, meta)
 
     def flush(self) -> None:
-        """Write and flush everything buffered."""
+        """Write everything buffered and wait until it is in the file."""
         self._drain()
+        self._sink.flush()
 
     @property
     def closed(self) -> bool:
@@ -425,7 +475,11 @@ class TraceWriter:
             self._drain()
         finally:
             self._closed = True
-            self._sink.close()
+            try:
+                self._sink.close()
+            finally:
+                if self._index is not None:
+                    self._index.close()
 
     def abort_outcome(self, exc: BaseException) -> dict[str, Any]:
         """The ``Outcome`` written when the run raised ``exc``."""
@@ -448,33 +502,114 @@ class TraceWriter:
             self._closed = True
             with contextlib.suppress(Exception):
                 self._sink.close()
+            if self._index is not None:
+                with contextlib.suppress(Exception):
+                    self._index.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # Reader
 # ---------------------------------------------------------------------------------------------
-@dataclass(slots=True)
 class Record:
     """One event line: the envelope, the payload dict (``type`` + fields) and, for ``in`` and
-    ``out`` lines, the decoded core event (``None`` for ``sys`` records)."""
+    ``out`` lines, the decoded core event (``None`` for ``sys`` records).
 
-    seq: int
-    t: float
-    node: str
-    dir: str
-    type: str
-    data: dict[str, Any]
-    event: Any
-    line: int
+    A record from a lazy reader keeps its line's bytes and decodes ``data`` and ``event`` the
+    first time they are asked for (``event`` then checks the payload as the strict reader
+    does); ``raw`` is the line's bytes (None for records read strictly) and ``body`` the
+    payload's JSON text, for cheap comparisons.
+    """
+
+    __slots__ = ("_body_at", "_data", "_event", "_src", "dir", "line", "node", "raw", "seq",
+                 "t", "type")
+
+    def __init__(self, seq: int, t: float, node: str, dir: str, type: str,  # noqa: A002
+                 data: dict[str, Any] | None, event: Any, line: int, raw: bytes | None = None,
+                 body_at: int = 0, src: TraceReader | None = None) -> None:
+        self.seq = seq
+        self.t = t
+        self.node = node
+        self.dir = dir
+        self.type = type
+        self._data = data
+        self._event = event
+        self.line = line
+        self.raw = raw
+        self._body_at = body_at
+        self._src = src
+
+    @property
+    def data(self) -> dict[str, Any]:
+        d = self._data
+        if d is None:
+            try:
+                d = _loads(self.raw)
+            except ValueError:
+                src = self._src
+                raise TraceError(f"{src.name if src else '?'}:{self.line}",
+                                 "not valid JSON") from None
+            for key in _ENVELOPE:
+                del d[key]
+            self._data = d
+        return d
+
+    @property
+    def event(self) -> Any:
+        if self._event is None and self.dir != "sys":
+            event = None
+            if self._data is None:  # straight from the line, when it is complete and typed
+                try:
+                    d = _fast_loads(self.raw)
+                except ValueError:
+                    d = None
+                dec = FAST_LINE_DECODERS.get(self.type)
+                if type(d) is dict and dec is not None:
+                    event = dec(d)
+            src = self._src
+            if event is None:
+                event = event_from_json(self.data, where=f"{src.name if src else '?'}:"
+                                                         f"{self.line}")
+            if src is not None and not src.partial:
+                room = _room_of(event)
+                if room is not None and room not in src.rooms:
+                    raise TraceError(f"{src.name}:{self.line}", f"room {room} was never "
+                                     "introduced by a RequestArrived record", "room")
+            self._event = event
+        return self._event
+
+    @property
+    def body(self) -> bytes:
+        """The payload as written: ``"type":"Name",...`` without the closing brace."""
+        if self.raw is not None and self._body_at:
+            return self.raw[self._body_at:-1]
+        return _dumps_body(self.data)
 
     def to_json(self) -> dict[str, Any]:
         """The line as written (envelope then payload)."""
         return {"seq": self.seq, "t": self.t, "node": self.node, "dir": self.dir, **self.data}
 
+    def __repr__(self) -> str:
+        return (f"Record(seq={self.seq}, t={self.t!r}, node={self.node!r}, dir={self.dir!r}, "
+                f"type={self.type!r}, line={self.line})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Record):
+            return NotImplemented
+        return (self.seq, self.t, self.node, self.dir, self.data) == (
+            other.seq, other.t, other.node, other.dir, other.data)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _dumps_body(d: Mapping[str, Any]) -> bytes:
+    return json.dumps(d, separators=(",", ":"), allow_nan=False)[1:-1].encode("utf-8")
+
 
 @dataclass
 class Trace:
-    """A whole trace in memory (see ``read_trace``)."""
+    """A whole trace in memory (see ``read_trace``); fine for small traces. Large ones are
+    read with ``iter_trace`` (the views in ``twin.trace.inspect``, the Perfetto export and the
+    replay all stream)."""
 
     path: str
     header: dict[str, Any]
@@ -495,63 +630,97 @@ class Trace:
         """The outcome status, or ``"incomplete"``."""
         return self.outcome["status"] if self.outcome is not None else "incomplete"
 
+    @property
+    def name(self) -> str:
+        return self.path
 
-class _LineSource:
-    """``(line, ended)`` pairs of a plain or gzip file; ``ended`` is False for a last line
-    without a newline. A gzip stream cut short (or corrupt at its end) ends the lines and sets
-    ``cut``; the partial line before the cut then comes out with ``ended=False``."""
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.events)
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.cut = False
 
-    def __iter__(self) -> Iterator[tuple[bytes, bool]]:
-        with open(self.path, "rb") as raw:
-            gz = raw.read(2) == GZIP_MAGIC
-            raw.seek(0)
-            # read1: a cut gzip stream raises EOFError on the read *after* its last data
-            stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
-            read = stream.read1 if gz else stream.read  # type: ignore[attr-defined]
-            rest = b""
-            while True:
-                try:
-                    chunk = read(1 << 20)
-                except (EOFError, zlib.error, gzip.BadGzipFile):
-                    self.cut = True
-                    chunk = b""
-                if not chunk:
-                    break
-                parts = (rest + chunk).split(b"\n")
-                rest = parts.pop()
-                for p in parts:
-                    yield p, True
-            if rest:
-                yield rest, False
+def _batches(source: BlockSource) -> Iterator[tuple[list[bytes], bool]]:
+    """The lines of ``source`` in batches (one per decompressed chunk): ``(lines, True)``, and
+    at the end ``([last], False)`` for a last line without a newline."""
+    rest = b""
+    for chunk in source:
+        parts = chunk.split(b"\n")
+        if rest:
+            parts[0] = rest + parts[0]
+        rest = parts.pop()
+        if parts:
+            yield parts, True
+    if rest:
+        yield [rest], False
+
+
+def _lines(source: BlockSource) -> Iterator[tuple[bytes, bool]]:
+    """``(line, ended)`` pairs; ``ended`` is False for a last line without a newline."""
+    for lines, ended in _batches(source):
+        for line in lines:
+            yield line, ended
+
+
+def _unbatch(batches: Iterator[tuple[list[bytes], bool]]) -> Iterator[tuple[bytes, bool]]:
+    for lines, ended in batches:
+        for line in lines:
+            yield line, ended
+
+
+_ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),'
+                     rb'("node":"[A-Za-z0-9_-]+","dir":"(?:in|out|sys)","type":"[A-Za-z_]+")[,}]')
+"""The envelope as the writer writes it: seq, t, and node/dir/type as one group."""
+_NUMBER_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+_KEY_RE = re.compile(rb'"node":"([^"]+)","dir":"([a-z]+)","type":"([A-Za-z_]+)"')
 
 
 class TraceReader:
     """Streams a trace: ``header``/``config``/``nodes`` at once, records by iterating.
 
-    After iteration ``outcome``, ``truncated`` and ``warnings`` are final. Every check
-    described in ``docs/trace-format.md`` is applied; the first violation raises ``TraceError``.
+    After iteration ``outcome``, ``truncated`` and ``warnings`` are final. By default every
+    check described in ``docs/trace-format.md`` is applied as lines are read; the first
+    violation raises ``TraceError``. With ``lazy=True`` each line's envelope is checked (JSON
+    shape, ``seq``, ``t``, ``node``, ``dir``, ``type``) and driver records fully, while input
+    and effect payloads are decoded (and checked) only when a record's ``data``/``event`` is
+    used: the views and the replay read this way.
+
+    ``span`` (a ``twin.trace.index.Block`` range: ``(first, last)``) reads only those blocks of
+    an indexed trace; such a reader is ``partial`` (no room or Outcome expectations).
+    ``select`` (a set of type names; implies ``lazy``) yields only records of those types and of
+    driver records; the others are checked as in lazy mode and counted in ``counts``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, lazy: bool = False,
+                 span: tuple[Block, Block | None] | None = None,
+                 select: Container[str] | None = None) -> None:
         self.path = Path(path)
         self.name = str(path)
+        self.lazy = lazy or select is not None
+        self.select = select
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        """Lines read so far by (node, dir, type); final after iteration."""
+        self.first_t: float | None = None
+        self.last_t: float | None = None
         self.warnings: list[str] = []
         self.outcome: dict[str, Any] | None = None
         self.truncated = False
         self.rooms: set[int] = set()
-        self._source = _LineSource(self.path)
+        self.partial = span is not None
+        self._span = span
         try:
-            self._it = iter(self._source)
-            first = next(self._it, None)
+            self._source = BlockSource(self.path)
+            self._gen = self._it = _batches(self._source)
+            batch = next(self._it, None)
         except FileNotFoundError:
             raise TraceError(self.name, "no such file") from None
+        first = None
+        if batch is not None:
+            first = (batch[0][0], batch[1])
+            if len(batch[0]) > 1:
+                self._it = itertools.chain([(batch[0][1:], batch[1])], self._it)
         where = f"{self.name}:1"
         if first is None or not first[0].strip():
             raise TraceError(where, "not a staging-twin trace (empty file)")
+        self.header_line = first[0]
         try:
             header = json.loads(first[0])
         except ValueError:
@@ -560,81 +729,210 @@ class TraceReader:
         self.config, self.nodes = _check_header(header, where, self.warnings)
         self.header: dict[str, Any] = header
         self._started = False
+        self._first_seq = 0
+        self._first_t = 0.0
+        if span is not None:
+            self._gen.close()
+            first_blk, last_blk = span
+            self._source = BlockSource(self.path, start=first_blk.off,
+                                       end=None if last_blk is None else last_blk.end)
+            self._gen = self._it = _batches(self._source)
+            self._first_seq, self._first_t = first_blk.seq, first_blk.t0
 
     def __iter__(self) -> Iterator[Record]:
         if self._started:
             raise RuntimeError("a TraceReader can be iterated once")
         self._started = True
-        return self._records()
+        return self._records_lazy() if self.lazy else self._records()
 
+    # -- strict ------------------------------------------------------------------------------
     def _records(self) -> Iterator[Record]:
-        name, nodes, rooms = self.name, self.nodes, self.rooms
-        loads = json.loads
-        last_t, lineno, last_ok = 0.0, 1, 1
-        for raw, ended in self._it:
+        lineno = last_ok = self._first_seq + 1
+        last_t = self._first_t
+        for raw, ended in _unbatch(self._it):
             lineno += 1
-            where = f"{name}:{lineno}"
-            expect_seq = lineno - 2
             if self.outcome is not None:
                 if not ended and not raw.strip():
                     break
-                raise TraceError(where, "line after the Outcome record")
+                raise TraceError(f"{self.name}:{lineno}", "line after the Outcome record")
+            rec = self._strict(raw, ended, lineno, last_t)
+            if rec is None:
+                break
+            if self.first_t is None:
+                self.first_t = rec.t
+            last_t = self.last_t = rec.t
+            last_ok = lineno
+            self.counts[(rec.node, rec.dir, rec.type)] += 1
+            yield rec
+        self._finish(last_ok)
+
+    def _strict(self, raw: bytes, ended: bool, lineno: int, last_t: float) -> Record | None:
+        """Check and decode one line completely; None when it is a truncated last line."""
+        where = f"{self.name}:{lineno}"
+        expect_seq = lineno - 2
+        try:
+            d = _fast_loads(raw)
+        except ValueError:
+            d = None
+        if d is None:  # the fast parser failed (or a JSON null, which is no object either)
             try:
-                d = loads(raw)
+                d = json.loads(raw)
             except ValueError:
                 if not ended:
                     self._truncate(f"line {lineno} truncated: trace ends at line {lineno - 1}")
-                    break
+                    return None
                 raise TraceError(where, "not valid JSON") from None
-            if type(d) is not dict:
-                raise TraceError(where, "expected a JSON object")
-            seq = d.pop("seq", None)
-            t = d.pop("t", None)
-            node = d.pop("node", None)
-            direction = d.pop("dir", None)
-            if seq != expect_seq or type(seq) is not int:
-                raise TraceError(where, f"expected {expect_seq}, got {seq!r} (seq must count "
-                                 f"0, 1, 2, ... without gaps)", "seq")
-            if type(t) not in (float, int) or not math.isfinite(t):
-                raise TraceError(where, f"expected a finite number, got {t!r}", "t")
-            if t < last_t:
-                raise TraceError(where, f"time goes backwards ({t!r} < {last_t!r})", "t")
-            if direction not in DIRS:
-                raise TraceError(where, f"expected one of {DIRS}, got {direction!r}", "dir")
-            if node not in nodes and not (node == DRIVER and direction == "sys"):
+        if type(d) is not dict:
+            raise TraceError(where, "expected a JSON object")
+        seq = d.pop("seq", None)
+        t = d.pop("t", None)
+        node = d.pop("node", None)
+        direction = d.pop("dir", None)
+        if seq != expect_seq or type(seq) is not int:
+            raise TraceError(where, f"expected {expect_seq}, got {seq!r} (seq must count "
+                             f"0, 1, 2, ... without gaps)", "seq")
+        if type(t) not in (float, int) or not math.isfinite(t):
+            raise TraceError(where, f"expected a finite number, got {t!r}", "t")
+        if t < last_t:
+            raise TraceError(where, f"time goes backwards ({t!r} < {last_t!r})", "t")
+        if direction not in DIRS:
+            raise TraceError(where, f"expected one of {DIRS}, got {direction!r}", "dir")
+        if node not in self.nodes and not (node == DRIVER and direction == "sys"):
+            detail = (f"unknown node {node!r}" if node != DRIVER
+                      else '"driver" only writes sys records')
+            raise TraceError(where, detail, "node")
+        rtype = d.get("type")
+        if direction == "sys":
+            rtype, room = self._sys(d, where, node)
+            event = None
+        else:
+            allowed = INPUT_NAMES if direction == "in" else EFFECT_NAMES
+            if rtype not in allowed:
+                kind = "input" if direction == "in" else "effect"
+                raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
+            event = event_from_json(d, where=where)
+            room = _room_of(event)
+        if room is not None and room not in self.rooms and not self.partial:
+            raise TraceError(where, f"room {room} was never introduced by a RequestArrived "
+                             "record", "room")
+        return Record(seq, float(t), node, direction, rtype, d, event, lineno)
+
+    def _sys(self, d: dict[str, Any], where: str, node: str) -> tuple[str, int | None]:
+        rtype = _check_sys(d, where, self.nodes)
+        room = d.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
+        if rtype == "RequestArrived":
+            if d["room"] in self.rooms and not self.partial:
+                raise TraceError(where, f"room {d['room']} introduced twice", "room")
+            self.rooms.add(d["room"])
+        elif rtype == "Outcome":
+            if node != DRIVER:
+                raise TraceError(where, 'an Outcome belongs to node "driver"', "node")
+            self.outcome = d
+        return rtype, room
+
+    def _finish(self, last_ok: int) -> None:
+        if self._source.cut:
+            self._truncate(f"gzip stream ends early: trace ends at line {last_ok}"
+                           if self._source.codec == "gzip" else
+                           f"{self._source.codec} stream ends early: trace ends at line "
+                           f"{last_ok}")
+        if self.outcome is None and not self.partial:
+            self.warnings.append(f"{self.name}: no Outcome record: trace is incomplete")
+
+    # -- lazy --------------------------------------------------------------------------------
+    def _records_lazy(self) -> Iterator[Record]:
+        name = self.name
+        match = _ENV_RE.match
+        keys: dict[bytes, tuple[str, str, str, int, bool]] = {}
+        by_key: dict[bytes, int] = {}  # fast-path lines by their node/dir/type text
+        counts: dict[tuple[str, str, str], int] = {}  # strict-path lines
+        select = self.select
+        last_t, last_tb = self._first_t, b""
+        lineno = last_ok = self._first_seq + 1
+        strict = self._strict
+        done = False  # the Outcome was read
+        try:
+            for lines, ended in self._it:
+                for raw in lines:
+                    lineno += 1
+                    m = match(raw)
+                    if m is None or not ended or done:
+                        if done:
+                            if not ended and not raw.strip():
+                                break
+                            raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
+                        rec = strict(raw, ended, lineno, last_t)
+                        if rec is None:
+                            break
+                        if self.first_t is None:
+                            self.first_t = rec.t
+                        last_t, last_tb, last_ok = rec.t, b"", lineno
+                        k = (rec.node, rec.dir, rec.type)
+                        counts[k] = counts.get(k, 0) + 1
+                        done = self.outcome is not None
+                        if select is None or rec.dir == "sys" or rec.type in select:
+                            yield rec
+                        continue
+                    seq_b, t_b, key = m.groups()
+                    if int(seq_b) != lineno - 2:
+                        raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
+                                         f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
+                                         "gaps)", "seq")
+                    if t_b != last_tb:
+                        t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
+                        if not t >= last_t or not math.isfinite(t):
+                            raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
+                                             f"{last_t!r})" if t < last_t else
+                                             f"expected a finite number, got {t_b.decode()}", "t")
+                        if self.first_t is None:
+                            self.first_t = t
+                        last_t, last_tb = t, t_b
+                    try:
+                        by_key[key] += 1
+                        node, direction, rtype, body_from_key, wanted = keys[key]
+                    except KeyError:
+                        keys[key] = self._envelope_key(key, lineno)
+                        by_key[key] = 1
+                        node, direction, rtype, body_from_key, wanted = keys[key]
+                    last_ok = lineno
+                    if direction == "sys":
+                        by_key[key] -= 1  # counted by the strict path
+                        rec = strict(raw, ended, lineno, last_t)
+                        assert rec is not None
+                        counts[(node, direction, rec.type)] = counts.get(
+                            (node, direction, rec.type), 0) + 1
+                        done = self.outcome is not None
+                        yield rec
+                    elif wanted:
+                        yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno,
+                                     raw, m.start(3) + body_from_key, self)
+        finally:
+            for key, n in by_key.items():
+                if n:
+                    k = keys[key][:3]
+                    counts[k] = counts.get(k, 0) + n  # type: ignore[index]
+            self.counts.update(counts)
+            self.last_t = last_t if self.first_t is not None else None
+        self._finish(last_ok)
+
+    def _envelope_key(self, key: bytes, lineno: int) -> tuple[str, str, str, int, bool]:
+        """Node, dir, type and the payload's offset in ``key`` of a fast-path envelope."""
+        where = f"{self.name}:{lineno}"
+        m = _KEY_RE.fullmatch(key)
+        assert m is not None
+        node, direction, rtype = (x.decode() for x in m.groups())
+        if direction not in DIRS:  # pragma: no cover - the pattern allows only these
+            raise TraceError(where, f"expected one of {DIRS}, got {direction!r}", "dir")
+        if direction != "sys":
+            if node not in self.nodes:
                 detail = (f"unknown node {node!r}" if node != DRIVER
                           else '"driver" only writes sys records')
                 raise TraceError(where, detail, "node")
-            rtype = d.get("type")
-            if direction == "sys":
-                rtype = _check_sys(d, where, nodes)
-                event = None
-                room = d.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
-                if rtype == "RequestArrived":
-                    if d["room"] in rooms:
-                        raise TraceError(where, f"room {d['room']} introduced twice", "room")
-                    rooms.add(d["room"])
-                elif rtype == "Outcome":
-                    if node != DRIVER:
-                        raise TraceError(where, 'an Outcome belongs to node "driver"', "node")
-                    self.outcome = d
-            else:
-                allowed = INPUT_NAMES if direction == "in" else EFFECT_NAMES
-                if rtype not in allowed:
-                    kind = "input" if direction == "in" else "effect"
-                    raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
-                event = event_from_json(d, where=where)
-                room = _room_of(event)
-            if room is not None and room not in rooms:
-                raise TraceError(where, f"room {room} was never introduced by a RequestArrived "
-                                 "record", "room")
-            last_t = t
-            last_ok = lineno
-            yield Record(seq, float(t), node, direction, rtype, d, event, lineno)
-        if self._source.cut:
-            self._truncate(f"gzip stream ends early: trace ends at line {last_ok}")
-        if self.outcome is None:
-            self.warnings.append(f"{name}: no Outcome record: trace is incomplete")
+            if rtype not in (INPUT_NAMES if direction == "in" else EFFECT_NAMES):
+                kind = "input" if direction == "in" else "effect"
+                raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
+        wanted = self.select is None or rtype in self.select
+        return node, direction, rtype, m.start(3) - 8, wanted
 
     def _truncate(self, message: str) -> None:
         if not self.truncated:
@@ -643,9 +941,7 @@ class TraceReader:
 
     def close(self) -> None:
         """Release the file (iteration does this at its end)."""
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
+        self._gen.close()
 
     def __enter__(self) -> TraceReader:
         return self
@@ -679,9 +975,21 @@ def _room_of(event: Any) -> int | None:
     return None
 
 
-def iter_trace(path: str | os.PathLike[str]) -> TraceReader:
-    """Open a trace for streaming: the header is checked now, records as you iterate."""
-    return TraceReader(path)
+def iter_trace(path: str | os.PathLike[str], *, lazy: bool = False) -> TraceReader:
+    """Open a trace for streaming: the header is checked now, records as you iterate
+    (``lazy``: payloads decoded when used, see ``TraceReader``)."""
+    return TraceReader(path, lazy=lazy)
+
+
+TraceSource = Trace | TraceReader | str | os.PathLike[str]
+"""A trace to read: an in-memory ``Trace``, an open reader, or a path (streamed)."""
+
+
+def open_trace(source: TraceSource) -> Trace | TraceReader:
+    """``source`` ready to iterate once: a path opens a lazy streaming reader."""
+    if isinstance(source, (Trace, TraceReader)):
+        return source
+    return TraceReader(source, lazy=True)
 
 
 def read_trace(path: str | os.PathLike[str]) -> Trace:

@@ -1,19 +1,26 @@
 """Terminal views of traces: ``summary``, ``room_timeline``, ``diff`` and ``first_divergence``.
 
-All functions take ``Trace`` objects (``read_trace``) and return plain text (lines of at most
-about 100 columns; long event text is cut with ``...``). Times are shown in milliseconds.
+Every function takes a trace as a path (read once, streamed, in order), an open
+``TraceReader`` or an in-memory ``Trace`` (``read_trace``), and returns plain text (lines of at
+most about 100 columns; long event text is cut with ``...``). Times are shown in milliseconds.
+Memory holds what a view shows (the first ``max_rooms`` rooms of a summary, one room's lines,
+``context`` lines of a diff), never the whole trace. ``room_timeline`` of an indexed trace file
+reads only the blocks that name the room (``twin.trace.index``).
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
+import os
+from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from twin.trace.format import DRIVER, Record, Trace
+from twin.trace.format import DRIVER, Record, Trace, TraceReader, TraceSource, open_trace
 
-__all__ = ["diff", "event_text", "first_divergence", "room_timeline", "summary"]
+__all__ = ["DiffResult", "compare", "diff", "event_text", "first_divergence", "room_timeline",
+           "summary"]
 
 WIDTH = 100
 _IGNORED_HEADER_KEYS = frozenset({"created", "software"})
@@ -57,11 +64,19 @@ def _room_of(rec: Record) -> int | None:
     return room if isinstance(room, int) else None
 
 
+def _status(src: Trace | TraceReader) -> str:
+    return src.outcome["status"] if src.outcome is not None else "incomplete"
+
+
+def _path(src: Trace | TraceReader) -> str:
+    return src.path if isinstance(src, Trace) else src.name
+
+
 # ---------------------------------------------------------------------------------------------
 # summary
 # ---------------------------------------------------------------------------------------------
-def _config_line(trace: Trace) -> str:
-    c = trace.config
+def _config_line(src: Trace | TraceReader) -> str:
+    c = src.config
     side = lambda s: (f"tp{s.tp_size}" + (f" dp{s.dp_size}" if s.dp_size > 1 else "")  # noqa: E731
                       + (f" x{s.instances}" if s.instances > 1 else ""))
     return (f"config: prefill {side(c.prefill)}, decode {side(c.decode)}, ring {c.ring_bytes} B, "
@@ -90,24 +105,92 @@ def _conclusion(entries: list[tuple[float, str]], expected: int) -> str:
     return f"Success@{_ms(max(t for t, _ in entries))}{mark}"
 
 
-def summary(trace: Trace, *, max_rooms: int = 200) -> str:
-    """Header facts, outcome, event counts by type and node, and a per-room timing table."""
-    h = trace.header
-    ev = trace.events
-    state = "complete" if trace.complete else ("truncated" if trace.truncated else "incomplete")
-    roles = Counter(n["role"] for n in trace.nodes.values())
-    span = ev[-1].t - ev[0].t if ev else 0.0
+_SUMMARY_TYPES = frozenset({"StartTransfer", "ScatterDone", "Deferred", "RoomConcluded"})
+
+
+@dataclass
+class _RoomRow:
+    arrival: float
+    n_prefill: int
+    n_decode: int
+    first_xfer: float | None = None
+    last_scatter: float | None = None
+    deferrals: int = 0
+
+    def __post_init__(self) -> None:
+        self.prefill: list[tuple[float, str]] = []
+        self.decode: list[tuple[float, str]] = []
+
+
+def _summary_records(source: TraceSource) -> Trace | TraceReader:
+    if isinstance(source, (Trace, TraceReader)):
+        return source
+    return TraceReader(source, select=_SUMMARY_TYPES)
+
+
+def summary(trace: TraceSource, *, max_rooms: int = 200) -> str:
+    """Header facts, outcome, event counts by type and node, and a per-room timing table (the
+    first ``max_rooms`` rooms to arrive)."""
+    src = _summary_records(trace)
+    roles_of = {nid: n["role"] for nid, n in src.nodes.items()}
+    rooms: dict[int, _RoomRow] = {}
+    more_rooms = 0
+    counts: Counter[tuple[str, str, str]] = Counter()
+    in_memory = isinstance(src, Trace)
+    first_t = last_t = None
+    n_events = 0
+    for r in src:
+        if in_memory:
+            counts[(r.node, r.dir, r.type)] += 1
+            first_t = r.t if first_t is None else first_t
+            last_t = r.t
+            n_events += 1
+        rtype = r.type
+        if rtype == "RequestArrived":
+            d = r.data
+            if len(rooms) < max_rooms:
+                rooms[d["room"]] = _RoomRow(r.t, len(d["prefill_node"]), len(d["decode_node"]))
+            else:
+                more_rooms += 1
+            continue
+        if rtype not in _SUMMARY_TYPES:
+            continue
+        d = r.data
+        row = rooms.get(d.get("room"))  # type: ignore[arg-type]
+        if row is None:
+            continue
+        if rtype == "StartTransfer":
+            if row.first_xfer is None:
+                row.first_xfer = r.t
+        elif rtype == "ScatterDone":
+            row.last_scatter = r.t
+        elif rtype == "Deferred":
+            row.deferrals += 1
+        elif rtype == "RoomConcluded":
+            (row.prefill if roles_of[r.node] == "prefill" else row.decode).append(
+                (r.t, d["status"]))
+    if not in_memory:
+        counts = src.counts  # type: ignore[union-attr]
+        first_t, last_t = src.first_t, src.last_t  # type: ignore[union-attr]
+        n_events = sum(counts.values())
+
+    h = src.header
+    truncated = src.truncated
+    complete = src.outcome is not None and not truncated
+    state = "complete" if complete else ("truncated" if truncated else "incomplete")
+    roles = Counter(roles_of.values())
+    span = (last_t - first_t) if first_t is not None and last_t is not None else 0.0
     lines = [
-        f"trace: {trace.path}",
+        f"trace: {_path(src)}",
         f"mode {h['mode']}, format v{h['version']}, seed {h.get('seed')}, {state}, "
-        f"status {trace.status}",
-        _cut(_config_line(trace)),
+        f"status {_status(src)}",
+        _cut(_config_line(src)),
         _cut(f"defects: {', '.join(h['defects']) or 'none'}; faults: "
              f"{', '.join(h['faults']) or 'none'}"),
-        f"nodes: {len(trace.nodes)} ({roles['prefill']} prefill, {roles['decode']} decode); "
-        f"events: {len(ev)} over {_ms(span)} ms",
+        f"nodes: {len(src.nodes)} ({roles['prefill']} prefill, {roles['decode']} decode); "
+        f"events: {n_events} over {_ms(span)} ms",
     ]
-    o = trace.outcome
+    o = src.outcome
     if o is not None:
         lines.append(f"outcome: {o['status']}: {o['completed']}/{o['requests']} completed, "
                      f"{o['failed']} failed")
@@ -115,86 +198,80 @@ def summary(trace: Trace, *, max_rooms: int = 200) -> str:
         lines += [_cut(f"  corruption: {c}") for c in o["corruption"]]
     else:
         lines.append("outcome: none (the trace has no Outcome record)")
-    lines += [_cut(f"warning: {w}") for w in trace.warnings]
+    lines += [_cut(f"warning: {w}") for w in src.warnings]
 
     # counts by type and node (by role when there are many nodes)
-    many = len(trace.nodes) > 6
-    column = ({nid: n["role"] for nid, n in trace.nodes.items()} if many
-              else {nid: nid for nid in trace.nodes})
+    many = len(src.nodes) > 6
+    column = dict(roles_of) if many else {nid: nid for nid in src.nodes}
     column[DRIVER] = DRIVER
-    cols = list(dict.fromkeys(column[n] for n in (*trace.nodes, DRIVER)))
-    counts: dict[str, Counter[str]] = defaultdict(Counter)
-    for r in ev:
-        counts[r.type][column[r.node]] += 1
-    used = [c for c in cols if any(counts[t][c] for t in counts)]
-    rows = [[f"{t} ({_dir_of(ev, t)})", str(sum(c.values())), *(str(c[k] or "") for k in used)]
-            for t, c in sorted(counts.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))]
+    cols = list(dict.fromkeys(column[n] for n in (*src.nodes, DRIVER)))
+    by_type: dict[str, Counter[str]] = {}
+    dir_of: dict[str, str] = {}
+    for (node, direction, rtype), n in counts.items():
+        by_type.setdefault(rtype, Counter())[column[node]] += n
+        dir_of.setdefault(rtype, direction)
+    used = [c for c in cols if any(by_type[t][c] for t in by_type)]
+    rows = [[f"{t} ({dir_of[t]})", str(sum(c.values())), *(str(c[k] or "") for k in used)]
+            for t, c in sorted(by_type.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))]
     lines += ["", "events by type:"] + _table(["type", "total", *used], rows)
 
-    rooms = _room_rows(trace)
     if rooms:
         lines += ["", "rooms (times in ms):"]
-        shown = rooms[:max_rooms]
+        table = [[str(room), _ms(x.arrival), _ms(x.first_xfer), _ms(x.last_scatter),
+                  _conclusion(x.decode, x.n_decode), _conclusion(x.prefill, x.n_prefill),
+                  str(x.deferrals)] for room, x in rooms.items()]
         lines += _table(["room", "arrival", "1st transfer", "last scatter", "decode", "prefill",
-                         "deferrals"], shown)
-        if len(rooms) > max_rooms:
-            lines.append(f"  ... {len(rooms) - max_rooms} more rooms")
+                         "deferrals"], table)
+        if more_rooms:
+            lines.append(f"  ... {more_rooms} more rooms")
     return "\n".join(lines) + "\n"
-
-
-def _dir_of(events: list[Record], rtype: str) -> str:
-    for r in events:
-        if r.type == rtype:
-            return r.dir
-    return "?"
-
-
-def _room_rows(trace: Trace) -> list[list[str]]:
-    arrival: dict[int, float] = {}
-    serving: dict[int, tuple[int, int]] = {}
-    first_xfer: dict[int, float] = {}
-    last_scatter: dict[int, float] = {}
-    deferrals: Counter[int] = Counter()
-    concluded: dict[int, dict[str, list[tuple[float, str]]]] = defaultdict(
-        lambda: {"prefill": [], "decode": []})
-    for r in trace.events:
-        d = r.data
-        if r.type == "RequestArrived":
-            arrival[d["room"]] = r.t
-            serving[d["room"]] = (len(d["prefill_node"]), len(d["decode_node"]))
-        elif r.type == "StartTransfer":
-            first_xfer.setdefault(d["room"], r.t)
-        elif r.type == "ScatterDone":
-            last_scatter[d["room"]] = r.t
-        elif r.type == "Deferred":
-            deferrals[d["room"]] += 1
-        elif r.type == "RoomConcluded":
-            role = trace.nodes[r.node]["role"]
-            concluded[d["room"]][role].append((r.t, d["status"]))
-    rows = []
-    for room, t in arrival.items():
-        n_prefill, n_decode = serving[room]
-        c = concluded.get(room, {"prefill": [], "decode": []})
-        rows.append([str(room), _ms(t), _ms(first_xfer.get(room)), _ms(last_scatter.get(room)),
-                     _conclusion(c["decode"], n_decode), _conclusion(c["prefill"], n_prefill),
-                     str(deferrals[room])])
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
 # room timeline
 # ---------------------------------------------------------------------------------------------
-def room_timeline(trace: Trace, room: int, *, width: int = WIDTH) -> str:
+def _room_source(source: TraceSource, room: int) -> tuple[Trace | TraceReader, Iterable[Record]]:
+    """A reader of ``source`` and the records to look at for ``room``: with a trace file's
+    index, only the blocks from the first to one past the last naming the room (and any tail
+    the index does not cover yet); otherwise everything."""
+    if isinstance(source, (Trace, TraceReader)):
+        return source, source
+    from twin.trace.index import Block, TraceIndex
+
+    head = TraceReader(source, lazy=True)
+    head.close()
+    index = TraceIndex.load(source, head.header_line, os.path.getsize(source))
+    if index is None or not index.blocks:
+        full = TraceReader(source, lazy=True)
+        return full, full
+    blocks = index.blocks
+    last_blk = blocks[-1]
+    tail = Block(last_blk.b + 1, last_blk.end, last_blk.end, last_blk.seq + last_blk.n, 0,
+                 last_blk.t1, last_blk.t1, False)
+    found = index.room_blocks(room)
+    if found is None:
+        first_blk, end_blk = tail, None
+    else:
+        first, last = found
+        first_blk = blocks[first]
+        end_blk = blocks[last + 1] if last + 1 < len(blocks) - 1 else None
+    part = TraceReader(source, lazy=True, span=(first_blk, end_blk))
+    return part, part
+
+
+def room_timeline(trace: TraceSource, room: int, *, width: int = WIDTH) -> str:
     """Every record about ``room`` on every node, in trace order, one line each.
 
     Besides records naming the room (directly or in a message), a transfer's ``TransferDone``
     and a deferral's ``WorkerPoll`` are shown when the worker was busy with or waiting on
     ``room``, and so is any input whose effects include a record about the room.
     """
+    src, records = _room_source(trace, room)
     busy: dict[tuple[str, int], int] = {}
     unshown: dict[str, Record] = {}  # each node's last input, while not yet shown
-    lines = [f"room {room} in {trace.path} (times in ms)"]
+    lines = [f"room {room} in {_path(src)} (times in ms)"]
     found = False
+    needles = (b'"room":%d,' % room, b'"room":%d}' % room)
 
     def show(r: Record) -> None:
         d = r.data
@@ -202,15 +279,22 @@ def room_timeline(trace: Trace, room: int, *, width: int = WIDTH) -> str:
         arrow = {"in": "<-", "out": "->", "sys": "**"}[r.dir]
         lines.append(_cut(f"{_ms(r.t):>10}  {r.node:<7} {arrow} {text}", width))
 
-    for r in trace.events:
-        d = r.data
-        about = _room_of(r) == room
-        key = (r.node, d.get("worker", -1))
-        if r.type in ("StartTransfer", "Deferred"):
-            busy[key] = d["room"]
-        elif r.type in ("TransferDone", "WorkerPoll") and busy.get(key) == room:
-            about = True
-            del busy[key]
+    for r in records:
+        raw = r.raw
+        rtype = r.type
+        if raw is not None and rtype not in _WORKER_TYPES and not (
+                needles[0] in raw or needles[1] in raw):
+            about = False  # the line names no such room (a cheap test on the raw text)
+        else:
+            d = r.data
+            about = _room_of(r) == room
+            if rtype in _WORKER_TYPES:
+                key = (r.node, d.get("worker", -1))
+                if rtype in ("StartTransfer", "Deferred"):
+                    busy[key] = d["room"]
+                elif busy.get(key) == room:
+                    about = True
+                    del busy[key]
         if r.dir == "in":
             unshown.pop(r.node, None)
             if not about:
@@ -222,9 +306,14 @@ def room_timeline(trace: Trace, room: int, *, width: int = WIDTH) -> str:
             show(unshown.pop(r.node))
         found = True
         show(r)
+    if isinstance(src, TraceReader):
+        src.close()
     if not found:
         lines.append("  (no records)")
     return "\n".join(lines) + "\n"
+
+
+_WORKER_TYPES = frozenset({"StartTransfer", "Deferred", "TransferDone", "WorkerPoll"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,24 +327,26 @@ def _line(rec: Record | None) -> str | None:
 
 def _same(a: Record, b: Record, t_tol: float) -> bool:
     return (a.node == b.node and a.dir == b.dir and abs(a.t - b.t) <= t_tol
-            and a.data == b.data)
+            and (a.body == b.body or a.data == b.data))
 
 
-def first_divergence(a: Trace, b: Trace, *, t_tol: float = 1e-9
+def first_divergence(a: TraceSource, b: TraceSource, *, t_tol: float = 1e-9
                      ) -> tuple[int, str | None, str | None] | None:
     """The first event index where ``a`` and ``b`` differ, with each side's line (``None``
     where that trace has already ended); ``None`` when the event sequences agree.
 
     Events agree when node, direction and payload are equal and times differ by at most
-    ``t_tol`` seconds.
+    ``t_tol`` seconds. The traces are read side by side and only up to the divergence.
     """
-    ea, eb = a.events, b.events
-    for i in range(max(len(ea), len(eb))):
-        ra = ea[i] if i < len(ea) else None
-        rb = eb[i] if i < len(eb) else None
+    ia, ib = iter(open_trace(a)), iter(open_trace(b))
+    i = 0
+    while True:
+        ra, rb = next(ia, None), next(ib, None)
+        if ra is None and rb is None:
+            return None
         if ra is None or rb is None or not _same(ra, rb, t_tol):
             return i, _line(ra), _line(rb)
-    return None
+        i += 1
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -267,7 +358,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def _header_diff(a: Trace, b: Trace) -> list[str]:
+def _header_diff(a: Trace | TraceReader, b: Trace | TraceReader) -> list[str]:
     fa = _flatten({k: v for k, v in a.header.items() if k not in _IGNORED_HEADER_KEYS})
     fb = _flatten({k: v for k, v in b.header.items() if k not in _IGNORED_HEADER_KEYS})
     out = []
@@ -278,38 +369,75 @@ def _header_diff(a: Trace, b: Trace) -> list[str]:
     return out
 
 
-def diff(a: Trace, b: Trace, *, t_tol: float = 1e-9, context: int = 3) -> str:
-    """Human-readable comparison: header (without ``created``/``software``), first divergent
-    event with ``context`` agreeing events before it, per-type count differences, outcomes."""
-    lines = [f"a: {a.path} ({a.status}, {len(a.events)} events)",
-             f"b: {b.path} ({b.status}, {len(b.events)} events)"]
-    header = _header_diff(a, b)
+@dataclass
+class DiffResult:
+    """What ``compare`` found: ``text`` (as ``diff`` prints it) and the first divergence
+    (``(index, line a, line b)``, or None when the event sequences agree)."""
+
+    text: str
+    divergence: tuple[int, str | None, str | None] | None
+
+    @property
+    def diverged(self) -> bool:
+        return self.divergence is not None
+
+
+def compare(a: TraceSource, b: TraceSource, *, t_tol: float = 1e-9,
+            context: int = 3) -> DiffResult:
+    """Walk ``a`` and ``b`` side by side once: header (without ``created``/``software``),
+    first divergent event with ``context`` agreeing events before it, per-type count
+    differences, outcomes."""
+    sa, sb = open_trace(a), open_trace(b)
+    ia, ib = iter(sa), iter(sb)
+    before: deque[Record] = deque(maxlen=context)
+    ca: Counter[str] = Counter()
+    cb: Counter[str] = Counter()
+    div: tuple[int, str | None, str | None] | None = None
+    max_dt = 0.0
+    i = 0
+    while True:
+        ra, rb = next(ia, None), next(ib, None)
+        if ra is None and rb is None:
+            break
+        if ra is not None:
+            ca[ra.type] += 1
+        if rb is not None:
+            cb[rb.type] += 1
+        if div is None:
+            if ra is None or rb is None or not _same(ra, rb, t_tol):
+                div = (i, _line(ra), _line(rb))
+                last = list(before)
+            else:
+                max_dt = max(max_dt, abs(ra.t - rb.t))
+                if context:
+                    before.append(ra)
+        i += 1
+    na, nb = sum(ca.values()), sum(cb.values())
+    lines = [f"a: {_path(sa)} ({_status(sa)}, {na} events)",
+             f"b: {_path(sb)} ({_status(sb)}, {nb} events)"]
+    header = _header_diff(sa, sb)
     lines += ["header: identical"] if not header else ["header differs:", *header]
-    div = first_divergence(a, b, t_tol=t_tol)
     if div is None:
         lines.append(f"events: identical (time tolerance {t_tol:g} s)")
     else:
         index, la, lb = div
         lines.append(f"events: first divergence at event #{index} (line {index + 2}; "
                      f"time tolerance {t_tol:g} s)")
-        for r in a.events[max(0, index - context):index]:
+        for r in last:
             lines.append(_cut(f"    {_line(r)}"))
         lines.append(_cut(f"  a {la if la is not None else '<trace ended>'}"))
         lines.append(_cut(f"  b {lb if lb is not None else '<trace ended>'}"))
-    n = min(len(a.events), len(b.events))
-    dts = [abs(a.events[i].t - b.events[i].t) for i in range(div[0] if div else n)]
-    if dts and max(dts) > 0:
-        lines.append(f"max time difference before the divergence: {max(dts):.3g} s")
-    ca, cb = Counter(r.type for r in a.events), Counter(r.type for r in b.events)
+    if max_dt > 0:
+        lines.append(f"max time difference before the divergence: {max_dt:.3g} s")
     rows = [[t, str(ca[t]), str(cb[t]), f"{cb[t] - ca[t]:+d}"]
             for t in sorted(set(ca) | set(cb)) if ca[t] != cb[t]]
     if rows:
         lines += ["counts that differ:", *_table(["type", "a", "b", "b-a"], rows)]
     else:
         lines.append("counts by type: identical")
-    oa, ob = a.outcome, b.outcome
+    oa, ob = sa.outcome, sb.outcome
     if oa == ob:
-        lines.append(f"outcome: identical ({a.status})")
+        lines.append(f"outcome: identical ({_status(sa)})")
     else:
         lines.append("outcome differs:")
         keys = sorted(set(oa or {}) | set(ob or {}))
@@ -317,4 +445,9 @@ def diff(a: Trace, b: Trace, *, t_tol: float = 1e-9, context: int = 3) -> str:
             va, vb = (oa or {}).get(k, "<absent>"), (ob or {}).get(k, "<absent>")
             if va != vb:
                 lines.append(_cut(f"  {k}: {json.dumps(va)} != {json.dumps(vb)}"))
-    return "\n".join(lines) + "\n"
+    return DiffResult("\n".join(lines) + "\n", div)
+
+
+def diff(a: TraceSource, b: TraceSource, *, t_tol: float = 1e-9, context: int = 3) -> str:
+    """Human-readable comparison (``compare(a, b).text``)."""
+    return compare(a, b, t_tol=t_tol, context=context).text

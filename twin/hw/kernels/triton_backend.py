@@ -1,6 +1,6 @@
 """Fused Triton gather/scatter kernels for the staging buffer.
 
-Same signatures and contracts as :mod:`twin.hw.kernels`. Gather is one launch over
+Same signatures and contracts as the torch backend. Gather is one launch over
 ``(2 * layers) x token blocks x element blocks``; scatter is one launch over
 ``(writers * 2 * layers) x token blocks x element blocks``.
 
@@ -12,6 +12,14 @@ interpreter (``TRITON_INTERPRET=1``) with CPU tensors, where pointers are real h
 The interpreter with CUDA tensors is not supported: it copies arguments to the host, so the table
 would point at device memory.
 
+Compilations. A kernel is compiled once per set of constexprs and specialised arguments, and the
+first compile takes seconds. The block sizes depend on the row length only (``num_heads *
+head_dim``, fixed per rank), and the arguments that change per chunk (token count, head offset)
+are not specialised, so one warm-up call per rank layout (:func:`twin.hw.kernels.warm_up`)
+compiles everything a rank will launch. The layer pointer table and the writer head offsets
+depend on the layout only and are cached on the device (:func:`device_table`); only the page
+indices travel to the device per call.
+
 Copies move integer views of the element size, so they are bit-exact for any 1/2/4/8-byte dtype.
 Importing this module never fails: without triton, ``HAS_TRITON`` is false and the wrappers raise.
 """
@@ -22,15 +30,17 @@ from collections.abc import Sequence
 
 import torch
 
-from twin.hw.kernels import (
+from twin.hw.kernels.common import (
+    KernelBackend,
     PageIndices,
-    _check_heads,
-    _check_pools,
-    _check_staging,
-    _writer_blocks,
     bytes_as_elems,
+    check_heads,
+    check_pools,
+    check_staging,
+    device_table,
     pool_token_indices,
     staging_bytes,
+    writer_blocks,
 )
 
 try:
@@ -43,7 +53,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "gather_to_staging", "interpreted", "scatter_from_staging"]
+__all__ = ["BACKEND", "HAS_TRITON", "gather_to_staging", "interpreted", "scatter_from_staging"]
 
 # Elements handled by one program; the token block shrinks as the per-token row grows.
 _BLOCK_ELEMS = 4096
@@ -52,7 +62,7 @@ _MAX_BLOCK_E = 1024
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "head_offset"])
     def _gather_kernel(
         layer_ptrs,  # int64[2L]: data_ptr of K layers then V layers
         pages,  # int64[num_pages]
@@ -81,7 +91,7 @@ if HAS_TRITON:
         dst_off = row[:, None] * elems_per_token + e[None, :]
         tl.store(staging + dst_off, vals, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _scatter_kernel(
         layer_ptrs,  # int64[2L]: data_ptr of K layers then V layers
         pages,  # int64[num_pages]
@@ -141,14 +151,14 @@ def _check_row_major(k_layers: Sequence[torch.Tensor]) -> int:
     return ref.stride(0)
 
 
-def _blocks(num_tokens: int, elems_per_token: int) -> tuple[int, int]:
+def _blocks(elems_per_token: int) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_E)`` from the row length alone, so chunk sizes share one compile."""
     block_e = min(triton.next_power_of_2(max(elems_per_token, 1)), _MAX_BLOCK_E)
-    block_t = min(triton.next_power_of_2(max(num_tokens, 1)), max(1, _BLOCK_ELEMS // block_e))
-    return block_t, block_e
+    return max(1, _BLOCK_ELEMS // block_e), block_e
 
 
 def _layer_table(layers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64, device=device)
+    return device_table([t.data_ptr() for t in layers], device)
 
 
 def gather_to_staging(
@@ -160,21 +170,21 @@ def gather_to_staging(
     num_heads: int,
     out: torch.Tensor,
 ) -> int:
-    """Fused-kernel version of :func:`twin.hw.kernels.gather_to_staging`."""
-    _check_pools(k_layers, v_layers)
-    _check_heads(k_layers, head_start, num_heads)
+    """Fused-kernel version of the torch backend's ``gather_to_staging``."""
+    check_pools(k_layers, v_layers)
+    check_heads(k_layers, head_start, num_heads)
     ref = k_layers[0]
     _require_triton(ref.device)
     token_stride = _check_row_major([*k_layers, *v_layers])
     pages = pool_token_indices(page_indices, 1, ref.device)
     num_tokens = pages.numel() * page_size
     total = staging_bytes(k_layers, num_tokens, num_heads)
-    _check_staging(out, total, ref.device, "out")
+    check_staging(out, total, ref.device, "out")
     if total == 0:
         return 0
     head_dim = ref.shape[2]
     elems_per_token = num_heads * head_dim
-    block_t, block_e = _blocks(num_tokens, elems_per_token)
+    block_t, block_e = _blocks(elems_per_token)
     grid = (
         2 * len(k_layers),
         triton.cdiv(num_tokens, block_t),
@@ -206,30 +216,28 @@ def scatter_from_staging(
     dst_rank: int,
     total_kv_heads: int,
 ) -> None:
-    """Fused-kernel version of :func:`twin.hw.kernels.scatter_from_staging`."""
-    _check_pools(k_layers, v_layers)
+    """Fused-kernel version of the torch backend's ``scatter_from_staging``."""
+    check_pools(k_layers, v_layers)
     ref = k_layers[0]
     _require_triton(ref.device)
     token_stride = _check_row_major([*k_layers, *v_layers])
     pages = pool_token_indices(page_indices, 1, ref.device)
     num_tokens = pages.numel() * page_size
-    blocks = _writer_blocks(k_layers, num_tokens, src_tp, dst_tp, dst_rank, total_kv_heads)
+    blocks = writer_blocks(k_layers, num_tokens, src_tp, dst_tp, dst_rank, total_kv_heads)
     num_heads = blocks[0][1]
     if any(nh != num_heads for _, nh, _ in blocks):
         raise ValueError("writer blocks of one region must carry the same number of heads")
     for _, nh, dst_head_start in blocks:
-        _check_heads(k_layers, dst_head_start, nh)
+        check_heads(k_layers, dst_head_start, nh)
     per_writer = staging_bytes(k_layers, num_tokens, num_heads)
     total = per_writer * len(blocks)
-    _check_staging(staging, total, ref.device, "staging")
+    check_staging(staging, total, ref.device, "staging")
     if total == 0:
         return
     head_dim = ref.shape[2]
     elems_per_token = num_heads * head_dim
-    head_offsets = torch.tensor(
-        [start * head_dim for _, _, start in blocks], dtype=torch.int64, device=ref.device
-    )
-    block_t, block_e = _blocks(num_tokens, elems_per_token)
+    head_offsets = device_table([start * head_dim for _, _, start in blocks], ref.device)
+    block_t, block_e = _blocks(elems_per_token)
     grid = (
         len(blocks) * 2 * len(k_layers),
         triton.cdiv(num_tokens, block_t),
@@ -248,3 +256,6 @@ def scatter_from_staging(
         BLOCK_T=block_t,
         BLOCK_E=block_e,
     )
+
+
+BACKEND = KernelBackend("triton", gather_to_staging, scatter_from_staging)

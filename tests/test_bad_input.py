@@ -1,0 +1,201 @@
+"""Every bad value on the command line ends in exit 2 with a message, never a traceback.
+
+Hypothesis generates bad flag values, fault specs, environment items, config files and output
+paths and feeds them to `twin sim` and `twin hw` through click's CliRunner. A bad value must be
+rejected before anything runs: the workload is tiny anyway, so a value that slips through shows
+up as a wrong exit status, not a slow test.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from twin.cli import cli
+from twin.launch_args import KNOWN_ENV
+
+SMALL = ("--workload", "poisson:n=2,rate=10,input=256,output=4,seed=1")
+EXAMPLES = settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=True)
+
+
+def assert_rejected(r: Result, *args: str) -> None:
+    text = r.output
+    assert r.exit_code == 2, (args, r.exit_code, text, r.exception)
+    assert "Traceback" not in text, (args, text)
+    assert isinstance(r.exception, SystemExit), (args, repr(r.exception))
+    assert text.strip(), args
+
+
+def _not_positive_number(text: str) -> bool:
+    try:
+        x = float(text)
+    except ValueError:
+        return True
+    return not math.isfinite(x) or x <= 0
+
+
+BAD_FLOAT = st.one_of(
+    st.sampled_from(["-1", "0", "-0.0", "nan", "NaN", "inf", "-inf", "", "1e400", "abc", "1,5"]),
+    st.floats(max_value=0).map(repr),
+    st.text(max_size=6).filter(_not_positive_number),
+)
+BAD_INT = st.one_of(st.integers(max_value=0).map(str),
+                    st.sampled_from(["", "1.5", "nan", "x", "2e3"]))
+
+
+@EXAMPLES
+@given(flag=st.sampled_from(["--until", "--slowdown"]), value=BAD_FLOAT,
+       command=st.sampled_from(["sim", "hw"]))
+def test_bad_float_flags(flag: str, value: str, command: str) -> None:
+    args = (command, *SMALL, flag, value)
+    assert_rejected(invoke(*args), *args)
+
+
+@EXAMPLES
+@given(flag=st.sampled_from(["--max-concurrency", "--first-n"]), value=BAD_INT,
+       command=st.sampled_from(["sim", "hw"]))
+def test_bad_int_flags(flag: str, value: str, command: str) -> None:
+    args = (command, *SMALL, flag, value)
+    assert_rejected(invoke(*args), *args)
+
+
+@EXAMPLES
+@given(value=BAD_INT)
+def test_bad_kv_pool_pages(value: str) -> None:
+    args = ("hw", *SMALL, "--kv-pool-pages", value)
+    assert_rejected(invoke(*args), *args)
+
+
+NODE = st.text(alphabet="pdgr0123456789xz", min_size=1, max_size=8).filter(
+    lambda s: s not in ("p0g0r0", "p0g0r1", "p0g0r2", "p0g0r3", "d0g0r0", "d0g0r1"))
+KIND = st.sampled_from(["STAGING_REQ", "STAGING_RSP", "WATERMARK", "CHUNK_READY", "KV_STATUS"])
+BAD_FAULT = st.one_of(
+    st.builds(lambda n: f"crash:{n}:at=1", NODE),
+    st.builds(lambda n: f"restart:{n}:at=1:down=1", NODE),
+    st.builds(lambda k, n: f"drop:{k}:nth={n}", KIND, st.integers(max_value=0)),
+    st.builds(lambda k, ms: f"delay:{k}:ms={ms!r}", KIND,
+              st.floats(max_value=-1e-9, allow_nan=False) | st.just(float("nan"))),
+    st.builds(lambda r: f"abort:room={r}:at=0.1", st.integers(min_value=2, max_value=10**6)),
+    st.builds(lambda a: f"abort:room=0:at={a!r}", st.floats(max_value=-1e-9) |
+              st.sampled_from([float("nan"), float("inf")])),
+    st.builds(lambda k, p: f"drop:{k}:p={p!r}", KIND,
+              st.floats(min_value=1.0001) | st.floats(max_value=-1e-9) | st.just(float("nan"))),
+    st.builds(lambda n: f"fail-transfer:node={n}", NODE),
+    st.builds(lambda k, key: f"drop:{k}:{key}=1", KIND, st.sampled_from(["at", "down", "ms",
+                                                                        "node", "zzz"])),
+    st.text(max_size=20).filter(lambda s: s.split(":")[0] not in (
+        "drop", "delay", "dup", "reorder", "fail-send", "fail-transfer", "crash", "restart",
+        "abort")),
+)
+
+
+@EXAMPLES
+@given(spec=BAD_FAULT)
+def test_bad_faults(spec: str) -> None:
+    args = ("sim", *SMALL, "--fault", spec)
+    assert_rejected(invoke(*args), *args)
+
+
+ENV_KEY = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=40).filter(
+    lambda k: k not in KNOWN_ENV)
+BAD_ENV = st.one_of(
+    st.builds(lambda k, v: f"{k}={v}", ENV_KEY, st.text(alphabet="0123456789", max_size=4)),
+    st.builds(lambda k: f"SGLANG_{k}=1", ENV_KEY),
+    st.builds(lambda v: f"SGLANG_DISAGG_STAGING_POOL_SIZE_MB={v}",
+              st.sampled_from(["", "x", "1.5", "0", "-4", "nan"])),
+    st.builds(lambda v: f"SGLANG_DISAGG_STAGING_BUFFER={v}", st.sampled_from(["0", "no", "x"])),
+    st.text(alphabet="ABC_", max_size=10),  # no '='
+)
+
+
+@EXAMPLES
+@given(item=BAD_ENV, command=st.sampled_from(["sim", "hw"]))
+def test_bad_env(item: str, command: str) -> None:
+    args = (command, *SMALL, "--env", item)
+    assert_rejected(invoke(*args), *args)
+
+
+CONFIG_KEY = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=20)
+KNOWN_TOP = {"model", "prefill", "decode", "sim", "launch", "chunked_prefill_size", "page_size",
+             "staging_pool_size_mb", "staging_pool_size_bytes", "transfer_queue_size",
+             "prefill_staging_buffer_pages", "waiting_timeout_s", "bootstrap_timeout_s",
+             "enable_prefill_context_parallel", "deferral_wait_s", "late_register_delay_s"}
+BAD_CONFIG = st.one_of(
+    st.binary(min_size=1, max_size=200).map(lambda b: b"\xff\xfe\x00" + b),
+    st.builds(lambda k: f"{k} = 1\n".encode(), CONFIG_KEY.filter(lambda k: k not in KNOWN_TOP)),
+    st.builds(lambda k: f"[{k}]\nx = 1\n".encode(), CONFIG_KEY.filter(
+        lambda k: k not in KNOWN_TOP)),
+    st.builds(lambda table, k: f"[{table}]\n{k} = 1\n".encode(),
+              st.sampled_from(["model", "prefill", "decode", "sim"]),
+              CONFIG_KEY.filter(lambda k: len(k) > 2)).filter(
+        lambda b: not any(f"\n{k} =" in b.decode() for k in (
+            "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "is_mla", "tp_size",
+            "dp_size", "pp_size", "instances", "zmq_latency_s", "zmq_jitter_s",
+            "rdma_latency_s", "ranks_per_nic", "kernel_launch_s", "forward_overhead_s",
+            "prefill_s_per_token", "prefill_s_per_token_ctx", "decode_step_s",
+            "decode_prealloc_s", "late_register_delay_s", "prefill_radix_tokens",
+            "decode_radix_tokens", "wedge_window_s", "deferral_wait_s",
+            "decode_poll_interval_s"))),
+    st.builds(lambda k, v: f"[sim]\n{k} = {v}\n".encode(),
+              st.sampled_from(["nic_bandwidth_Bps", "gather_bandwidth_Bps",
+                               "scatter_bandwidth_Bps", "decode_poll_interval_s",
+                               "wedge_window_s"]),
+              st.sampled_from(["0", "0.0", "nan", "-1", "inf", "-inf", '"fast"'])),
+    st.builds(lambda heads, tp: f"[model]\nnum_kv_heads = {heads}\n[prefill]\ntp_size = {tp}\n"
+              .encode(), st.sampled_from([4, 8]), st.sampled_from([3, 5, 6, 7])),
+)
+
+
+@EXAMPLES
+@given(content=BAD_CONFIG, command=st.sampled_from(["sim", "hw"]))
+def test_bad_config_files(tmp_path_factory: pytest.TempPathFactory, content: bytes,
+                          command: str) -> None:
+    path = tmp_path_factory.mktemp("cfg") / "bad.toml"
+    path.write_bytes(content)
+    args = (command, *SMALL, "--config", str(path))
+    assert_rejected(invoke(*args), *args)
+
+
+@EXAMPLES
+@given(name=st.text(alphabet="abcxyz_-.", min_size=1, max_size=10).filter(
+    lambda s: s not in (".", "..")), flag=st.sampled_from(["--trace-out", "--plot",
+                                                          "--metrics-out"]))
+def test_outputs_in_a_missing_folder(tmp_path_factory: pytest.TempPathFactory, name: str,
+                                     flag: str) -> None:
+    path = tmp_path_factory.mktemp("out") / "missing" / name
+    args = ("sim", *SMALL, flag, str(path))
+    assert_rejected(invoke(*args), *args)
+
+
+@pytest.mark.parametrize("args", [
+    ("sim", "--trace-out", "/dev/full"),
+    ("hw", "--trace-out", "/nonexistent-folder/t.jsonl"),
+    ("sim", "--prefill-args", "--tp-szie 4"),
+    ("sim", "--prefill-args", "--tp-size four"),
+    ("sim", "--decode-args", "--disaggregation-mode prefill"),
+    ("sim", "--prefill-args", "'unclosed"),
+    ("sim", "--scenario", "warmup-stal"),
+    ("sim", "--scenario-defects"),
+    ("hw", "--fault", "crash:d0g0r0:at=1"),
+    ("hw", "--fault", "fail-transfer:p=0.5"),
+    ("hw", "--prefill-gpus", "0,x"),
+    ("sim", "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=1", "--prefill-args",
+     "--chunked-prefill-size 8192"),
+])
+def test_named_bad_inputs(args: tuple[str, ...]) -> None:
+    assert_rejected(invoke(*args[:1], *SMALL, *args[1:]), *args)
+
+
+def test_a_binary_trace_as_workload(tmp_path: Path) -> None:
+    blob = tmp_path / "blob.jsonl"
+    blob.write_bytes(b"\xff\xfe\x00\x01" * 100)
+    assert_rejected(invoke("sim", "--workload", str(blob)), "sim", "--workload")

@@ -1,0 +1,45 @@
+"""SIGTERM and SIGHUP end a run the way Ctrl-C does.
+
+``kill``, ``docker stop``, batch schedulers and a closed terminal send SIGTERM or SIGHUP, not
+SIGINT. Inside ``signals_interrupt()`` both raise ``KeyboardInterrupt`` in the main thread, so a
+run stops through the same path as Ctrl-C: its verdict says ``interrupted``, the trace gets its
+``Outcome`` and rank processes are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+                if s is not None)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``).
+    Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
