@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             if status == "pass":
                 passed.add(step.name)
         o = outcomes[-1]
-        print(f"  {o.name:<15} {o.status:<8} {o.seconds:7.1f} s  {o.reason}", flush=True)
+        print(f"  {o.name:<17} {o.status:<8} {o.seconds:7.1f} s  {o.reason}", flush=True)
 
     ok = all(o.status == "pass" for o in outcomes)
     summary = {
