@@ -217,16 +217,18 @@ class Context:
     """What the searches share: the seeds, budgets and a view of free executor slots."""
 
     def __init__(self, seeds: Sequence[int], budgets: Budgets,
-                 free_slots: Callable[[], int]) -> None:
+                 free_slots: Callable[[], int],
+                 known: Callable[[Point], dict[str, Any] | None] | None = None) -> None:
         self.seeds = tuple(seeds)
         self.budgets = budgets
         self.free_slots = free_slots
+        self.known = known or (lambda p: None)
 
     def check(self, make: Callable[[int], Point], value: float) -> Generator[list[Point], Rows,
                                                                                Probe]:
         """Run ``make(seed)`` on the seeds: the first seed alone unless slots are idle."""
         seeds = self.seeds
-        together = self.free_slots() >= len(seeds)
+        together = self.free_slots() >= len(seeds) and self.known(make(seeds[0])) is None
         first = seeds if together else seeds[:1]
         rows = yield [make(s) for s in first]
         rows = list(rows)
@@ -410,6 +412,10 @@ class Scheduler:
     def free_slots(self) -> int:
         return max(0, self.executor.slots - len(self._inflight))
 
+    def known(self, point: Point) -> dict[str, Any] | None:
+        """The row of ``point`` if it already ran (now or in the result file)."""
+        return self._lookup(point)
+
     def _lookup(self, point: Point) -> dict[str, Any] | None:
         row = self.cache.get(point)
         if row is None:
@@ -463,7 +469,7 @@ class Scheduler:
 
 def nice_ring(mb: float) -> int:
     """``mb`` rounded up to a size a person would configure: a multiple of an eighth of the
-    power of two below it (so 700 -> 768, 875 -> 896, 40 -> 40)."""
+    power of two below it (700 -> 704, 875 -> 896, 1025 -> 1152)."""
     if mb <= 8:
         return max(1, math.ceil(mb))
     step = 2 ** math.floor(math.log2(mb)) / 8
@@ -601,7 +607,7 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
     notes: list[str] = []
     bar = progress_bar(None, progress, "advise")
     sched = Scheduler(job, executor, results, bar)
-    ctx = Context(seeds, budgets, sched.free_slots)
+    ctx = Context(seeds, budgets, sched.free_slots, sched.known)
     candidates = []
     for cps in dict.fromkeys(int(c) for c in cps_candidates):
         region = chunk_region_bytes(cfg.replace(chunked_prefill_size=cps)) / MiB
