@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from twin.advise.results import ResultsError, axis_names, json_cell, read_results
-from twin.advise.space import AxisError, canonical_name
+from twin.advise.space import AxisError, canonical_name, short_name
 
 SEVERITY = ("clean", "failed", "unfinished", "invalid", "error", "wedged", "corrupted")
 """Verdicts from best to worst (a folded cell shows the worst)."""
@@ -229,7 +229,8 @@ def cdfs(rows: list[dict[str, Any]], series: str, out_dir: Path) -> Path | None:
         r = min(rs, key=lambda r: r.get("seed") or 0)
         q = json_cell(r, f"{series}_q")
         if isinstance(q, list) and len(q) == len(QUANTILES):
-            label = " ".join(f"{a}={_label(r.get(f'x.{a}'))}" for a in names if a in vary)
+            label = " ".join(f"{short_name(a)}={_label(r.get(f'x.{a}'))}" for a in names
+                             if a in vary)
             curves.append((label or "point", q))
     if not curves:
         return None
@@ -237,8 +238,9 @@ def cdfs(rows: list[dict[str, Any]], series: str, out_dir: Path) -> Path | None:
         step = (len(curves) - 1) / (MAX_CDF_CURVES - 1)
         curves = [curves[round(i * step)] for i in range(MAX_CDF_CURVES)]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, q in curves:
-        ax.plot([max(v, 1e-6) for v in q], QUANTILES, lw=1.2, label=label)
+    colours = plt.get_cmap("tab20" if len(curves) > 10 else "tab10")
+    for i, (label, q) in enumerate(curves):
+        ax.plot([max(v, 1e-6) for v in q], QUANTILES, lw=1.2, label=label, color=colours(i))
     ax.set_xscale("log")
     ax.set_xlabel(f"{series.upper()} (s)")
     ax.set_ylabel("fraction of requests")

@@ -82,7 +82,8 @@ def failure_text(row: dict[str, Any]) -> str:
         return f"corruption: {row.get('root_cause') or ''}".rstrip(": ")
     if outcome == "failed":
         failures = json_cell(row, "failures") or {}
-        reasons = ", ".join(f"{n} x {str(k)[:60]}" for k, n in list(failures.items())[:3])
+        reasons = ", ".join(f"{n} x {str(k).split(';')[0][:70]}"
+                            for k, n in list(failures.items())[:3])
         return f"{row.get('failed')} request(s) failed" + (f" ({reasons})" if reasons else "")
     if outcome == "unfinished":
         return f"{row.get('unfinished')} request(s) unfinished at the horizon"

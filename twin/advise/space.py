@@ -229,11 +229,12 @@ class Point:
         return json.dumps([list(self.assign), self.seed], sort_keys=True, default=str)
 
     def label(self) -> str:
-        parts = [f"{_short(k)}={v}" for k, v in self.assign]
+        parts = [f"{short_name(k)}={v}" for k, v in self.assign]
         return " ".join([*parts, f"seed={self.seed}"])
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
+    """The alias of a field if it has one (``staging_pool_size_mb`` -> ``ring_mb``)."""
     back = {v: k for k, v in ALIASES.items()}
     return back.get(name, name)
 
