@@ -76,7 +76,7 @@ def test_ring_search_brackets_the_smallest_passing_ring(fake_executor, row_of,
 def test_ring_search_reports_an_infeasible_candidate(fake_executor, row_of) -> None:
     ex = fake_executor(threshold_model(row_of, {512: 5000}, {512: 4.0}))
     ans = _drive(ring_search(Context((0,), Budgets(), lambda: 0), 512, 2.0, 1, 1024, 0.1), ex)
-    assert not ans.feasible and ans.below.value == 1024 and len(ans.probes) == 1
+    assert not ans.feasible and ans.below.value == 1024 and len(ans.probes) == 2
 
 
 def test_an_unlucky_seed_raises_the_answer(fake_executor, row_of) -> None:

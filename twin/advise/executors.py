@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -94,6 +95,8 @@ _WORKER_JOB: Job | None = None
 def _init_worker(job: Job) -> None:
     global _WORKER_JOB
     _WORKER_JOB = job
+    # Ctrl-C is the parent's to handle: it stops submitting, and running points finish.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_in_worker(point: Point) -> dict[str, Any]:
@@ -189,7 +192,8 @@ class RayExecutor:
                 runtime_env["py_modules"] = [str(twin_source_dir())]
             kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False,
                                           configure_logging=False, runtime_env=runtime_env)
-            if address is None:
+            if address is None:  # "local": a new instance, even if `ray start` ran here
+                address = "local"
                 kwargs["num_cpus"] = num_cpus or default_workers()
             ray.init(address=address, **kwargs)
             self._owned = True

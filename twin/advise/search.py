@@ -3,10 +3,10 @@
 For each candidate ``chunked_prefill_size`` a **ring search** finds the smallest decode staging
 ring (MiB per decode rank) that runs the workload with no wedge, no corruption, no failed or
 unfinished request and latency within the budgets, on every seed. It is a bisection over the
-ring size (geometric midpoints, stopping when the bracket is within ``tolerance``); the first
-probes are the largest ring (if that fails, no ring helps), the smallest ring that holds one
-full chunk's staging region, and, when it is smaller than the largest ring, the peak occupancy
-the largest ring saw plus one region.
+ring size (geometric midpoints, stopping when the bracket is within ``tolerance``). The first
+probe is the smallest ring that holds one full chunk's staging region; if it fails, the largest
+ring comes next (if that fails too, no ring helps), then the peak occupancy the largest ring saw
+plus one region.
 
 A **capacity search** then finds the largest request-rate scaling (arrival times divided by the
 scale) that a ring sustains under the same criteria: doubling until a failure, then bisection.
@@ -287,21 +287,30 @@ def ring_search(ctx: Context, cps: int, region_mb: float, ring_min: int, ring_ma
         (passes if p.passed else fails)[ring] = p
         return p
 
-    top = yield from probe(ring_max)
-    if not top.passed:
-        ans.below = top
-        return ans
     hi = ring_max
     lo = ring_min - 1  # largest ring known to fail (ring_min - 1: none tested yet)
-    peak = max((r.get("peak_ring_mb") or 0.0) for r in top.rows)
-    guesses = [math.ceil(peak + region_mb), math.ceil(region_mb)]
-    for guess in guesses:
-        if lo < guess < hi:
-            p = yield from probe(guess)
-            if p.passed:
-                hi = guess
-            else:
-                lo = guess
+    region = min(max(math.ceil(region_mb), ring_min), ring_max)
+    first = yield from probe(region)
+    if first.passed:
+        hi = region
+    else:
+        lo = region
+        if region < ring_max:
+            top = yield from probe(ring_max)
+            if not top.passed:
+                ans.below = top
+                return ans
+            peak = max((r.get("peak_ring_mb") or 0.0) for r in top.rows)
+            guess = math.ceil(peak + region_mb)
+            if lo < guess < hi:
+                p = yield from probe(guess)
+                if p.passed:
+                    hi = guess
+                else:
+                    lo = guess
+        else:
+            ans.below = first
+            return ans
     while hi - lo > 1 and hi > max(lo, 1) * (1 + tolerance):
         mid = round(math.sqrt(max(lo, ring_min / 2, 0.5) * hi))
         mid = min(max(mid, lo + 1), hi - 1)
