@@ -95,7 +95,7 @@ _WORKER_JOB: Job | None = None
 def _init_worker(job: Job) -> None:
     global _WORKER_JOB
     _WORKER_JOB = job
-    # Ctrl-C is the parent's to handle: it stops submitting, and running points finish.
+    # Ctrl-C is the parent's to handle: it keeps what finished and ends the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -134,6 +134,9 @@ class LocalExecutor:
         return len(self._futures)
 
     def close(self) -> None:
+        if self._futures:  # stopped early: end the points still running in our workers
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.terminate()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._futures.clear()
 
