@@ -47,6 +47,8 @@ def test_sweep_resumes_and_plots(tmp_path: Path) -> None:
     r = invoke(*args)
     assert r.exit_code == 0, r.output
     assert "4 point(s): 4 run now (4 clean), 0 already in" in r.output
+    assert r.output.splitlines()[0].split() == ["ring_mb", "cps", "seed", "outcome", "TTFT",
+                                                "p99", "deferrals/req"]
     r = invoke(*args[:-2], "--seeds", "0,1", "--workers", "1", "--json")
     report = json.loads(r.output)
     assert (report["points"], report["skipped"], report["ran"]) == (8, 4, 4)

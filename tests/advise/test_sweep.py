@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,9 +11,14 @@ import pytest
 from twin.advise.evaluate import classify, root_cause, run_point, scaled
 from twin.advise.executors import InlineExecutor, Job, LocalExecutor
 from twin.advise.results import ResultsFile, read_results
+from twin.advise.search import Budgets, early_stop_for, judge
 from twin.advise.space import Base, Point, grid, parse_axis
 from twin.advise.sweep import run_sweep
+from twin.core.config import ServerSide, TwinConfig
 from twin.runtime.faults import parse_fault
+from twin.runtime.params import SimParams
+from twin.sim.scenarios import SMALL
+from twin.workloads import shared_prefix
 
 AXES = [parse_axis("ring_mb=1,4"), parse_axis("cps=256,512")]
 VOLATILE = ("wall_s", "finished_at", "host")
@@ -97,3 +103,25 @@ def test_process_pool_gives_the_same_rows_as_inline(tiny_job: Job, tmp_path: Pat
         rows[name] = {r["point_id"]: {k: v for k, v in r.items() if k not in VOLATILE}
                       for r in read_results(tmp_path / f"{name}.csv")}
     assert rows["inline"] == rows["pool"]
+
+
+def test_early_stop_only_stops_points_the_full_run_fails() -> None:
+    cfg = TwinConfig(model=SMALL, prefill=ServerSide(tp_size=2), decode=ServerSide(tp_size=1),
+                     chunked_prefill_size=512, page_size=16, staging_pool_size_mb=8)
+    wl = shared_prefix(2, 10, 2048, 256, 8, rate_per_s=40.0, seed=3)
+    full = Job(Base(cfg=cfg, params=SimParams(wedge_window_s=5.0)), wl)
+    budgets = Budgets(ttft_s=0.1)
+    early = Job(dataclasses.replace(full.base, early_stop=early_stop_for(budgets)), wl)
+    stopped = 0
+    for p in grid([parse_axis("ring_mb=1,2,4,8"), parse_axis("cps=256,512")], (0,)):
+        a, b = full.run(p), early.run(p)
+        if b["note"]:
+            stopped += 1
+            assert b["outcome"] in ("over-budget", "failed", "wedged", "corrupted")
+            assert not judge(a, budgets)[0] and not judge(b, budgets)[0]
+        else:
+            assert {k: v for k, v in a.items() if k not in (*VOLATILE, "point_id", "sweep")} == \
+                {k: v for k, v in b.items() if k not in (*VOLATILE, "point_id", "sweep")}
+    assert stopped >= 2
+    row = early.run(Point.of({"ring_mb": 2, "cps": 256}))
+    assert row["outcome"] == "over-budget" and "TTFT budget" in row["note"]

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from twin.advise.space import Base, Point, build_run, point_id
+from twin.advise.space import Base, EarlyStop, Point, build_run, point_id
 from twin.core.config import ConfigError, TwinConfig
 from twin.workloads import Workload
 
@@ -30,7 +30,8 @@ STATS = ("p50", "p90", "p99", "mean")
 QUANTILES = tuple(q / 20 for q in range(21))
 """Levels of the per-point quantile sketch (``ttft_q``) that CDF plots draw from."""
 
-OUTCOMES = ("clean", "failed", "wedged", "corrupted", "unfinished", "invalid", "error")
+OUTCOMES = ("clean", "failed", "over-budget", "wedged", "corrupted", "unfinished", "invalid",
+            "error")
 
 
 def scaled(workload: Workload, scale: float) -> Workload:
@@ -144,12 +145,40 @@ def failure_details(sim: Any) -> dict[str, int] | None:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def early_verdict(partial: Any, es: EarlyStop, requests: int,
+                  at: float) -> tuple[str, str] | None:
+    """``(outcome, note)`` when a run stopped at checkpoint ``at`` has already failed for
+    certain (see :class:`EarlyStop`), else None."""
+    s = partial.summary()
+    where = f"stopped at the checkpoint ({at:.1f} s simulated)"
+    outcome = classify(s)
+    if outcome in ("wedged", "corrupted"):
+        return outcome, f"{outcome} before the checkpoint ({at:.1f} s simulated)"
+    if s.get("failed", 0):
+        return "failed", f"{where}: {s['failed']} request(s) had already failed"
+    try:
+        late = sum(1 for r in partial.sim.metrics.done
+                   if r.status == "Success" and r.ttft_s > es.ttft_s)
+        late += sum(1 for r in partial.sim.requests.values()
+                    if not r.finished and r.arrival_s < at - es.ttft_s)
+    except Exception:  # the engine's bookkeeping changed: no early verdict
+        return None
+    # numpy's interpolated percentile of n values exceeds the budget once more than
+    # (1 - q) * (n - 1) + 1 of them do; n <= requests, so this bound is safe.
+    allowed = (1 - es.percentile / 100) * (requests - 1) + 1
+    if late >= allowed:
+        return "over-budget", (f"{where}: {late} request(s) already over the "
+                               f"{es.ttft_s:g} s TTFT budget; p{es.percentile} of {requests} "
+                               f"allows fewer than {math.ceil(allowed)}")
+    return None
+
+
 def empty_row() -> dict[str, Any]:
     return {c: None for c in BASE_COLUMNS}
 
 
 BASE_COLUMNS = (
-    "point_id", "sweep", "seed", "outcome", "status", "root_cause", "error",
+    "point_id", "sweep", "seed", "outcome", "status", "root_cause", "error", "note",
     "requests", "completed", "failed", "unfinished", "failures",
     "layout", "chunked_prefill_size", "page_size", "ring_mb", "chunk_region_mb", "rate_scale",
     "peak_ring_mb", "peak_ring_frac", "deferrals", "deferrals_per_request", "deferral_wait_s",
@@ -200,15 +229,34 @@ def run_point(base: Base, workload: Workload, point: Point, fingerprint: str) ->
                                        "max_concurrency": base.max_concurrency,
                                        "rate_scale": scale, "horizon_s": base.horizon_s},
                                       sort_keys=True, default=str))
+    override = None
     try:
         wl = scaled(workload, scale)
         until = None
         if base.horizon_s is not None and wl.requests:
             until = wl.requests[-1].arrival_s + base.horizon_s
-        result = run_sim(cfg, wl, defects=base.defects, faults=list(base.faults),
-                         seed=point.seed, params=params, until=until,
-                         request_overrides=base.request_overrides,
-                         max_concurrency=base.max_concurrency)
+
+        def simulate(stop_at: float | None) -> Any:
+            return run_sim(cfg, wl, defects=base.defects, faults=list(base.faults),
+                           seed=point.seed, params=params, until=stop_at,
+                           request_overrides=base.request_overrides,
+                           max_concurrency=base.max_concurrency)
+
+        result = None
+        es = base.early_stop
+        if es is not None and len(wl.requests) > 1:
+            check_at = wl.requests[0].arrival_s + max(wl.duration_s * es.at_fraction,
+                                                      4 * es.ttft_s)
+            if until is None or check_at < until:
+                partial = simulate(check_at)
+                early = early_verdict(partial, es, len(wl.requests), check_at)
+                if early is not None:
+                    result = partial
+                    override, row["note"] = early
+                elif partial.sim.unfinished == 0:
+                    result = partial  # everything ended before the checkpoint
+        if result is None:
+            result = simulate(until)
         s = result.summary()
     except Exception as exc:
         row.update(outcome="error", error=f"{type(exc).__name__}: {exc}",
@@ -216,6 +264,8 @@ def run_point(base: Base, workload: Workload, point: Point, fingerprint: str) ->
                    wall_s=round(time.perf_counter() - t0, 3), finished_at=round(time.time(), 3))
         return row
     fill_from_summary(row, s, cfg, cfg.deferral_wait_s)
+    if override is not None:
+        row["outcome"] = override
     sim = result.sim
     details = failure_details(sim)
     if details:

@@ -17,9 +17,10 @@ from typing import Any
 from twin.advise.results import ResultsError, axis_names, json_cell, read_results
 from twin.advise.space import AxisError, canonical_name, short_name
 
-SEVERITY = ("clean", "failed", "unfinished", "invalid", "error", "wedged", "corrupted")
+SEVERITY = ("clean", "over-budget", "failed", "unfinished", "invalid", "error", "wedged",
+            "corrupted")
 """Verdicts from best to worst (a folded cell shows the worst)."""
-COLOURS = {"clean": "#4caf50", "failed": "#ff9800", "unfinished": "#ffeb3b",
+COLOURS = {"clean": "#4caf50", "over-budget": "#cddc39", "failed": "#ff9800", "unfinished": "#ffeb3b",
            "invalid": "#bdbdbd", "error": "#424242", "wedged": "#e53935",
            "corrupted": "#8e24aa"}
 MAX_CDF_CURVES = 12

@@ -36,7 +36,7 @@ from typing import Any
 from twin.advise.evaluate import MiB, chunk_region_bytes
 from twin.advise.executors import Executor, Job
 from twin.advise.results import ResultsFile, json_cell
-from twin.advise.space import RATE_SCALE, Point, point_id
+from twin.advise.space import RATE_SCALE, EarlyStop, Point, point_id
 
 CPS = "chunked_prefill_size"
 RING = "staging_pool_size_mb"
@@ -85,6 +85,8 @@ def failure_text(row: dict[str, Any]) -> str:
         reasons = ", ".join(f"{n} x {str(k).split(';')[0][:70]}"
                             for k, n in list(failures.items())[:3])
         return f"{row.get('failed')} request(s) failed" + (f" ({reasons})" if reasons else "")
+    if outcome == "over-budget":
+        return str(row.get("note") or "over the TTFT budget at the checkpoint")
     if outcome == "unfinished":
         return f"{row.get('unfinished')} request(s) unfinished at the horizon"
     if outcome in ("invalid", "error"):
@@ -601,6 +603,8 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
     each). ``capacity``: ``pick`` (the recommended pair only), ``all`` or ``none``. ``prefer``:
     ``ring`` (the smallest recommended ring wins; ties go to the lower TTFT) or ``capacity``
     (the largest sustained rate scale wins; implies capacity searches for all).
+    Give ``job`` an :class:`~twin.advise.space.EarlyStop` (see :func:`early_stop_for`) to stop
+    runs that have failed for certain at a checkpoint; it must be no stricter than ``budgets``.
     """
     from twin.advise.sweep import progress_bar
 
@@ -608,6 +612,11 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
         raise ValueError(f"capacity must be pick, all or none, got {capacity!r}")
     if prefer not in ("ring", "capacity"):
         raise ValueError(f"prefer must be ring or capacity, got {prefer!r}")
+    es = job.base.early_stop
+    if es is not None and (budgets.ttft_s is None or es.ttft_s < budgets.ttft_s
+                           or es.percentile > budgets.percentile):
+        raise ValueError(f"the job's early stop (p{es.percentile} TTFT {es.ttft_s:g} s) is "
+                         f"stricter than the budgets ({budgets.describe()})")
     if prefer == "capacity" or ring is not None:
         capacity = "all"
     t0 = time.perf_counter()
@@ -654,6 +663,13 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
     pick, reasons = _recommend(candidates, prefer, budgets, seeds, headroom, ring is not None)
     return Advice(candidates, budgets, tuple(seeds), headroom, pick, reasons, sched.ran,
                   sched.reused, time.perf_counter() - t0, notes)
+
+
+def early_stop_for(budgets: Budgets) -> EarlyStop | None:
+    """The early stop that matches ``budgets`` (None without a TTFT budget)."""
+    if budgets.ttft_s is None:
+        return None
+    return EarlyStop(ttft_s=budgets.ttft_s, percentile=budgets.percentile)
 
 
 def _ttft_at(c: Candidate) -> float:

@@ -15,7 +15,8 @@ An axis is written ``NAME=VALUES``:
   ``START:STOP:STEP`` or a geometric one ``START:STOP:xFACTOR`` (both include STOP when hit).
 
 A :class:`Point` is one assignment of every axis plus a seed; :func:`build_run` applies it to a
-:class:`Base` (the resolved config, cost parameters, defects, faults) in a fixed order: launch
+:class:`Base` (the resolved config, cost parameters, defects, faults, horizon and an optional
+:class:`EarlyStop`) in a fixed order: launch
 lines and environment first, then fields, so ``prefill.tp_size`` overrides a launch line.
 """
 
@@ -252,6 +253,20 @@ def grid(axes: Sequence[Axis], seeds: Sequence[int]) -> list[Point]:
 
 
 @dataclass(frozen=True)
+class EarlyStop:
+    """Check a run at ``at_fraction`` of its workload's arrival span (at least four TTFT
+    budgets after the first arrival) and stop it there when its
+    verdict is already certain: a wedge, corruption or failed request, or so many requests past
+    the TTFT budget (finished over it, or waiting longer than it) that the ``percentile``
+    cannot meet it whatever happens later. The checkpoint run is the full run's exact prefix,
+    so a stopped point is one the full run would fail too."""
+
+    ttft_s: float
+    percentile: int = 99
+    at_fraction: float = 0.125
+
+
+@dataclass(frozen=True)
 class Base:
     """What every point of a sweep shares: the resolved run inputs before the axes apply.
 
@@ -266,6 +281,7 @@ class Base:
     request_overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     max_concurrency: int | None = None
     horizon_s: float | None = None
+    early_stop: EarlyStop | None = None
 
     def fingerprint(self, workload_digest: str) -> str:
         """A digest of everything that decides a point's result besides the point itself."""
@@ -278,6 +294,7 @@ class Base:
             "overrides": {str(k): v for k, v in sorted(self.request_overrides.items())},
             "max_concurrency": self.max_concurrency,
             "horizon_s": self.horizon_s,
+            "early_stop": dataclasses.asdict(self.early_stop) if self.early_stop else None,
             "workload": workload_digest,
         }, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

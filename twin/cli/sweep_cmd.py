@@ -62,7 +62,8 @@ def executor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _job(kw: dict[str, Any], horizon: float | None):  # type: ignore[no-untyped-def]
+def _job(kw: dict[str, Any], horizon: float | None,  # type: ignore[no-untyped-def]
+         early_stop=None):
     from twin.advise import Base, Job
 
     run = resolve_run(scenario=kw["scenario"], scenario_defects=kw["scenario_defects"],
@@ -77,7 +78,7 @@ def _job(kw: dict[str, Any], horizon: float | None):  # type: ignore[no-untyped-
         raise BadInput("--horizon must be positive")
     base = Base(cfg=run.cfg, params=run.params, defects=run.defects, faults=tuple(run.faults),
                 request_overrides=run.overrides, max_concurrency=run.max_concurrency,
-                horizon_s=horizon)
+                horizon_s=horizon, early_stop=early_stop)
     return Job(base, run.workload)
 
 
@@ -149,6 +150,9 @@ def sweep_command(axes: tuple[str, ...], seeds: str, horizon: float | None, out:
         raise BadInput(str(exc)) from None
     with results:
         report = run_sweep(job, points, results, make, progress=_progress(as_json))
+        rows = results.rows
+    if not as_json and len(points) <= TABLE_MAX_POINTS:
+        _print_points(job, points, rows, [a.name for a in parsed])
     if as_json:
         emit_json({**report.to_dict(), "results": out})
     else:
@@ -161,6 +165,31 @@ def sweep_command(axes: tuple[str, ...], seeds: str, horizon: float | None, out:
     if report.interrupted:
         click.echo(f"interrupted: rerun the same command to resume from {out}", err=True)
         sys.exit(1)
+
+
+TABLE_MAX_POINTS = 40
+
+
+def _print_points(job, points, rows, names) -> None:  # type: ignore[no-untyped-def]
+    """One line per point of a small sweep: its axes, verdict, p99 TTFT, deferrals."""
+    from twin.advise.search import failure_text, fmt_s
+    from twin.advise.space import point_id, short_name
+
+    by_id = {str(r.get("point_id")): r for r in rows}
+    head = [short_name(n) for n in names] + ["seed", "outcome", "TTFT p99", "deferrals/req"]
+    lines = [head]
+    for p in points:
+        r = by_id.get(point_id(job.fingerprint, p))
+        if r is None:
+            continue
+        note = "" if r.get("outcome") == "clean" else failure_text(r)[:70]
+        lines.append([str(p.get(n)) for n in names] + [
+            str(p.seed), str(r.get("outcome")), fmt_s(r.get("ttft_p99")),
+            f"{r.get('deferrals_per_request') or 0:.2f}", note])
+    widths = [max(len(line[i]) for line in lines if i < len(line)) for i in range(len(head))]
+    for line in lines:
+        text = "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip()
+        click.echo(text + (f"  {line[-1]}" if len(line) > len(head) and line[-1] else ""))
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -206,6 +235,9 @@ def _int_list(text: str, what: str) -> list[int]:
 @click.option("--horizon", type=float, default=None, metavar="SECONDS",
               help="Stop each run this long after the last arrival (default: 10x the TTFT "
                    "budget, at least 30 s; 120 s without one).")
+@click.option("--no-early-stop", is_flag=True,
+              help="Run every probe to the end, even when a checkpoint at 1/8 of the workload "
+                   "already shows it over the TTFT budget or failed.")
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None,
               help="Write every probe to this result file (and reuse the probes it holds).")
 @executor_options
@@ -213,8 +245,8 @@ def _int_list(text: str, what: str) -> list[int]:
 def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
                    percentile: str, seeds: str, ring_min: int, ring_max: int | None,
                    ring: int | None, tolerance: float, headroom: float, capacity: str,
-                   max_scale: float, prefer: str, horizon: float | None, out: str | None,
-                   as_json: bool, **kw: Any) -> None:
+                   max_scale: float, prefer: str, horizon: float | None,
+                   no_early_stop: bool, out: str | None, as_json: bool, **kw: Any) -> None:
     """Recommend a chunked_prefill_size and a decode staging ring for a workload.
 
     For each candidate chunk size: the smallest ring (bisection) that runs the workload with no
@@ -223,7 +255,7 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
     Exit status: 0 with a recommendation, 1 when no candidate passes, 2 bad input.
     """
     from twin.advise import AxisError, ResultsError, ResultsFile, parse_seeds
-    from twin.advise.search import AXES, Budgets, advise
+    from twin.advise.search import AXES, Budgets, advise, early_stop_for
 
     for name, v in (("--ttft", ttft), ("--tpot", tpot)):
         if v is not None and not v > 0:
@@ -244,7 +276,8 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
         raise BadInput(str(exc)) from None
     if horizon is None:
         horizon = max(30.0, 10 * ttft) if ttft is not None else 120.0
-    job = _job(kw, horizon)
+    budgets = Budgets(ttft, tpot, int(percentile))
+    job = _job(kw, horizon, None if no_early_stop else early_stop_for(budgets))
     cfg = job.base.cfg
     if cps_list is None:
         base_cps = cfg.chunked_prefill_size
@@ -256,7 +289,6 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
     if bad:
         raise BadInput(f"--cps: {', '.join(map(str, bad))} not a multiple of page_size "
                        f"({cfg.page_size})")
-    budgets = Budgets(ttft, tpot, int(percentile))
     results = None
     if out is not None:
         try:
