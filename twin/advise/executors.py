@@ -200,7 +200,8 @@ class RayExecutor:
                 kwargs["num_cpus"] = num_cpus or default_workers()
             ray.init(address=address, **kwargs)
             self._owned = True
-        self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        resources = getattr(ray, "cluster_resources")()  # noqa: B009 - untyped in Ray
+        self.slots = max(1, int(resources.get("CPU", 1)))
         self._job_ref = ray.put(job)
         self._remote = ray.remote(num_cpus=1, max_retries=1)(_ray_run)
         self._refs: dict[Any, Point] = {}

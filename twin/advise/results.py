@@ -141,10 +141,8 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
 
 def axis_names(rows_or_header: Sequence[dict[str, Any]] | Sequence[str]) -> list[str]:
     """The swept axes of a result file (its ``x.NAME`` columns, prefix removed)."""
-    if rows_or_header and isinstance(rows_or_header[0], dict):
-        keys = list(rows_or_header[0])  # type: ignore[arg-type]
-    else:
-        keys = list(rows_or_header)  # type: ignore[arg-type]
+    first = rows_or_header[0] if rows_or_header else None
+    keys = list(first) if isinstance(first, dict) else [str(k) for k in rows_or_header]
     return [k[2:] for k in keys if isinstance(k, str) and k.startswith("x.")]
 
 

@@ -679,6 +679,10 @@ def _ttft_at(c: Candidate) -> float:
     return math.inf
 
 
+def _scale(c: Candidate) -> float:
+    return (c.capacity.scale if c.capacity else None) or 0.0
+
+
 def _pick_by_ring(cands: list[Candidate]) -> Candidate | None:
     ok = [c for c in cands if c.recommended_ring is not None and c.feasible]
     if not ok:
@@ -691,7 +695,7 @@ def _recommend(candidates: list[Candidate], prefer: str, budgets: Budgets, seeds
     seeds_txt = ", ".join(map(str, seeds))
     if prefer == "capacity" or fixed_ring:
         ok = [c for c in candidates if c.capacity and c.capacity.best]
-        pick = max(ok, key=lambda c: (c.capacity.scale or 0.0, -(c.recommended_ring or 0)),
+        pick = max(ok, key=lambda c: (_scale(c), -(c.recommended_ring or 0)),
                    default=None) if ok else None
     else:
         pick = _pick_by_ring(candidates)
@@ -708,17 +712,19 @@ def _recommend(candidates: list[Candidate], prefer: str, budgets: Budgets, seeds
                 reasons.append(f"chunked_prefill_size {c.cps}: {failing.why}; limited by "
                                f"{limiting_factor(failing.failing)}")
         return None, reasons
-    ring_mb = pick.recommended_ring
+    ring_mb = pick.recommended_ring or 0
+    pct = budgets.percentile
     reasons = [f"chunked_prefill_size {pick.cps} with a {ring_mb} MiB staging ring per decode "
                f"rank (SGLANG_DISAGG_STAGING_POOL_SIZE_MB={ring_mb})."]
     if pick.ring and pick.ring.best:
         best = pick.ring.best.first
+        smallest = pick.ring.min_ring or 1
         reasons.append(
             f"The smallest ring that passes ({budgets.describe()}; no wedge, failure or "
-            f"corruption; seeds {seeds_txt}) is {pick.ring.min_ring} MiB "
-            f"({pick.ring.min_ring / pick.region_mb:.1f} chunk regions of {pick.region_mb:g} MiB), "
-            f"with TTFT p99 {fmt_s(best.get('ttft_p99'))}; the recommendation adds "
-            f"{ring_mb / pick.ring.min_ring - 1:.0%} headroom.")
+            f"corruption; seeds {seeds_txt}) is {smallest} MiB "
+            f"({smallest / pick.region_mb:.1f} chunk regions of {pick.region_mb:g} MiB), "
+            f"with TTFT p{pct} {fmt_s(best.get(f'ttft_p{pct}'))}; the recommendation adds "
+            f"{ring_mb / smallest - 1:.0%} headroom.")
         if pick.ring.below:
             reasons.append(f"At {int(pick.ring.below.value)} MiB it fails: {pick.ring.below.why}.")
     others = [c for c in candidates if c is not pick and c.ring is not None]
