@@ -146,31 +146,31 @@ def failure_details(sim: Any) -> dict[str, int] | None:
 
 
 def early_verdict(partial: Any, es: EarlyStop, requests: int,
-                  at: float) -> tuple[str, str] | None:
+                  at: float) -> tuple[tuple[str, str] | None, int]:
     """``(outcome, note)`` when a run stopped at checkpoint ``at`` has already failed for
-    certain (see :class:`EarlyStop`), else None."""
+    certain (see :class:`EarlyStop`), else None; and how many requests are already late."""
     s = partial.summary()
     where = f"stopped at the checkpoint ({at:.1f} s simulated)"
     outcome = classify(s)
     if outcome in ("wedged", "corrupted"):
-        return outcome, f"{outcome} before the checkpoint ({at:.1f} s simulated)"
+        return (outcome, f"{outcome} before the checkpoint ({at:.1f} s simulated)"), 0
     if s.get("failed", 0):
-        return "failed", f"{where}: {s['failed']} request(s) had already failed"
+        return ("failed", f"{where}: {s['failed']} request(s) had already failed"), 0
     try:
         late = sum(1 for r in partial.sim.metrics.done
                    if r.status == "Success" and r.ttft_s > es.ttft_s)
         late += sum(1 for r in partial.sim.requests.values()
                     if not r.finished and r.arrival_s < at - es.ttft_s)
     except Exception:  # the engine's bookkeeping changed: no early verdict
-        return None
+        return None, 0
     # numpy's interpolated percentile of n values exceeds the budget once more than
     # (1 - q) * (n - 1) + 1 of them do; n <= requests, so this bound is safe.
     allowed = (1 - es.percentile / 100) * (requests - 1) + 1
     if late >= allowed:
-        return "over-budget", (f"{where}: {late} request(s) already over the "
-                               f"{es.ttft_s:g} s TTFT budget; p{es.percentile} of {requests} "
-                               f"allows fewer than {math.ceil(allowed)}")
-    return None
+        return ("over-budget", f"{where}: {late} request(s) already over the {es.ttft_s:g} s "
+                               f"TTFT budget; p{es.percentile} of {requests} allows fewer than "
+                               f"{math.ceil(allowed)}"), late
+    return None, late
 
 
 def empty_row() -> dict[str, Any]:
@@ -245,16 +245,24 @@ def run_point(base: Base, workload: Workload, point: Point, fingerprint: str) ->
         result = None
         es = base.early_stop
         if es is not None and len(wl.requests) > 1:
-            check_at = wl.requests[0].arrival_s + max(wl.duration_s * es.at_fraction,
-                                                      4 * es.ttft_s)
-            if until is None or check_at < until:
+            last = -1.0
+            for fraction in es.at_fractions:
+                check_at = wl.requests[0].arrival_s + max(wl.duration_s * fraction,
+                                                          4 * es.ttft_s)
+                if (until is not None and check_at >= until) or check_at <= last:
+                    continue
+                last = check_at
                 partial = simulate(check_at)
-                early = early_verdict(partial, es, len(wl.requests), check_at)
+                early, late = early_verdict(partial, es, len(wl.requests), check_at)
                 if early is not None:
                     result = partial
                     override, row["note"] = early
-                elif partial.sim.unfinished == 0:
+                    break
+                if partial.sim.unfinished == 0:
                     result = partial  # everything ended before the checkpoint
+                    break
+                if late == 0:
+                    break  # nothing late yet: run to the end
         if result is None:
             result = simulate(until)
         s = result.summary()

@@ -254,16 +254,17 @@ def grid(axes: Sequence[Axis], seeds: Sequence[int]) -> list[Point]:
 
 @dataclass(frozen=True)
 class EarlyStop:
-    """Check a run at ``at_fraction`` of its workload's arrival span (at least four TTFT
-    budgets after the first arrival) and stop it there when its
-    verdict is already certain: a wedge, corruption or failed request, or so many requests past
-    the TTFT budget (finished over it, or waiting longer than it) that the ``percentile``
-    cannot meet it whatever happens later. The checkpoint run is the full run's exact prefix,
-    so a stopped point is one the full run would fail too."""
+    """Checkpoints for a run with a TTFT budget: at each fraction of the workload's arrival
+    span (at least four budgets after the first arrival) the run's prefix is simulated, and the
+    run stops there when its verdict is already certain: a wedge, corruption or failed request,
+    or so many requests past the budget (finished over it, or waiting longer than it) that the
+    ``percentile`` cannot meet it whatever happens later. A checkpoint run is the full run's
+    exact prefix, so a stopped point is one the full run would fail too. When no request is
+    late yet, the run goes straight to the end (a healthy point pays for one eighth more)."""
 
     ttft_s: float
     percentile: int = 99
-    at_fraction: float = 0.125
+    at_fractions: tuple[float, ...] = (0.125, 0.5)
 
 
 @dataclass(frozen=True)
