@@ -4,9 +4,10 @@ For each candidate ``chunked_prefill_size`` a **ring search** finds the smallest
 ring (MiB per decode rank) that runs the workload with no wedge, no corruption, no failed or
 unfinished request and latency within the budgets, on every seed. It is a bisection over the
 ring size (geometric midpoints, stopping when the bracket is within ``tolerance``). The first
-probe is the smallest ring that holds one full chunk's staging region; if it fails, the largest
-ring comes next (if that fails too, no ring helps), then the peak occupancy the largest ring saw
-plus one region.
+probe is the smallest ring that holds one full chunk's staging region; if it passes, one MiB
+less comes next (usually the boundary: no full chunk fits); if it fails, the largest ring comes
+next (if that fails too, no ring helps), then the peak occupancy the largest ring saw plus one
+region.
 
 A **capacity search** then finds the largest request-rate scaling (arrival times divided by the
 scale) that a ring sustains under the same criteria: doubling until a failure, then bisection.
@@ -295,6 +296,12 @@ def ring_search(ctx: Context, cps: int, region_mb: float, ring_min: int, ring_ma
     first = yield from probe(region)
     if first.passed:
         hi = region
+        if region - 1 >= ring_min:  # usually the boundary: a full chunk no longer fits
+            p = yield from probe(region - 1)
+            if p.passed:
+                hi = region - 1
+            else:
+                lo = region - 1
     else:
         lo = region
         if region < ring_max:
