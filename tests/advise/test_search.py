@@ -76,7 +76,8 @@ def test_ring_search_brackets_the_smallest_passing_ring(fake_executor, row_of,
 def test_ring_search_reports_an_infeasible_candidate(fake_executor, row_of) -> None:
     ex = fake_executor(threshold_model(row_of, {512: 5000}, {512: 4.0}))
     ans = _drive(ring_search(Context((0,), Budgets(), lambda: 0), 512, 2.0, 1, 1024, 0.1), ex)
-    assert not ans.feasible and ans.below.value == 1024 and len(ans.probes) == 2
+    assert not ans.feasible and ans.below.value == 1024
+    assert [p.value for p in ans.probes] == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 def test_an_unlucky_seed_raises_the_answer(fake_executor, row_of) -> None:
@@ -172,3 +173,13 @@ def test_advise_end_to_end_on_a_tiny_workload(tiny_job: Job) -> None:
     assert table.startswith("| chunked_prefill_size |") and "(pick)" in table
     assert "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=" in advice.reasons[0]
     assert json.loads(json.dumps(advice.to_dict(), default=str))["recommendation"]
+
+
+def test_searches_at_a_planned_rate_scale(fake_executor, row_of) -> None:
+    ex = fake_executor(threshold_model(row_of, {512: 37}, {512: 3.0}))
+    ctx = Context((0,), Budgets(), lambda: 0)
+    ans = _drive(ring_search(ctx, 512, 2.0, 1, 1024, 0.1, scale=2.0), ex)
+    assert {p.get(RATE_SCALE) for p in ex.submitted} == {2.0} and ans.min_ring >= 37
+    cap = _drive(capacity_search(ctx, 512, 64, 8.0, 0.1, start=2.0), fake_executor(
+        threshold_model(row_of, {512: 37}, {512: 3.0})))
+    assert cap.probes[0].value == 2.0 and cap.scale <= 3.0 < cap.above.value

@@ -5,9 +5,8 @@ ring (MiB per decode rank) that runs the workload with no wedge, no corruption, 
 unfinished request and latency within the budgets, on every seed. It is a bisection over the
 ring size (geometric midpoints, stopping when the bracket is within ``tolerance``). The first
 probe is the smallest ring that holds one full chunk's staging region; if it passes, one MiB
-less comes next (usually the boundary: no full chunk fits); if it fails, the largest ring comes
-next (if that fails too, no ring helps), then the peak occupancy the largest ring saw plus one
-region.
+less comes next (usually the boundary: no full chunk fits); if it fails, the ring doubles until
+a probe passes (if none up to the largest ring does, no ring helps).
 
 A **capacity search** then finds the largest request-rate scaling (arrival times divided by the
 scale) that a ring sustains under the same criteria: doubling until a failure, then bisection.
@@ -43,6 +42,9 @@ CPS = "chunked_prefill_size"
 RING = "staging_pool_size_mb"
 AXES = (CPS, RATE_SCALE, RING)
 """The axes of every advise probe (the columns of its result file)."""
+
+THIN_MARGIN = 1.2
+"""A sustained rate scale below this is called out as a thin margin."""
 
 Rows = list[dict[str, Any]]
 Search = Generator[list[Point], Rows, Any]
@@ -278,14 +280,17 @@ class RingAnswer:
 
 
 def ring_search(ctx: Context, cps: int, region_mb: float, ring_min: int, ring_max: int,
-                tolerance: float) -> Generator[list[Point], Rows, RingAnswer]:
-    """The smallest passing ring in ``[ring_min, ring_max]`` MiB for ``cps`` (bisection)."""
+                tolerance: float, scale: float = 1.0
+                ) -> Generator[list[Point], Rows, RingAnswer]:
+    """The smallest passing ring in ``[ring_min, ring_max]`` MiB for ``cps`` with the workload
+    at rate ``scale``: one chunk region first, then doubling (failure) or one MiB less
+    (success), then bisection."""
     ans = RingAnswer(cps, region_mb, ring_min, ring_max)
     passes: dict[int, Probe] = {}
     fails: dict[int, Probe] = {}
 
     def probe(ring: int) -> Generator[list[Point], Rows, Probe]:
-        p = yield from ctx.check(lambda s: _point(cps, ring, 1.0, s), ring)
+        p = yield from ctx.check(lambda s: _point(cps, ring, scale, s), ring)
         ans.probes.append(p)
         (passes if p.passed else fails)[ring] = p
         return p
@@ -304,21 +309,17 @@ def ring_search(ctx: Context, cps: int, region_mb: float, ring_min: int, ring_ma
                 lo = region - 1
     else:
         lo = region
-        if region < ring_max:
-            top = yield from probe(ring_max)
-            if not top.passed:
-                ans.below = top
-                return ans
-            peak = max((r.get("peak_ring_mb") or 0.0) for r in top.rows)
-            guess = math.ceil(peak + region_mb)
-            if lo < guess < hi:
-                p = yield from probe(guess)
-                if p.passed:
-                    hi = guess
-                else:
-                    lo = guess
-        else:
-            ans.below = first
+        ring = region
+        found = False
+        while ring < ring_max:  # gallop: 2, 4, 8, ... regions, then the largest ring
+            ring = min(ring * 2, ring_max)
+            p = yield from probe(ring)
+            if p.passed:
+                hi, found = ring, True
+                break
+            lo = ring
+        if not found:
+            ans.below = fails[lo]
             return ans
     while hi - lo > 1 and hi > max(lo, 1) * (1 + tolerance):
         mid = round(math.sqrt(max(lo, ring_min / 2, 0.5) * hi))
@@ -350,8 +351,10 @@ class CapacityAnswer:
 
 
 def capacity_search(ctx: Context, cps: int, ring: int, max_scale: float, tolerance: float,
-                    min_scale: float = 1 / 16) -> Generator[list[Point], Rows, CapacityAnswer]:
-    """The largest request-rate scale that ``ring`` MiB sustains with ``cps``."""
+                    min_scale: float = 1 / 16, start: float = 1.0
+                    ) -> Generator[list[Point], Rows, CapacityAnswer]:
+    """The largest request-rate scale that ``ring`` MiB sustains with ``cps``: ``start``, then
+    doubling until a failure (halving when ``start`` fails), then bisection."""
     ans = CapacityAnswer(cps, ring)
 
     def probe(scale: float) -> Generator[list[Point], Rows, Probe]:
@@ -362,10 +365,10 @@ def capacity_search(ctx: Context, cps: int, ring: int, max_scale: float, toleran
 
     lo: Probe | None = None
     hi: Probe | None = None
-    first = yield from probe(1.0)
+    first = yield from probe(start)
     if first.passed:
         lo = first
-        scale = 2.0
+        scale = 2.0 * start
         while scale <= max_scale * (1 + 1e-9):
             p = yield from probe(scale)
             if not p.passed:
@@ -385,7 +388,7 @@ def capacity_search(ctx: Context, cps: int, ring: int, max_scale: float, toleran
                 return ans
     else:
         hi = first
-        scale = 0.5
+        scale = 0.5 * start
         while scale >= min_scale:
             p = yield from probe(scale)
             if p.passed:
@@ -602,12 +605,13 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
            budgets: Budgets = Budgets(), seeds: Sequence[int] = (0, 1),
            ring_min: int = 1, ring_max: int | None = None, ring: int | None = None,
            tolerance: float = 0.1, headroom: float = 0.25, capacity: str = "pick",
+           rate_scale: float = 1.0,
            max_scale: float = 8.0, prefer: str = "ring",
            results: ResultsFile | None = None, progress: bool = False) -> Advice:
     """Search ring sizes and capacities for each candidate and recommend a pair.
 
     ``ring``: skip the ring search and compare the candidates at this ring (capacity search for
-    each). ``capacity``: ``pick`` (the recommended pair only), ``all`` or ``none``. ``prefer``:
+    each). ``rate_scale``: size for the workload arriving this many times faster (growth). ``capacity``: ``pick`` (the recommended pair only), ``all`` or ``none``. ``prefer``:
     ``ring`` (the smallest recommended ring wins; ties go to the lower TTFT) or ``capacity``
     (the largest sustained rate scale wins; implies capacity searches for all).
     Give ``job`` an :class:`~twin.advise.space.EarlyStop` (see :func:`early_stop_for`) to stop
@@ -641,7 +645,8 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
     try:
         if ring is None:
             answers = sched.run({c.cps: ring_search(ctx, c.cps, c.region_mb, ring_min, ring_max,
-                                                    tolerance) for c in candidates})
+                                                    tolerance, rate_scale)
+                                 for c in candidates})
             for c in candidates:
                 c.ring = answers[c.cps]
                 if c.ring.min_ring is not None:
@@ -656,7 +661,8 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
             chosen = [pick0] if pick0 else []
         if capacity != "none" and chosen:
             caps = sched.run({c.cps: capacity_search(ctx, c.cps, int(c.recommended_ring or 0),
-                                                     max_scale, tolerance) for c in chosen})
+                                                     max(max_scale, rate_scale), tolerance,
+                                                     start=rate_scale) for c in chosen})
             for c in chosen:
                 c.capacity = caps[c.cps]
     finally:
@@ -668,6 +674,8 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
         notes.append("the simulator reports no TPOT for these runs; the TPOT budget was not "
                      "applied")
     pick, reasons = _recommend(candidates, prefer, budgets, seeds, headroom, ring is not None)
+    if rate_scale != 1.0:
+        notes.append(f"sized for the workload arriving {rate_scale:g}x as fast as recorded")
     return Advice(candidates, budgets, tuple(seeds), headroom, pick, reasons, sched.ran,
                   sched.reused, time.perf_counter() - t0, notes)
 
@@ -754,6 +762,10 @@ def _recommend(candidates: list[Candidate], prefer: str, budgets: Budgets, seeds
                 f"Margin: it sustains {cap.best.value:g}x the workload's request rate; at "
                 f"{cap.above.value if cap.above else '?':g}x it fails "
                 f"({cap.above.why if cap.above else '?'}), limited by {lim}.")
+            if cap.best.value < THIN_MARGIN:
+                reasons.append(
+                    f"That margin is thin: to leave room for {THIN_MARGIN - 1:.0%} more traffic, "
+                    f"size for it (--rate-scale {THIN_MARGIN:g}) or raise the headroom.")
     elif cap is not None and cap.above is not None:
         reasons.append(f"Warning: at the recommended ring the workload itself fails on a seed "
                        f"({cap.above.why}); the ring search's answer is not stable.")

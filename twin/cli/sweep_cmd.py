@@ -226,6 +226,8 @@ def _int_list(text: str, what: str) -> list[int]:
               help="Recommended ring = smallest passing ring x (1 + headroom), rounded up.")
 @click.option("--capacity", type=click.Choice(["pick", "all", "none"]), default="pick",
               show_default=True, help="Which candidates get a capacity (rate-scale) search.")
+@click.option("--rate-scale", type=float, default=1.0, show_default=True,
+              help="Size for the workload arriving this many times faster (traffic growth).")
 @click.option("--max-scale", type=float, default=8.0, show_default=True,
               help="Largest request-rate scale the capacity search tries.")
 @click.option("--prefer", type=click.Choice(["ring", "capacity"]), default="ring",
@@ -245,7 +247,7 @@ def _int_list(text: str, what: str) -> list[int]:
 def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
                    percentile: str, seeds: str, ring_min: int, ring_max: int | None,
                    ring: int | None, tolerance: float, headroom: float, capacity: str,
-                   max_scale: float, prefer: str, horizon: float | None,
+                   rate_scale: float, max_scale: float, prefer: str, horizon: float | None,
                    no_early_stop: bool, out: str | None, as_json: bool, **kw: Any) -> None:
     """Recommend a chunked_prefill_size and a decode staging ring for a workload.
 
@@ -266,6 +268,8 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
         raise BadInput("--headroom must be >= 0")
     if max_scale < 1:
         raise BadInput("--max-scale must be at least 1")
+    if not 0 < rate_scale <= 100:
+        raise BadInput("--rate-scale must be within (0, 100]")
     if ring_min < 1 or (ring_max is not None and ring_max < ring_min):
         raise BadInput("--ring-min must be >= 1 and <= --ring-max")
     if ring is not None and ring < 1:
@@ -299,7 +303,8 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
     try:
         advice = advise(job, executor, cands, budgets=budgets, seeds=seed_list,
                         ring_min=ring_min, ring_max=ring_max, ring=ring, tolerance=tolerance,
-                        headroom=headroom, capacity=capacity, max_scale=max_scale,
+                        headroom=headroom, capacity=capacity, rate_scale=rate_scale,
+                        max_scale=max_scale,
                         prefer=prefer, results=results, progress=_progress(as_json))
     except KeyboardInterrupt:
         click.echo("interrupted" + (f": rerun with -o {out} to reuse the probes" if out else ""),
