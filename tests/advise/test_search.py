@@ -183,3 +183,14 @@ def test_searches_at_a_planned_rate_scale(fake_executor, row_of) -> None:
     cap = _drive(capacity_search(ctx, 512, 64, 8.0, 0.1, start=2.0), fake_executor(
         threshold_model(row_of, {512: 37}, {512: 3.0})))
     assert cap.probes[0].value == 2.0 and cap.scale <= 3.0 < cap.above.value
+
+
+def test_searches_starting_together_share_the_slots(fake_executor, row_of,
+                                                    tiny_job: Job) -> None:
+    """Four searches on two slots: none may claim both slots for its seeds at the start."""
+    ex = fake_executor(threshold_model(row_of, {c: 37 for c in (128, 256, 512, 1024)},
+                                       {c: 4.0 for c in (128, 256, 512, 1024)}), slots=2)
+    sched = Scheduler(tiny_job, ex, None)
+    ctx = Context((0, 1), Budgets(), sched.free_slots, sched.known)
+    sched.run({c: ring_search(ctx, c, 2.0, 1, 256, 0.1) for c in (128, 256, 512, 1024)})
+    assert [p.seed for p in ex.submitted[:4]] == [0, 0, 0, 0]

@@ -428,11 +428,13 @@ class Scheduler:
         self.cache: dict[Point, dict[str, Any]] = {}
         self._known = results.done_rows() if results is not None else {}
         self._inflight: set[Point] = set()
+        self._reserved = 0  # searches about to ask for points in this round
         self.ran = 0
         self.reused = 0
 
     def free_slots(self) -> int:
-        return max(0, self.executor.slots - len(self._inflight))
+        """Slots no point occupies and no search about to ask in this round will claim."""
+        return max(0, self.executor.slots - len(self._inflight) - self._reserved)
 
     def known(self, point: Point) -> dict[str, Any] | None:
         """The row of ``point`` if it already ran (now or in the result file)."""
@@ -469,7 +471,9 @@ class Scheduler:
             except StopIteration as stop:
                 out[key] = stop.value
 
+        self._reserved = len(searches)
         for key in searches:
+            self._reserved -= 1
             advance(key, None)
         while waiting:
             for point, row in self.executor.wait():
@@ -480,10 +484,12 @@ class Scheduler:
                     self.results.append(row)
                 if self.bar is not None:
                     self.bar.update(1)
-            for key, req in list(waiting.items()):
-                if all(p in self.cache for p in req):
-                    del waiting[key]
-                    advance(key, [dict(self.cache[p]) for p in req])
+            ready = [k for k, req in waiting.items() if all(p in self.cache for p in req)]
+            self._reserved = len(ready)
+            for key in ready:
+                self._reserved -= 1
+                req = waiting.pop(key)
+                advance(key, [dict(self.cache[p]) for p in req])
         return out
 
 
