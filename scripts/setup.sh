@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install staging-twin with everything the tests and the hardware
-# mode need. Safe to run again. torch is pinned first so pip takes the small CPU build.
+# Create .venv (if missing) and install staging-twin with everything the tests, the hardware
+# mode and the Ray executor need. Safe to run again. torch is pinned first so pip takes the small CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,5 +10,5 @@ fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[hw,triton,dev]"
+python -m pip install --quiet -e ".[hw,triton,ray,dev]"
 echo "staging-twin is installed in .venv (activate with: . .venv/bin/activate)"

@@ -28,9 +28,17 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from twin.cli import calibrate_cmd, hw_cmd, info_cmd, models_cmd, sim_cmd, trace_cmd
+    from twin.cli import (
+        calibrate_cmd,
+        hw_cmd,
+        info_cmd,
+        models_cmd,
+        sim_cmd,
+        sweep_cmd,
+        trace_cmd,
+    )
 
-    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, models_cmd, calibrate_cmd):
+    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, models_cmd, calibrate_cmd, sweep_cmd):
         for command in module.COMMANDS:
             cli.add_command(command)
 
