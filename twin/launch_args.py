@@ -20,8 +20,22 @@ from typing import Any
 
 from twin.core.config import ConfigError, ServerSide, TwinConfig
 
+
+def _env_bool(value: str) -> bool:
+    """SGLang's ``EnvBool``: true/1/yes or false/0/no, any case."""
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "y", "on"):
+        return True
+    if v in ("0", "false", "no", "n", "off", ""):
+        return False
+    raise ValueError(value)
+
+
 ENV_FIELDS = {
     "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": ("staging_pool_size_mb", int),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": ("deferred_decode_kv_release", _env_bool),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": (
+        "deferred_decode_kv_release_timeout_s", float),
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": ("waiting_timeout_s", float),
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": ("bootstrap_timeout_s", float),
     "SGLANG_DISAGGREGATION_QUEUE_SIZE": ("transfer_queue_size", int),
@@ -85,5 +99,6 @@ def config_from_launch(prefill: str, decode: str, env: Mapping[str, str] | None 
         try:
             changes[name] = kind(value)
         except ValueError:
-            raise ConfigError(f"field {key!r}: expected a number, got {value!r}") from None
+            what = "true or false" if kind is _env_bool else "a number"
+            raise ConfigError(f"field {key!r}: expected {what}, got {value!r}") from None
     return base.replace(**changes)

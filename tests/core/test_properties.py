@@ -57,19 +57,8 @@ SINGLE_TARGET = {
 
 
 def fire_timer_quiescent(c: Cluster) -> None:
-    """Fire the earliest timeout, then hand its abort notices to prefill before anything else.
-
-    Timeouts fire only when nothing else is pending, and the abort reaches prefill first: decode
-    frees a failed room's staging allocations at once (``release_room``) while a prefill write of
-    that room could still be on the way, a window ``test_upstream_release_before_prefill_drained``
-    pins separately.
-    """
+    """Fire the earliest timeout (timeouts fire only when nothing else is pending)."""
     c.fire_timers()
-    while True:
-        aborts = [i for i in c.choices() if c.pending[i].kind == "abort"]
-        if not aborts:
-            return
-        c.step(aborts[0])
 
 
 def drain(c: Cluster) -> None:
@@ -211,6 +200,15 @@ def _is_msg(a, src: str | None = None, kind: type | None = None, room: int | Non
     return (kind is None or isinstance(msg, kind)) and (room is None or msg.room == room)
 
 
+def _late_staging_req(dst: str):
+    """Blocks the STAGING_REQs on the prefill rank's prefetch socket to ``dst`` (a socket of
+    their own: the rank's CHUNK_READY and KV_STATUS, and decode's answers, still flow)."""
+    from twin.core import wire
+
+    return lambda a: a.kind == "msg" and a.node == dst and isinstance(a.event.msg,
+                                                                        wire.StagingReq)
+
+
 def test_upstream_multi_target_retry_rewrites_scattered_region() -> None:
     """Prefill TP1 -> decode TP2: one prefill rank writes each chunk to two decode sessions.
 
@@ -218,48 +216,78 @@ def test_upstream_multi_target_retry_rewrites_scattered_region() -> None:
     chunk is re-enqueued and the retry writes the first session's region again, although that
     region was already written, announced (CHUNK_READY), scattered and freed, and the ring may
     have handed it to another room. Minimal case, one-chunk ring on each decode rank:
-    room 0 writes d0, d0 scatters and frees; room 0 defers on d1 (its STAGING_RSP is late);
-    room 1 gets d0's bytes and writes them; room 0's retry then rewrites d0 over room 1's
-    unscattered data.
+    room 0 writes d0, d0 scatters and frees; room 0 defers on d1 (its STAGING_REQ to d1 is
+    late); room 1 gets d0's bytes and writes them; room 0's retry then rewrites d0 over room
+    1's unscattered data.
     """
     from twin.core import wire
 
     cfg = make_config(ServerSide(tp_size=1), ServerSide(tp_size=2), page_size=16, ring_chunks=1)
     c = Cluster(cfg)
     d0, d1 = (n.id for n in c.topo.decode_groups[0].nodes)
+    late_req = _late_staging_req(d1)
     c.add_request(0, 16)
-    _run_except(c, lambda a: _is_msg(a, src=d1))  # d1's answers are late
+    _run_except(c, late_req)
     assert c.outcome(0) == "pending"
     assert not c.integrity.violations
     c.add_request(1, 16)
     late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
     # Room 1 writes d0 and defers on d1; the worker then retries room 0, which rewrites d0.
-    _run_except(c, lambda a: _is_msg(a, src=d1) or late_ready(a))
+    _run_except(c, lambda a: late_req(a) or late_ready(a))
     kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
     assert ("overwrite", d0, 1) in kinds, c.integrity.violations
 
 
-def test_upstream_release_before_prefill_drained() -> None:
-    """Decode frees a failed room's staging allocations at once (``release_room``) while a
-    prefill write of that room is still in flight; the ring hands the bytes to the next room and
-    the late write lands on its unscattered data. (SGLang's ABORT_ACK-gated deferred KV release
-    covers KV pages, not the staging ring; the twin does not model it.)"""
+def _release_race(cfg_changes: dict, release_timeout_passes: bool) -> Cluster:
+    """Room 0's prefill write to d0 is slow; decode times room 0 out; room 1 (another prefill
+    instance) then gets d0's region once room 0 is released, and room 0's write lands last."""
     from twin.core import wire
 
     cfg = make_config(ServerSide(tp_size=2, instances=2), ServerSide(tp_size=1), page_size=16,
-                      ring_chunks=1)
+                      ring_chunks=1).replace(**cfg_changes)
     c = Cluster(cfg)
-    (d0,) = (n.id for n in c.topo.decode_groups[0].nodes)
     c.add_request(0, 16)
     slow_write = lambda a: a.kind == "xfer" and c.in_flight[(a.node, a.event.worker)].room == 0  # noqa: E731
     _run_except(c, slow_write)
     assert any(a.kind == "xfer" for a in c.pending)
-    c.fire_timers()  # decode times room 0 out and releases its allocation
+    c.fire_timers()  # decode's waiting timeout fails room 0 and sends ABORT
     assert c.outcome(0) == "Failed"
+    _run_except(c, slow_write)  # the ABORTs reach prefill; its writes are still in flight
+    if release_timeout_passes:
+        c.fire_timers()  # the deferred-release deadline: released without every ACK
     c.add_request(1, 16, prefill_group=1)  # another prefill instance: its workers are free
     late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
     _run_except(c, lambda a: slow_write(a) or late_ready(a))
     assert not c.integrity.violations
-    _run_except(c, late_ready)  # room 0's write lands on room 1's unscattered region
+    _run_except(c, late_ready)  # room 0's write lands
+    return c
+
+
+def test_deferred_release_holds_staging_until_prefill_drained() -> None:
+    """SGLang's default (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``): the failed room
+    keeps its staging until every prefill rank acknowledged the ABORT, which a rank does only
+    once its writes of the room landed; the next room waits, and nothing is overwritten."""
+    (d0,) = ("d0g0r0",)
+    c = _release_race({}, release_timeout_passes=False)
+    assert not c.integrity.violations
+    drain(c)
+    assert c.outcome(1) == "Success" and not c.integrity.violations
+    assert not c.ranks[d0].snapshot().live
+
+
+def test_upstream_release_before_prefill_drained_with_deferred_release_off() -> None:
+    """With deferred decode KV release off, decode frees a failed room's staging allocations
+    at once (``release_room``) while a prefill write of that room is still in flight; the ring
+    hands the bytes to the next room and the late write lands on its unscattered data."""
+    c = _release_race({"deferred_decode_kv_release": False}, release_timeout_passes=False)
     kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
-    assert ("overwrite", d0, 1) in kinds, c.integrity.violations
+    assert ("overwrite", "d0g0r0", 1) in kinds, c.integrity.violations
+
+
+def test_upstream_release_before_prefill_drained_after_the_release_timeout() -> None:
+    """With it on, the window remains once the release deadline passes without every ACK (a
+    prefill rank still writing past ``deferred_decode_kv_release_timeout_s``, or a poisoned
+    room that never acknowledges)."""
+    c = _release_race({}, release_timeout_passes=True)
+    kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
+    assert ("overwrite", "d0g0r0", 1) in kinds, c.integrity.violations

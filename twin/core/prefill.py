@@ -4,6 +4,12 @@ Mirrors sglang 0.5.23 ``prefill.py`` (``send_kv_chunk``), ``prefetch_staging_req
 ``transfer_worker``. Each worker is a queue of chunks and at most one chunk in flight. A chunk
 that is not ready (allocation pending or watermark behind) is re-enqueued at the tail
 (backpressure deferral); a worker whose whole queue is blocked waits for a ``WakeWorkers``.
+
+Aborts. A decode ``ABORT`` fails a room that has not succeeded yet (one at Success is left
+alone); a prefill-side abort (``RoomAborted``) fails it whatever its state. With deferred decode
+KV release an ``ABORT`` carrying a generation registers an acknowledgement target: this rank
+answers ``ABORT_ACK`` once none of the room's chunks is dequeued or in flight, unless a write
+could not be proven to have stopped (a *poisoned* room never acknowledges).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from twin.core.defects import (
     TEARDOWN_DROPS_DEFERRED,
     Defects,
 )
+from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
 from twin.core.grid import (
     chunk_index,
     compute_grid_segments,
@@ -65,6 +72,7 @@ class PrefillTarget:
     decode_rank: int
     total_pages: int
     staging: dict[int, StagingInfo] = field(default_factory=dict)
+    dst_port: int = -1
 
 
 @dataclass(slots=True)
@@ -98,9 +106,14 @@ class PrefillRank:
         self.rank = attn_tp_rank
         self.unique_rank = unique_rank
         self.defects = defects or Defects()
+        self.fixes = cfg.fix_set
         self._rooms: dict[int, PrefillRoom] = {}
         self._watermarks: dict[str, tuple[int, int]] = {}
         self._prefetch_requested: set[tuple[int, int, str]] = set()
+        self._requested_at: dict[tuple[int, int, str], float] = {}  # lost-control recovery
+        self._ack_targets: dict[int, dict[tuple[str, int], int]] = {}
+        self._poisoned: set[int] = set()
+        self._aborted: set[int] = set()  # failed rooms already torn down here
         self._workers = [Worker() for _ in range(cfg.transfer_queue_size)]
         self.now = 0.0
         m = cfg.model
@@ -162,6 +175,8 @@ class PrefillRank:
                 return
             target.staging[msg.chunk_idx] = StagingInfo(msg.offset, msg.round, msg.end)
             self._wake(out)
+        elif isinstance(msg, wire.Abort):
+            self._on_decode_abort(msg, out)
         else:
             out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
                                   reason="unexpected message kind at prefill"))
@@ -176,8 +191,12 @@ class PrefillRank:
 
     # -- rooms and sends ---------------------------------------------------------------------
     def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
+        if e.room in self._aborted:
+            out.append(ev.Dropped(what="metadata", room=e.room, reason="room already failed"))
+            return
         room = self._rooms.get(e.room)
-        targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages) for t in e.targets]
+        targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages, dst_port=t.dst_port)
+                   for t in e.targets]
         if room is None:
             base = e.targets[0].decode_prefix_len if e.targets else 0
             room = self._rooms[e.room] = PrefillRoom(room=e.room, targets=targets, base=base,
@@ -200,6 +219,7 @@ class PrefillRank:
                 if key in self._prefetch_requested:
                     continue
                 self._prefetch_requested.add(key)
+                self._requested_at[key] = self.now
                 out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
                     room=e.room, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session)))
@@ -223,7 +243,7 @@ class PrefillRank:
         segments = (compute_grid_segments(start, end, room.base, cfg.grid_tokens)
                     if aligned else [(start, end)])
         total_pages = max((t.total_pages for t in room.targets), default=0)
-        worker = sum(t.decode_rank for t in room.targets) % len(self._workers)
+        worker = self._worker_of(room)
         for seg_start, seg_end in segments:
             num_pages = pages_for_tokens(seg_end - seg_start, page)
             chunk = TransferChunk(room=e.room, page_start=room.sent_pages, num_pages=num_pages,
@@ -244,6 +264,15 @@ class PrefillRank:
             w.blocked_streak = 0
             out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
 
+    def _worker_of(self, room: PrefillRoom) -> int:
+        """``add_transfer_request``: shard by the sum of the sessions' ports, so the same
+        destinations always use the same worker (and its staging buffer). Targets from traces
+        before format 3 carry no port; those shard by the decode ranks' indices."""
+        ports = [t.dst_port for t in room.targets]
+        if ports and all(p >= 0 for p in ports):
+            return sum(ports) % len(self._workers)
+        return sum(t.decode_rank for t in room.targets) % len(self._workers)
+
     # -- transfer worker ---------------------------------------------------------------------
     def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:
         w = self._workers[e.worker]
@@ -260,6 +289,7 @@ class PrefillRank:
             if room is None:
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room state torn down"))
+                self._maybe_ack(chunk.room, out)
                 continue
             if not chunk.counted:
                 room.outstanding += 1
@@ -269,8 +299,8 @@ class PrefillRank:
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room failed"))
                 if not self._queued(room.room):
-                    del self._rooms[room.room]
-                    out.append(ev.RoomTornDown(room=room.room))
+                    self._tear_down(room, out)
+                self._maybe_ack(room.room, out)
                 continue
             room.state = prefill_next(room.state, _T.DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
@@ -297,12 +327,17 @@ class PrefillRank:
             if info is None or info.pending or not is_watermark_ready(wm, info.round, info.end):
                 reason = "allocation pending" if info is None or info.pending else (
                     f"watermark {wm} behind round {info.round} end {info.end}")
-                chunk.next_target = 0  # the retry re-processes every target of the chunk
+                if not self.fixes.on(MULTI_TARGET_RETRY_RESUME):
+                    chunk.next_target = 0  # the retry re-processes every target of the chunk
                 w.queue.append(chunk)
                 w.blocked_streak += 1
                 all_blocked = w.blocked_streak >= len(w.queue)
                 w.waiting = True
                 retry = None if all_blocked else self.now + cfg.deferral_wait_s
+                if self.fixes.on(LOST_CONTROL_RECOVERY):
+                    self._re_request(room, target, chunk_idx, out)
+                    if retry is None:
+                        retry = self.now + cfg.control_retry_s
                 out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
                                        session=target.session, reason=reason,
                                        all_blocked=all_blocked, retry_at=retry))
@@ -317,6 +352,19 @@ class PrefillRank:
             return True
         self._finish_chunk(index, room, chunk, out)
         return False
+
+    def _re_request(self, room: PrefillRoom, target: PrefillTarget, chunk_idx: int,
+                    out: list[ev.Effect]) -> None:
+        """Lost-control recovery: ask again for a chunk deferred ``control_retry_s`` after its
+        last request; decode answers with the allocation and its current watermark."""
+        key = (room.room, chunk_idx, target.session)
+        if self.now - self._requested_at.get(key, self.now) < self.cfg.control_retry_s:
+            return
+        self._requested_at[key] = self.now
+        full = self.cfg.full_chunk_pages
+        pages = min(full, target.total_pages - chunk_idx * full)
+        out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
+            room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session)))
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
               chunk_idx: int, info: StagingInfo,
@@ -353,7 +401,15 @@ class PrefillRank:
             self._run_worker(e.worker, out)
             return
         if not e.ok:
-            self._fail_chunk(room, chunk, f"NIXL transfer failed: {e.error}", out)
+            if not e.settled:
+                # A handle may still be writing: fail the room here without telling decode
+                # (its waiting timeout will), and never acknowledge its abort.
+                self._poisoned.add(room.room)
+                self._ack_targets.pop(room.room, None)
+                self._fail_chunk(room, chunk, f"NIXL transfer not settled: {e.error}", out,
+                                 notify=False)
+            else:
+                self._fail_chunk(room, chunk, f"NIXL transfer failed: {e.error}", out)
             self._run_worker(e.worker, out)
             return
         target = room.targets[chunk.next_target]
@@ -376,33 +432,50 @@ class PrefillRank:
         if chunk.is_last:
             self._conclude(room, "Success", "", out)
         self._maybe_teardown(room, chunk, out)
+        self._maybe_ack(room.room, out)
 
     def _maybe_teardown(self, room: PrefillRoom, chunk: TransferChunk,
                         out: list[ev.Effect]) -> None:
         gate = room.outstanding <= 0 or self.defects.on(TEARDOWN_DROPS_DEFERRED)
         concluded = room.state is _S.SUCCESS or (chunk.is_last and room.state is _S.FAILED)
         if gate and concluded:
-            del self._rooms[room.room]
-            self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
-            out.append(ev.RoomTornDown(room=room.room))
+            self._tear_down(room, out)
+
+    def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
+        del self._rooms[room.room]
+        self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
+        self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
+        if room.state is _S.FAILED:
+            self._aborted.add(room.room)
+        out.append(ev.RoomTornDown(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
-                    out: list[ev.Effect]) -> None:
+                    out: list[ev.Effect], notify: bool = True) -> None:
         if chunk.counted:
             chunk.counted = False
             room.outstanding -= 1
-        self._conclude(room, "Failed", reason, out)
+        self._conclude(room, "Failed", reason, out, notify=notify)
         self._maybe_teardown(room, chunk, out)
+        self._maybe_ack(room.room, out)
 
     def _conclude(self, room: PrefillRoom, status: str, reason: str,
-                  out: list[ev.Effect]) -> None:
+                  out: list[ev.Effect], notify: bool = True) -> None:
+        """``conclude_transfer``: a room already Failed concludes Failed again, with its first
+        reason, and tells decode again (``KV_STATUS`` Failed)."""
         if room.state is _S.FAILED:
+            if notify:
+                self._send_status(room, wire.KVPoll.Failed, room.fail_reason, out)
             return
         room.state = prefill_next(room.state,
                                   _T.LAST_CHUNK_DONE if status == "Success" else _T.FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
         out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
+        if notify:
+            self._send_status(room, poll, reason, out)
+
+    def _send_status(self, room: PrefillRoom, poll: wire.KVPoll, reason: str,
+                     out: list[ev.Effect]) -> None:
         for target in room.targets:
             out.append(ev.Send(dst=target.session, msg=wire.TransferStatus(
                 room=room.room, status=poll, prefill_rank=self.unique_rank,
@@ -419,16 +492,49 @@ class PrefillRank:
             self._conclude(room, "Failed", f"CHUNK_READY send to {e.dst} failed", out)
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
+        """A prefill-side abort (``sender.abort``): fails the room even at Success."""
         room = self._rooms.get(e.room)
-        if room is None or room.state is _S.FAILED:
+        if room is None:
+            # The sender exists before its metadata: a late metadata must not revive it.
+            self._aborted.add(e.room)
             return
+        if room.state is _S.FAILED:
+            return
+        self._abort_room(room, e.reason, out)
+
+    def _on_decode_abort(self, msg: wire.Abort, out: list[ev.Effect]) -> None:
+        """``_handle_abort_notification``: a decode ABORT fails a room only while it has not
+        succeeded; with a generation it also registers where the acknowledgement goes."""
+        room = self._rooms.get(msg.room)
+        if room is not None and room.state not in (_S.SUCCESS, _S.FAILED):
+            self._abort_room(room, "Aborted by decode-side abort notification.", out)
+        if msg.generation is None or not self.cfg.deferred_decode_kv_release:
+            return
+        if msg.room not in self._poisoned:
+            targets = self._ack_targets.setdefault(msg.room, {})
+            targets[(msg.decode_ip, msg.decode_port)] = msg.generation
+        self._maybe_ack(msg.room, out)
+
+    def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T.FAIL)
-        room.fail_reason = e.reason
-        out.append(ev.RoomConcluded(room=e.room, status="Failed", reason=e.reason))
-        if room.outstanding <= 0 and not self._queued(e.room):
-            del self._rooms[e.room]
-            out.append(ev.RoomTornDown(room=e.room))
+        room.fail_reason = reason
+        out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
+        if room.outstanding <= 0 and not self._queued(room.room):
+            self._tear_down(room, out)
         self._wake(out)
+
+    def _maybe_ack(self, room_id: int, out: list[ev.Effect]) -> None:
+        """``_maybe_ack_drained_abort``: acknowledge once nothing of the room is dequeued or in
+        flight; a poisoned room never acknowledges."""
+        room = self._rooms.get(room_id)
+        if room is not None and room.outstanding > 0:
+            return
+        targets = self._ack_targets.pop(room_id, None)
+        if not targets or room_id in self._poisoned:
+            return
+        for (ip, _port), generation in sorted(targets.items()):
+            out.append(ev.Send(dst=ip, msg=wire.AbortAck(
+                room=room_id, prefill_rank=self.unique_rank, generation=generation)))
 
     def _queued(self, room: int) -> bool:
         return any(c.room == room for w in self._workers for c in w.queue) or any(

@@ -22,6 +22,16 @@ ADDED_IN: dict[int, dict[type, tuple[str, ...] | None]] = {
         ev.SendMetadata: ("register_at",),
         ev.WatermarkMoved: ("lag_bytes",),
     },
+    # Version 3: failure paths and sockets as SGLang runs them: the decode group's poll
+    # reduction, deferred decode KV release (ABORT / ABORT_ACK frames ride in Send), the
+    # metadata's control port; inputs gained DecodeRoomInit.group, Target.dst_port,
+    # TransferDone.settled and PeerPolled.
+    3: {
+        ev.GroupPoll: None,
+        ev.RoomHeld: None,
+        ev.RoomReleased: None,
+        ev.SendMetadata: ("dst_port",),
+    },
 }
 
 

@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "staging-twin-trace"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DRIVER = "driver"
 """The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
 MODES = ("sim", "hw")
