@@ -276,3 +276,58 @@ def test_bootstrap_timeout_fails_only_the_prefill_sender():
     (req,) = sim.requests.values()
     assert req.status == "Failed" and "no transfer result" in req.reason
     assert req.kv_done_s >= 2.0  # decode's waiting timeout, not the bootstrap deadline
+
+
+# -- finding: multi-target chunks deadlock on opposite allocation orders ------------------------
+def _inverted_allocation_order(fixes: tuple[str, ...] = ()) -> Cluster:
+    """Prefill DP attention (2 x TP1) -> decode TP2, one-chunk rings: both DP groups write
+    each chunk to d0 and d1. Room 0 (group 0) learns d1 first; room 1 (group 1) learns d0
+    first. d0 allocates room 0 before room 1, d1 the other way round."""
+    cfg = TwinConfig(prefill=ServerSide(tp_size=2, dp_size=2, enable_dp_attention=True),
+                     decode=ServerSide(tp_size=2), model=MODEL, chunked_prefill_size=64,
+                     page_size=16, staging_pool_size_bytes=16 * 4 * 8 * 2 * 2, fixes=fixes)
+    c = Cluster(cfg)
+    d0, d1 = (n.id for n in c.topo.decode_groups[0].nodes)
+    pa, pb = (g.nodes[0].id for g in c.topo.prefill_groups)
+
+    def deliver(pred) -> None:
+        (i,) = [i for i in c.choices() if pred(c.pending[i])][:1]
+        c.step(i)
+
+    def meta(d: str, p: str):
+        return lambda a: a.kind == "meta" and a.src == d and a.node == p
+
+    def req(p: str, d: str):
+        return lambda a: (a.kind == "msg" and a.src == p and a.node == d
+                          and isinstance(a.event.msg, wire.StagingReq))
+
+    c.add_request(0, 16, prefill_group=0)
+    c.add_request(1, 16, prefill_group=1)
+    for d, p in ((d1, pa), (d0, pa), (d0, pb), (d1, pb)):
+        deliver(meta(d, p))
+    deliver(lambda a: a.kind == "send")
+    deliver(lambda a: a.kind == "send")
+    for p, d in ((pa, d0), (pb, d0), (pb, d1), (pa, d1)):
+        deliver(req(p, d))
+    _run(c, lambda a: False)
+    return c
+
+
+def test_upstream_multi_target_chunks_deadlock_on_opposite_allocation_orders():
+    """Room 0's chunk waits on d1 (its first target) behind room 1's region, room 1's waits on
+    d0 behind room 0's: SGLang's worker walks a chunk's targets in order and defers the whole
+    chunk at the first one not ready, so neither writes the session that would free the other.
+    Both rooms sit until decode's waiting timeout."""
+    c = _inverted_allocation_order()
+    assert c.outcome(0) == "pending" and c.outcome(1) == "pending"
+    assert not c.integrity.violations
+    c.run()
+    assert c.outcome(0) == "Failed" and c.outcome(1) == "Failed"
+
+
+def test_multi_target_retry_resume_fix_writes_ready_sessions_first():
+    from twin.core.fixes import MULTI_TARGET_RETRY_RESUME
+
+    c = _inverted_allocation_order((MULTI_TARGET_RETRY_RESUME,))
+    assert c.outcome(0) == "Success" and c.outcome(1) == "Success"
+    assert not c.integrity.violations

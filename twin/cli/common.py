@@ -10,6 +10,7 @@ import click
 
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import ALL_DEFECTS, Defects
+from twin.core.fixes import ALL_FIXES, Fixes
 from twin.runtime.faults import FaultSpec, FaultSpecError, parse_fault
 from twin.runtime.outcome import EXIT_BAD_INPUT
 from twin.runtime.params import SimParams
@@ -56,9 +57,29 @@ def make_defects(names: tuple[str, ...] | list[str]) -> Defects:
         raise BadInput(str(exc)) from None
 
 
-defect_option = click.option(
+_defect = click.option(
     "--defect", "defects", multiple=True, metavar="NAME",
     help=f"Switch an upstream defect back on (repeatable): {', '.join(ALL_DEFECTS)}.")
+
+
+def _keep_fixes(ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> None:
+    try:
+        Fixes.of(value)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    ctx.meta["twin_fixes"] = tuple(value)
+
+
+_fix = click.option(
+    "--fix", "fixes", multiple=True, metavar="NAME", expose_value=False, callback=_keep_fixes,
+    help=f"Switch on a proposed change SGLang has not merged (repeatable): "
+         f"{', '.join(ALL_FIXES)}.")
+
+
+def defect_option(f: Any) -> Any:
+    """``--defect NAME`` and ``--fix NAME``; the fixes reach ``resolve_run`` through the click
+    context, so every command that takes defects takes fixes too."""
+    return _defect(_fix(f))
 fault_option = click.option(
     "--fault", "faults", multiple=True, metavar="SPEC",
     help="Inject a fault (repeatable), e.g. drop:WATERMARK:nth=3, delay:CHUNK_READY:ms=20:p=0.5,"
@@ -139,6 +160,10 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
     if first_n is not None or slowdown is not None:
         workload = cut_workload(workload, first_n, slowdown)
     names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
+    ctx = click.get_current_context(silent=True)
+    fixes = tuple(ctx.meta.get("twin_fixes", ())) if ctx is not None else ()
+    if fixes:
+        cfg = cfg.replace(fixes=tuple(sorted({*cfg.fixes, *fixes})))
     return RunInputs(sc, cfg, params, workload, make_defects(names),
                      parse_faults([*sc.faults, *faults]),
                      sc.overrides if not workload_spec else {},

@@ -84,6 +84,11 @@ class TwinConfig:
     ``fixes``: proposed changes SGLang has not merged, switched on (``twin/core/fixes.py``);
     ``control_retry_s`` is how long the lost-control-message recovery fix waits before it
     re-requests a chunk's STAGING_RSP and watermark.
+
+    ``worker_wake``: ``"sglang"`` wakes a deferred transfer worker on every WATERMARK and on
+    nothing else (a STAGING_RSP or a queued chunk is found when the bounded wait ends);
+    ``"eager"`` is the twin's model before trace format 3 (a STAGING_RSP, a queued chunk or
+    an abort woke it at once, a WATERMARK only when it advanced), kept so older traces replay.
     """
 
     model: ModelShape = field(default_factory=ModelShape)
@@ -104,6 +109,7 @@ class TwinConfig:
     deferred_decode_kv_release_timeout_s: float = 30.0
     fixes: tuple[str, ...] = ()
     control_retry_s: float = 0.05
+    worker_wake: str = "sglang"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -314,6 +320,9 @@ def validate(cfg: TwinConfig) -> None:
     _positive("deferral_wait_s", cfg.deferral_wait_s)
     _positive("deferred_decode_kv_release_timeout_s", cfg.deferred_decode_kv_release_timeout_s)
     _positive("control_retry_s", cfg.control_retry_s)
+    if cfg.worker_wake not in ("sglang", "eager"):
+        raise ConfigError(f"field 'worker_wake': expected 'sglang' or 'eager', got "
+                          f"{cfg.worker_wake!r}")
     try:
         Fixes.of(cfg.fixes)
     except ValueError as exc:

@@ -31,9 +31,11 @@ CATALOG: dict[str, FixInfo] = {
     for f in (
         FixInfo(
             MULTI_TARGET_RETRY_RESUME, "prefill worker",
-            "a multi-target chunk deferred on a later decode session is retried from that "
-            "session: the sessions already written (and announced with CHUNK_READY) are not "
-            "written again, so a retry cannot overwrite a region decode scattered and reused",
+            "a chunk for several decode sessions writes every session that is ready and retries "
+            "only the sessions not yet written: no retry rewrites a region decode already "
+            "scattered and reused, and a session that is not ready no longer blocks the others "
+            "(which can deadlock when two prefill senders' allocations are ordered differently "
+            "on two decode rings)",
             "the twin's finding (docs/defects.md, 'Multi-target retry rewrites a reallocated "
             "region')",
         ),

@@ -62,7 +62,8 @@ class TransferChunk:
     num_pages: int
     is_last: bool
     counted: bool = False
-    next_target: int = 0
+    written: set[int] = field(default_factory=set)  # indices of targets written and announced
+    current: int = 0  # the target whose write is in flight
     staged: bool = True
 
 
@@ -93,6 +94,7 @@ class Worker:
     queue: deque[TransferChunk] = field(default_factory=deque)
     busy: TransferChunk | None = None
     waiting: bool = False
+    sleeping: bool = False  # waiting with no poll scheduled: every chunk in its queue blocked
     blocked_streak: int = 0
 
 
@@ -107,6 +109,7 @@ class PrefillRank:
         self.unique_rank = unique_rank
         self.defects = defects or Defects()
         self.fixes = cfg.fix_set
+        self._eager = cfg.worker_wake == "eager"
         self._rooms: dict[int, PrefillRoom] = {}
         self._watermarks: dict[str, tuple[int, int]] = {}
         self._prefetch_requested: set[tuple[int, int, str]] = set()
@@ -164,9 +167,11 @@ class PrefillRank:
         msg = e.msg
         if isinstance(msg, wire.Watermark):
             prev = self._watermarks.get(msg.session_id, (0, 0))
-            if (msg.round, msg.tail) > prev:
+            advanced = (msg.round, msg.tail) > prev
+            if advanced:
                 self._watermarks[msg.session_id] = (msg.round, msg.tail)
-                self._wake(out)
+            if advanced or not self._eager:
+                self._wake(out)  # handle_watermark_msg notifies the condition, advancing or not
         elif isinstance(msg, wire.StagingRsp):
             room = self._rooms.get(msg.room)
             target = None if room is None else _find(room.targets, msg.session_id)
@@ -174,7 +179,7 @@ class PrefillRank:
                 out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
                 return
             target.staging[msg.chunk_idx] = StagingInfo(msg.offset, msg.round, msg.end)
-            self._wake(out)
+            self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
         elif isinstance(msg, wire.Abort):
             self._on_decode_abort(msg, out)
         else:
@@ -182,12 +187,42 @@ class PrefillRank:
                                   reason="unexpected message kind at prefill"))
 
     def _wake(self, out: list[ev.Effect]) -> None:
+        """``watermark_cv.notify_all()``: every waiting worker polls now."""
         waiting = tuple(i for i, w in enumerate(self._workers) if w.waiting)
         for i in waiting:
-            self._workers[i].waiting = False
-            self._workers[i].blocked_streak = 0
+            w = self._workers[i]
+            w.waiting = w.sleeping = False
+            w.blocked_streak = 0
         if waiting:
             out.append(ev.WakeWorkers(workers=waiting, at=self.now))
+
+    def _news(self, out: list[ev.Effect], worker: int | None = None) -> None:
+        """News that does not notify the condition. With ``worker_wake = "eager"`` (the model
+        of traces before format 3) it woke the waiting workers (or ``worker``) at once."""
+        if not self._eager:
+            self._nudge(out)
+        elif worker is None:
+            self._wake(out)
+        else:
+            w = self._workers[worker]
+            w.waiting = w.sleeping = False
+            w.blocked_streak = 0
+            out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
+
+    def _nudge(self, out: list[ev.Effect]) -> None:
+        """News that does not notify the condition (an allocation, a queued chunk, an abort):
+        a waiting worker sees it when its bounded wait ends. A worker the twin lets sleep
+        (its whole queue blocked) stands for one cycling through 1 ms waits, so it polls
+        ``deferral_wait_s`` from now; one with a poll scheduled keeps it."""
+        sleeping = []
+        for i, w in enumerate(self._workers):
+            w.blocked_streak = 0
+            if w.waiting and w.sleeping:
+                w.sleeping = False
+                sleeping.append(i)
+        if sleeping:
+            out.append(ev.WakeWorkers(workers=tuple(sleeping),
+                                      at=self.now + self.cfg.deferral_wait_s))
 
     # -- rooms and sends ---------------------------------------------------------------------
     def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
@@ -260,9 +295,7 @@ class PrefillRank:
         if w.busy is None and not w.waiting:
             self._run_worker(worker, out)
         elif w.waiting:
-            w.waiting = False
-            w.blocked_streak = 0
-            out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
+            self._news(out, worker)  # queue.put: found after the bounded wait
 
     def _worker_of(self, room: PrefillRoom) -> int:
         """``add_transfer_request``: shard by the sum of the sessions' ports, so the same
@@ -276,7 +309,7 @@ class PrefillRank:
     # -- transfer worker ---------------------------------------------------------------------
     def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:
         w = self._workers[e.worker]
-        w.waiting = False
+        w.waiting = w.sleeping = False
         if w.busy is None:
             self._run_worker(e.worker, out)
 
@@ -309,46 +342,64 @@ class PrefillRank:
 
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
-        """Post the next target's write; True when the worker is now busy or waiting."""
+        """Post the next target's write; True when the worker is now busy or waiting.
+
+        SGLang walks the chunk's targets in order and defers the whole chunk at the first one
+        that is not ready; the retry starts over at the first target. With
+        ``multi-target-retry-resume`` the chunk writes whichever unwritten target is ready and
+        a retry visits only the targets not written yet."""
         w = self._workers[index]
         cfg = self.cfg
+        resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
         chunk_idx = chunk_index(chunk.page_start, cfg.full_chunk_pages)
-        while chunk.next_target < len(room.targets):
-            target = room.targets[chunk.next_target]
+        while True:
+            pending = [i for i in range(len(room.targets)) if i not in chunk.written]
+            if not pending:
+                break
             if chunk.num_pages == 0:
-                chunk.next_target += 1
+                chunk.written.update(pending)
                 continue
-            info = target.staging.get(chunk_idx)
-            if info is not None and info.oversized:
-                self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds the "
-                                 "ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
-                return False
-            wm = self._watermarks.get(target.session, (0, 0))
-            if info is None or info.pending or not is_watermark_ready(wm, info.round, info.end):
-                reason = "allocation pending" if info is None or info.pending else (
-                    f"watermark {wm} behind round {info.round} end {info.end}")
-                if not self.fixes.on(MULTI_TARGET_RETRY_RESUME):
-                    chunk.next_target = 0  # the retry re-processes every target of the chunk
-                w.queue.append(chunk)
-                w.blocked_streak += 1
-                all_blocked = w.blocked_streak >= len(w.queue)
-                w.waiting = True
-                retry = None if all_blocked else self.now + cfg.deferral_wait_s
-                if self.fixes.on(LOST_CONTROL_RECOVERY):
-                    self._re_request(room, target, chunk_idx, out)
-                    if retry is None:
-                        retry = self.now + cfg.control_retry_s
-                out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
-                                       session=target.session, reason=reason,
-                                       all_blocked=all_blocked, retry_at=retry))
+            blocked: tuple[PrefillTarget, str] | None = None
+            for i in pending if resume else pending[:1]:
+                target = room.targets[i]
+                info = target.staging.get(chunk_idx)
+                if info is not None and info.oversized:
+                    self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds "
+                                     "the ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
+                    return False
+                wm = self._watermarks.get(target.session, (0, 0))
+                if info is None or info.pending or not is_watermark_ready(wm, info.round,
+                                                                          info.end):
+                    reason = "allocation pending" if info is None or info.pending else (
+                        f"watermark {wm} behind round {info.round} end {info.end}")
+                    if self.fixes.on(LOST_CONTROL_RECOVERY):
+                        self._re_request(room, target, chunk_idx, out)
+                    blocked = blocked or (target, reason)
+                    continue
+                post = self._post(index, room, chunk, target, chunk_idx, info, out)
+                if post is None:
+                    return False
+                out.append(post)
+                w.busy = chunk
+                chunk.current = i
+                chunk.staged = post.staged
+                w.blocked_streak = 0
                 return True
-            post = self._post(index, room, chunk, target, chunk_idx, info, out)
-            if post is None:
-                return False
-            out.append(post)
-            w.busy = chunk
-            chunk.staged = post.staged
-            w.blocked_streak = 0
+            assert blocked is not None
+            target, reason = blocked
+            if not resume:
+                chunk.written.clear()  # the retry re-processes every target of the chunk
+            w.queue.append(chunk)
+            w.blocked_streak += 1
+            all_blocked = w.blocked_streak >= len(w.queue)
+            w.waiting = True
+            retry = None if all_blocked else self.now + cfg.deferral_wait_s
+            if retry is None and self.fixes.on(LOST_CONTROL_RECOVERY):
+                retry = self.now + cfg.control_retry_s
+            w.sleeping = retry is None
+            out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
+                                   session=target.session, reason=reason,
+                                   all_blocked=all_blocked, retry_at=retry))
             return True
         self._finish_chunk(index, room, chunk, out)
         return False
@@ -412,7 +463,7 @@ class PrefillRank:
                 self._fail_chunk(room, chunk, f"NIXL transfer failed: {e.error}", out)
             self._run_worker(e.worker, out)
             return
-        target = room.targets[chunk.next_target]
+        target = room.targets[chunk.current]
         chunk_idx = chunk_index(chunk.page_start, self.cfg.full_chunk_pages)
         skip_last = chunk.is_last and self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         if chunk.staged and not skip_last:
@@ -420,7 +471,7 @@ class PrefillRank:
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
                 num_pages=chunk.num_pages, writer_id=target.session,
                 prefill_rank=self.unique_rank)))
-        chunk.next_target += 1
+        chunk.written.add(chunk.current)
         if self._step_chunk(e.worker, room, chunk, out):
             return
         self._run_worker(e.worker, out)
@@ -521,7 +572,7 @@ class PrefillRank:
         out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
             self._tear_down(room, out)
-        self._wake(out)
+        self._news(out)  # its queued chunks are skipped at the next pass
 
     def _maybe_ack(self, room_id: int, out: list[ev.Effect]) -> None:
         """``_maybe_ack_drained_abort``: acknowledge once nothing of the room is dequeued or in

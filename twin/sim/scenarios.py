@@ -4,7 +4,8 @@ Each defect scenario names the defects that make it fail (``defects``) and what 
 looks like (``symptom``: ``wedge`` or ``corruption``); with those switched off it runs clean
 (every request ends, no wedge, no corruption). ``twin scenarios --check`` runs them both ways.
 A *finding* scenario shows a failure of today's protocol (every defect off) that the twin found;
-it has no switch, so it is checked once, for its symptom.
+it has no defect switch. When a proposed fix removes it (``fixes``, see ``twin/core/fixes.py``),
+it is checked both ways: the symptom with the fix off, a clean run with it on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from twin.core.defects import (
     SWALLOWED_CHUNK_READY_ERROR,
     TEARDOWN_DROPS_DEFERRED,
 )
+from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
 from twin.runtime.faults import FaultSpec, parse_fault
 from twin.runtime.params import SimParams
 from twin.workloads import Workload, fixed, poisson, shared_prefix
@@ -48,6 +50,7 @@ class Scenario:
     overrides: dict[int, dict[str, int]] = field(default_factory=dict)
     max_concurrency: int | None = None
     finding: bool = False
+    fixes: tuple[str, ...] = ()
 
     def fault_specs(self) -> list[FaultSpec]:
         return [parse_fault(f) for f in self.faults]
@@ -171,7 +174,27 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              decode=ServerSide(tp_size=2), staging_pool_size_bytes=2 * MiB),
         lambda: poisson(60, 40, (800, 400), 8, seed=1),
         symptom="corruption", faults=("delay:WATERMARK:src=d0g0r1:ms=20",), params=QUIET,
-        finding=True,
+        finding=True, fixes=(MULTI_TARGET_RETRY_RESUME,),
+    ),
+    Scenario(
+        "lost-staging-rsp", "today's protocol has no recovery for a lost control frame: prefill "
+        "TP4 -> decode TP2, serial requests; both STAGING_RSPs that would tell p0g0r0 where "
+        "room 1's chunk goes are lost, so the chunk waits for its allocation forever and the "
+        "room stalls until decode's waiting timeout. Fixed by lost-control-recovery (sglang "
+        "PR #29978: prefill re-requests the STAGING_RSP)",
+        _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(4, 1024, 0.2), symptom="wedge",
+        faults=("drop:STAGING_RSP:dst=p0g0r0:room=1:chunk=0:nth=1",
+                "drop:STAGING_RSP:dst=p0g0r0:room=1:chunk=0:nth=2"),
+        params=QUIET, finding=True, fixes=(LOST_CONTROL_RECOVERY,),
+    ),
+    Scenario(
+        "lost-watermark", "a lost WATERMARK: prefill TP4 -> decode TP2 on a one-chunk ring, "
+        "serial one-chunk requests; the watermark that d0g0r0 broadcasts when room 0 frees the "
+        "ring never reaches p0g0r0, whose write of room 1 then waits forever. Fixed by "
+        "lost-control-recovery (decode re-broadcasts its watermark to a repeated request)",
+        _cfg(**TP4_TP2, staging_pool_size_bytes=MiB), _serial(3, 256, 0.2), symptom="wedge",
+        faults=("drop:WATERMARK:src=d0g0r0:dst=p0g0r0:nth=2",),
+        params=QUIET, finding=True, fixes=(LOST_CONTROL_RECOVERY,),
     ),
 )}
 
@@ -190,6 +213,13 @@ def check_scenario(sc: Scenario) -> dict[str, object]:
                     max_concurrency=sc.max_concurrency)
         results[label] = r.status
     want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
+    if sc.finding and sc.fixes:
+        fixed = run_sim(sc.config.replace(fixes=sc.fixes), sc.workload(),
+                        defects=Defects.of(sc.base_defects), faults=sc.fault_specs(),
+                        params=sc.params, request_overrides=sc.overrides,
+                        max_concurrency=sc.max_concurrency).status
+        return {"on": results["on"], "off": f"{fixed} (fix {', '.join(sc.fixes)})",
+                "ok": results["on"] == want_on and fixed == "completed"}
     if sc.finding:
         return {"on": results["on"], "off": "n/a (no switch)", "ok": results["on"] == want_on}
     ok = results["on"] == want_on and results["off"] == "completed"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from twin.core import events as ev
+from twin.core.config import TwinConfig
 
 ADDED_IN: dict[int, dict[type, tuple[str, ...] | None]] = {
     # Version 2: effects carry what a driver needs (the one runtime); None: a new effect type.
@@ -63,3 +64,12 @@ def comparable(effects: list[Any], version: int,
             d.pop(name, None)
         out.append(d)
     return out
+
+
+def recorded_config(version: int, cfg: TwinConfig) -> TwinConfig:
+    """The config a trace of ``version`` was recorded with, in today's terms: before format 3
+    the twin woke a deferred transfer worker on any allocation or queued chunk
+    (``worker_wake = "eager"``)."""
+    if version < 3 and cfg.worker_wake == "sglang":
+        return cfg.replace(worker_wake="eager")
+    return cfg

@@ -49,6 +49,7 @@ from twin.trace.codec import (
     event_from_json,
     field_specs,
 )
+from twin.trace.compat import recorded_config
 
 __all__ = [
     "DRIVER",
@@ -185,6 +186,7 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
         raise TraceError(where, "expected an object", "config")
     try:
         config = TwinConfig.from_dict(cfg_data, source="config")
+        config = recorded_config(h["version"], config)
     except ConfigError as exc:
         found = re.search(r"field '([^']+)': (.*)", str(exc), re.DOTALL)
         if found is None:
