@@ -269,3 +269,32 @@ def test_held_room_still_scatters_and_frees_only_at_release():
     ack(d, rank_id=0, now=0.2)
     out = ack(d, rank_id=1, now=0.2)
     assert [f.alloc_id for f in of(out, ev.Freed)] == [sc.alloc_id]
+
+
+def test_failed_status_after_all_ranks_success_is_not_seen():
+    """SGLang's receiver caches Success once every rank reported it; a later KV_STATUS Failed
+    (a deferred chunk that failed after the last one succeeded) is not seen, and the room
+    waits for the chunk until the completion timeout (found by the differential test)."""
+    d = rank(cfg=NO_DEFER)
+    init(d, total_pages=4)
+    req(d)
+    status(d, src="p0")
+    status(d, src="p1")
+    out = status(d, src="p1", st=wire.KVPoll.Failed)
+    assert of(out, ev.Dropped) and not of(out, ev.RoomConcluded)
+    assert d.snapshot().rooms[1].state.value == "AllSuccess"
+
+
+def test_release_drains_in_flight_scatters_and_frees_them_with_the_room():
+    """release_room synchronizes the scatter stream, then frees the unscattered allocations
+    and every submitted scatter's; the scatter's own completion afterwards changes nothing."""
+    d = rank(cfg=NO_DEFER)
+    init(d, total_pages=8)
+    req(d, chunk=0)
+    req(d, chunk=1)
+    ready(d, src="p0")
+    (sc,) = of(ready(d, src="p1"), ev.StartScatter)
+    out = d.handle(ev.RoomAborted(room=1), 0.0)
+    assert [f.alloc_id for f in of(out, ev.Freed)] == [1, sc.alloc_id]  # unscattered first
+    assert not d.snapshot().live
+    assert d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.1) == []

@@ -85,7 +85,9 @@ class DecodeRoom:
     acks: set[int] = field(default_factory=set)
     held: bool = False
     release_at: float = 0.0
-    held_scattered: list[tuple[int, int]] = field(default_factory=list)  # (alloc_id, chunk_idx)
+    # ``_chunk_events``: every submitted scatter whose allocation the poll has not freed yet,
+    # in submission order (alloc_id -> chunk_idx); a held room's stay here until released.
+    events: dict[int, int] = field(default_factory=dict)
 
     @property
     def expected_responses(self) -> int:
@@ -130,7 +132,7 @@ class DecodeRank:
             arrivals={i: len(v) for i, v in r.arrivals.items()},
             scattering=dict(r.scattering), group=r.group, peer_polls=dict(r.peer_polls),
             held=r.held, acks=frozenset(r.acks), release_at=r.release_at,
-            held_scattered=tuple(a for a, _ in r.held_scattered))
+            held_scattered=tuple(a for a in r.events if a not in r.scattering))
             for r in self._rooms.values()}
         return DecodeSnapshot(
             node=self.session, now=self.now, crashed=self._crashed, ring_bytes=a.total_size,
@@ -305,6 +307,7 @@ class DecodeRank:
                                   reason=f"chunk {chunk_idx} has no unscattered allocation"))
             return False
         room.scattering[info.alloc_id] = chunk_idx
+        room.events[info.alloc_id] = chunk_idx
         _, writer_bytes, total = self.cfg.region_layout(self.rank, num_pages, room.prefill_attn_tp)
         out.append(ev.StartScatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
@@ -315,14 +318,17 @@ class DecodeRank:
 
     def _on_scatter_done(self, e: ev.ScatterDone, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
-        if room is not None:
-            room.scattering.pop(e.alloc_id, None)
-            self._dirty.add(room.room)
-            if room.held:
-                # A held room left the transfer queue: its scatter events are not polled any
-                # more, and release_room frees their allocations when the room is released.
-                room.held_scattered.append((e.alloc_id, e.chunk_idx))
-                return
+        if room is None:
+            if e.alloc_id in self._allocator.allocations:  # no_release_room: freed here
+                self._free(e.alloc_id, e.room, e.chunk_idx, "scattered", out)
+            return  # release_room drained the stream and freed it with the room
+        room.scattering.pop(e.alloc_id, None)
+        self._dirty.add(room.room)
+        if room.held:
+            # A held room left the transfer queue: its scatter events are not polled any
+            # more, and release_room frees their allocations when the room is released.
+            return
+        room.events.pop(e.alloc_id, None)
         self._free(e.alloc_id, e.room, e.chunk_idx, "scattered", out)
 
     def _free(self, alloc_id: int, room: int, chunk_idx: int, reason: str,
@@ -345,6 +351,13 @@ class DecodeRank:
             out.append(ev.Dropped(what="KV_STATUS", room=msg.room, reason="room cleared"))
             return
         if msg.status == wire.KVPoll.Failed:
+            if room.state in (_S.ALL_SUCCESS, _S.DONE):
+                # The receiver concluded Success when every rank reported it
+                # (CommonKVReceiver._poll caches it): a later Failed is not seen, and the room
+                # waits for its chunks until the completion timeout.
+                out.append(ev.Dropped(what="KV_STATUS", room=msg.room,
+                                      reason="Failed after all-ranks Success"))
+                return
             self._fail(room, f"prefill {src} failed: {msg.failure_reason}", out)
             return
         if msg.status != wire.KVPoll.Success or room.state is _S.FAILED:
@@ -492,14 +505,15 @@ class DecodeRank:
     def _unregister(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """``unregister_decode_req`` + ``release_room``: free what was never scattered."""
         del self._rooms[room.room]
-        for alloc_id, chunk_idx in room.held_scattered:
+        if not self.defects.on(NO_RELEASE_ROOM):
+            for chunk_idx, info in sorted(room.chunks.items()):
+                self._free(info.alloc_id, room.room, chunk_idx, "released", out)
+            room.chunks.clear()
+        # The scatter stream is drained first (SGLang synchronizes it), so every submitted
+        # scatter has finished: free their allocations too, in submission order.
+        for alloc_id, chunk_idx in room.events.items():
             self._free(alloc_id, room.room, chunk_idx, "released", out)
-        if self.defects.on(NO_RELEASE_ROOM):
-            return
-        # In-flight scatters are drained first; their allocations are freed as they finish.
-        for chunk_idx, info in sorted(room.chunks.items()):
-            self._free(info.alloc_id, room.room, chunk_idx, "released", out)
-        room.chunks.clear()
+        room.events.clear()
 
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
