@@ -37,6 +37,9 @@ from twin.core.config import ConfigError, TwinConfig
 #: Environment variable -> (``TwinConfig`` field, type).
 ENV_FIELDS = {
     "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": ("staging_pool_size_mb", int),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": ("deferred_decode_kv_release", bool),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": (
+        "deferred_decode_kv_release_timeout_s", float),
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": ("waiting_timeout_s", float),
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": ("bootstrap_timeout_s", float),
     "SGLANG_DISAGGREGATION_QUEUE_SIZE": ("transfer_queue_size", int),
@@ -208,6 +211,9 @@ def env_changes(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]
                               f"models{did_you_mean(key, KNOWN_ENV)} (known: "
                               f"{', '.join(KNOWN_ENV)})")
         name, kind = ENV_FIELDS[key]
+        if kind is bool:
+            changes[name] = _bool_env(key, value)
+            continue
         try:
             number = kind(value)
         except ValueError:

@@ -23,8 +23,20 @@ def sent(effects, msg_kind):
     return [e for e in of(effects, ev.Send) if isinstance(e.msg, msg_kind)]
 
 
-def rank(defects=()):
-    return DecodeRank(CFG, "d0", 0, Defects.of(defects))
+NO_DEFER = CFG.replace(deferred_decode_kv_release=False)
+
+
+def rank(defects=(), cfg=CFG):
+    return DecodeRank(cfg, "d0", 0, Defects.of(defects))
+
+
+def ack(d, room=1, rank_id=0, generation=1, now=0.0):
+    return d.handle(ev.MessageArrived(src=f"p{rank_id}", msg=wire.AbortAck(
+        room=room, prefill_rank=rank_id, generation=generation)), now)
+
+
+def aborts(effects):
+    return [(e.dst, e.msg) for e in of(effects, ev.Send) if isinstance(e.msg, wire.Abort)]
 
 
 def init(d, room=1, total_pages=8, prefix=0, writers=WRITERS, now=0.0):
@@ -61,10 +73,14 @@ def test_unaligned_decode_prefix_fails_only_that_room():
     d = rank()
     init(d, room=1)
     out = init(d, room=2, prefix=8)
-    (abort,) = of(out, ev.AbortNotice)
-    assert abort.room == 2 and "page-aligned" in abort.reason
-    assert ev.RoomConcluded(room=2, status="Failed", reason=abort.reason) in out
-    assert 2 not in d.snapshot().rooms and 1 in d.snapshot().rooms and d.snapshot().crashed is None
+    (done,) = of(out, ev.RoomConcluded)
+    assert done.status == "Failed" and "page-aligned" in done.reason
+    # SGLang's failed path: ABORT (armed generation) to every writer, then hold the room
+    assert [dst for dst, m in aborts(out)] == list(WRITERS)
+    assert {m.generation for _, m in aborts(out)} == {1}
+    (held,) = of(out, ev.RoomHeld)
+    assert held.required_acks == 2 and d.snapshot().rooms[2].held
+    assert 1 in d.snapshot().rooms and d.snapshot().crashed is None
     assert of(req(d, room=1), ev.Allocated)  # room 1 still served
 
 
@@ -160,6 +176,12 @@ def test_completion_timeout_after_success():
     out = d.handle(ev.Tick(), timer.at)
     (done,) = of(out, ev.RoomConcluded)
     assert done.status == "Failed" and "not complete" in done.reason
+    # a completion timeout after all-ranks Success sends ABORT, then holds the staging
+    assert [dst for dst, _ in aborts(out)] == list(WRITERS)
+    assert not of(out, ev.Freed) and d.snapshot().live
+    ack(d, rank_id=0, now=timer.at)
+    out = ack(d, rank_id=1, now=timer.at)
+    assert of(out, ev.RoomReleased) == [ev.RoomReleased(room=1, drained=True)]
     # release_room freed the never-scattered allocation
     assert [f.reason for f in of(out, ev.Freed)] == ["released"]
     assert not d.snapshot().live
@@ -169,34 +191,110 @@ def test_waiting_timeout_without_result_fails_and_notifies_prefill():
     d = rank()
     (timer,) = of(init(d), ev.SetTimer)
     out = d.handle(ev.Tick(), timer.at)
-    assert of(out, ev.AbortNotice)[0].dsts == WRITERS
+    assert [dst for dst, _ in aborts(out)] == list(WRITERS)
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
 
 
-def test_prefill_failure_releases_unscattered_allocations():
-    d = rank()
+def test_prefill_failure_releases_unscattered_allocations_without_deferred_release():
+    d = rank(cfg=NO_DEFER)
     init(d)
     req(d, chunk=0)
     req(d, chunk=1)
     assert len(d.snapshot().live) == 2
     out = status(d, src="p1", st=wire.KVPoll.Failed)
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
+    assert not aborts(out)  # a failure decode did not start: no ABORT with the setting off
     assert sorted(f.chunk_idx for f in of(out, ev.Freed)) == [0, 1]
     assert not d.snapshot().live
     assert d.watermark == (1, 0)
 
 
-def test_abort_releases_room():
+def test_prefill_failure_holds_until_every_writer_acknowledged():
+    d = rank()
+    init(d)
+    req(d, chunk=0)
+    req(d, chunk=1)
+    out = status(d, src="p1", st=wire.KVPoll.Failed)
+    assert of(out, ev.RoomConcluded)[0].status == "Failed"
+    assert [dst for dst, _ in aborts(out)] == list(WRITERS)  # ensure_abort_notified(force_arm)
+    assert not of(out, ev.Freed) and len(d.snapshot().live) == 2
+    assert of(ack(d, rank_id=0, generation=7), ev.Dropped)  # another generation's ACK
+    assert not of(ack(d, rank_id=0), ev.Freed)
+    out = ack(d, rank_id=1)
+    assert sorted(f.chunk_idx for f in of(out, ev.Freed)) == [0, 1]
+    assert not d.snapshot().live and 1 not in d.snapshot().rooms
+
+
+def test_held_room_is_released_at_the_deadline_without_acks():
     d = rank()
     init(d)
     req(d)
+    out = d.handle(ev.RoomAborted(room=1), 1.0)
+    (held,) = of(out, ev.RoomHeld)
+    assert held.release_at == 1.0 + CFG.deferred_decode_kv_release_timeout_s
+    assert not of(d.handle(ev.Tick(), held.release_at - 0.5), ev.Freed)
+    out = d.handle(ev.Tick(), held.release_at + 1e-3)
+    assert of(out, ev.RoomReleased) == [ev.RoomReleased(room=1, drained=False)]
+    assert of(out, ev.Freed) and not d.snapshot().live
+
+
+def test_abort_releases_room():
+    d = rank(cfg=NO_DEFER)
+    init(d)
+    req(d)
     out = d.handle(ev.RoomAborted(room=1), 0.0)
+    assert [m.generation for _, m in aborts(out)] == [None, None]  # no acknowledgement awaited
     assert of(out, ev.Freed) and not d.snapshot().live
 
 
 def test_late_chunk_ready_after_unregister_is_dropped():
-    d = rank()
+    d = rank(cfg=NO_DEFER)
     init(d)
     d.handle(ev.RoomAborted(room=1), 0.0)
     out = ready(d)
     assert of(out, ev.Dropped) and not of(out, ev.StartScatter)
+
+
+def test_held_room_still_scatters_and_frees_only_at_release():
+    """A held room stays registered: CHUNK_READY still scatters, and the finished scatter's
+    allocation is freed by release_room, not by the poll (the room left the queue)."""
+    d = rank()
+    init(d, total_pages=4)
+    req(d)
+    d.handle(ev.RoomAborted(room=1), 0.0)
+    ready(d, src="p0")
+    (sc,) = of(ready(d, src="p1"), ev.StartScatter)
+    out = d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.1)
+    assert not of(out, ev.Freed) and d.snapshot().live
+    ack(d, rank_id=0, now=0.2)
+    out = ack(d, rank_id=1, now=0.2)
+    assert [f.alloc_id for f in of(out, ev.Freed)] == [sc.alloc_id]
+
+
+def test_failed_status_after_all_ranks_success_is_not_seen():
+    """SGLang's receiver caches Success once every rank reported it; a later KV_STATUS Failed
+    (a deferred chunk that failed after the last one succeeded) is not seen, and the room
+    waits for the chunk until the completion timeout (found by the differential test)."""
+    d = rank(cfg=NO_DEFER)
+    init(d, total_pages=4)
+    req(d)
+    status(d, src="p0")
+    status(d, src="p1")
+    out = status(d, src="p1", st=wire.KVPoll.Failed)
+    assert of(out, ev.Dropped) and not of(out, ev.RoomConcluded)
+    assert d.snapshot().rooms[1].state.value == "AllSuccess"
+
+
+def test_release_drains_in_flight_scatters_and_frees_them_with_the_room():
+    """release_room synchronizes the scatter stream, then frees the unscattered allocations
+    and every submitted scatter's; the scatter's own completion afterwards changes nothing."""
+    d = rank(cfg=NO_DEFER)
+    init(d, total_pages=8)
+    req(d, chunk=0)
+    req(d, chunk=1)
+    ready(d, src="p0")
+    (sc,) = of(ready(d, src="p1"), ev.StartScatter)
+    out = d.handle(ev.RoomAborted(room=1), 0.0)
+    assert [f.alloc_id for f in of(out, ev.Freed)] == [1, sc.alloc_id]  # unscattered first
+    assert not d.snapshot().live
+    assert d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.1) == []

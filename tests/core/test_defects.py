@@ -175,8 +175,10 @@ def _abort_with_unscattered_allocation(*defects: str) -> Cluster:
     c.pending[:] = []
     for d in ("d0g0r0", "d0g0r1"):
         c._feed(d, ev.RoomAborted(room=0, reason="client abort"))
-    c.pending[:] = [a for a in c.pending if a.kind == "msg" and isinstance(a.event.msg,
-                                                                           wire.Watermark)]
+    # Keep the watermarks and the ABORTs (the prefill ranks acknowledge them, so the held
+    # room is released: deferred decode KV release).
+    c.pending[:] = [a for a in c.pending if a.kind == "msg" and isinstance(
+        a.event.msg, (wire.Watermark, wire.Abort))]
     settle(c)
     c.add_request(1, 64)
     settle(c)

@@ -110,14 +110,36 @@ def test_deferral_requeues_at_tail_without_head_of_line_blocking():
     out = send(p, room=1, end=64)  # no allocation yet
     (d,) = of(out, ev.Deferred)
     assert (d.room, d.reason, d.all_blocked) == (1, "allocation pending", True)
-    rsp(p, room=2, chunk=0)
+    # A STAGING_RSP does not wake the sleeping worker at once: it polls after the bounded wait.
+    assert of(rsp(p, room=2, chunk=0), ev.WakeWorkers) == [
+        ev.WakeWorkers(workers=(0,), at=CFG.deferral_wait_s)]
     out = send(p, room=2, end=64)
-    out += p.handle(ev.WorkerPoll(worker=0), 0.0)
+    assert not of(out, ev.StartTransfer) and not of(out, ev.WakeWorkers)
+    out = p.handle(ev.WorkerPoll(worker=0), 0.001)  # room 1 again: re-put at the tail
+    out += p.handle(ev.WorkerPoll(worker=0), 0.002)
     starts = of(out, ev.StartTransfer)
     assert [s.room for s in starts] == [2]
     deferred = of(out, ev.Deferred)
     assert [x.room for x in deferred] == [1]
     assert [c.room for c in p.snapshot().workers[0].queue] == [1]
+
+
+def test_every_watermark_wakes_a_deferred_worker_even_when_it_does_not_advance():
+    p = PrefillRank(CFG, "p0", 0, 0)
+    boot(p)
+    rsp(p, offset=0, rnd=1, end=4096)
+    send(p, end=64)
+    wm(p, 0, 100)
+    p.handle(ev.WorkerPoll(worker=0), 0.0)  # still behind: deferred again
+    out = wm(p, 0, 100)  # the same watermark again
+    assert of(out, ev.WakeWorkers) == [ev.WakeWorkers(workers=(0,))]
+
+
+def test_eager_wake_is_the_model_of_older_traces():
+    p = PrefillRank(CFG.replace(worker_wake="eager"), "p0", 0, 0)
+    boot(p)
+    send(p, end=64)
+    assert of(rsp(p), ev.WakeWorkers) == [ev.WakeWorkers(workers=(0,))]
 
 
 def test_watermark_behind_defers_until_it_moves():

@@ -7,22 +7,25 @@ session), and the integrity model sees no write over unscattered data, no mispla
 no room completing before its pages landed. A final rule runs everything to quiescence and checks
 the ending: every room concluded, and nothing leaked.
 
-Configurations: every prefill rank writes to exactly one decode session (prefill attention TP >=
-decode attention TP). Where a prefill rank writes one chunk to several decode sessions (prefill
-TP < decode TP), SGLang's transfer_worker re-enqueues the whole chunk when a later session
-defers and re-writes the earlier sessions' regions on retry; those regions may by then have
-been scattered, freed and reallocated. That upstream race is pinned by
-``test_upstream_multi_target_retry_rewrites_scattered_region`` below instead of being hidden
-by a weaker invariant here.
+Configurations. ``TestCluster``: every prefill rank writes to exactly one decode session
+(prefill attention TP >= decode attention TP), today's protocol. Where a prefill rank writes one
+chunk to several decode sessions (prefill TP < decode TP), SGLang's transfer_worker re-enqueues
+the whole chunk when a later session defers and re-writes the earlier sessions' regions on
+retry; those regions may by then have been scattered, freed and reallocated. That upstream race
+is pinned by ``test_upstream_multi_target_retry_rewrites_scattered_region`` and found by the
+same search over multi-target configurations (``test_search_finds_the_multi_target_race``);
+``TestMultiTargetWithFix`` runs those configurations with the ``multi-target-retry-resume``
+fix on, and ``TestEveryConfigWithAllFixes`` every configuration with every fix on.
 """
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from twin.core.config import ModelShape, ServerSide, TwinConfig
+from twin.core.fixes import ALL_FIXES, MULTI_TARGET_RETRY_RESUME
 from twin.core.layout import compute_staging_layout
 from twin.core.snapshot import DecodeSnapshot
 from twin.explore.loopback import Cluster
@@ -55,21 +58,17 @@ SINGLE_TARGET = {
                            ServerSide(tp_size=1)),
 }
 
+MULTI_TARGET = {
+    "tp1-to-tp2": (ServerSide(tp_size=1), ServerSide(tp_size=2)),
+    "tp2-to-tp4": (ServerSide(tp_size=2), ServerSide(tp_size=4)),
+    "dp-attn-2x1-to-tp2": (ServerSide(tp_size=2, dp_size=2, enable_dp_attention=True),
+                           ServerSide(tp_size=2)),
+}
+
 
 def fire_timer_quiescent(c: Cluster) -> None:
-    """Fire the earliest timeout, then hand its abort notices to prefill before anything else.
-
-    Timeouts fire only when nothing else is pending, and the abort reaches prefill first: decode
-    frees a failed room's staging allocations at once (``release_room``) while a prefill write of
-    that room could still be on the way, a window ``test_upstream_release_before_prefill_drained``
-    pins separately.
-    """
+    """Fire the earliest timeout (timeouts fire only when nothing else is pending)."""
     c.fire_timers()
-    while True:
-        aborts = [i for i in c.choices() if c.pending[i].kind == "abort"]
-        if not aborts:
-            return
-        c.step(aborts[0])
 
 
 def drain(c: Cluster) -> None:
@@ -92,13 +91,18 @@ class ClusterMachine(RuleBasedStateMachine):
         self.timers_fired = False
 
     CONFIGS = SINGLE_TARGET
+    FIXES: tuple[str, ...] = ()
+    MAX_RING_CHUNKS = 3
+    LIVENESS = True
 
-    @initialize(data=st.data(), page_size=st.sampled_from([1, 16]),
-                ring_chunks=st.integers(min_value=1, max_value=3))
-    def setup(self, data: st.DataObject, page_size: int, ring_chunks: int) -> None:
+    @initialize(data=st.data(), page_size=st.sampled_from([1, 16]))
+    def setup(self, data: st.DataObject, page_size: int) -> None:
+        ring_chunks = data.draw(st.integers(min_value=1, max_value=self.MAX_RING_CHUNKS),
+                                label="ring_chunks")
         name = data.draw(st.sampled_from(sorted(self.CONFIGS)), label="config")
         prefill, decode = self.CONFIGS[name]
-        self.cluster = Cluster(make_config(prefill, decode, page_size, ring_chunks))
+        cfg = make_config(prefill, decode, page_size, ring_chunks)
+        self.cluster = Cluster(cfg.replace(fixes=self.FIXES))
 
     @property
     def c(self) -> Cluster:
@@ -171,7 +175,7 @@ class ClusterMachine(RuleBasedStateMachine):
         assert not self.c.integrity.violations, self.c.integrity.violations
         outcomes = {room: self.c.outcome(room) for room in self.c.rooms}
         assert "pending" not in outcomes.values(), outcomes
-        if not self.timers_fired:
+        if not self.timers_fired and self.LIVENESS:
             # Liveness: with every defect off and every chunk fitting the ring, nothing times out.
             assert set(outcomes.values()) <= {"Success"}, outcomes
         for node, rank in self.c.ranks.items():
@@ -181,11 +185,59 @@ class ClusterMachine(RuleBasedStateMachine):
                 assert not snap.live, (node, snap.live)
 
 
-ClusterMachine.TestCase.settings = settings(
+SETTINGS = settings(
     max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+ClusterMachine.TestCase.settings = SETTINGS
 TestCluster = ClusterMachine.TestCase
+
+
+class MultiTargetMachine(ClusterMachine):
+    """One prefill rank writes each chunk to several decode sessions; the fix is on."""
+
+    CONFIGS = MULTI_TARGET
+    FIXES = (MULTI_TARGET_RETRY_RESUME,)
+
+
+MultiTargetMachine.TestCase.settings = SETTINGS
+TestMultiTargetWithFix = MultiTargetMachine.TestCase
+
+
+class AllFixesMachine(ClusterMachine):
+    """Every configuration, every proposed fix on (lost-control recovery re-requests)."""
+
+    CONFIGS = {**SINGLE_TARGET, **MULTI_TARGET}
+    FIXES = ALL_FIXES
+
+
+AllFixesMachine.TestCase.settings = settings(SETTINGS, max_examples=60)
+TestEveryConfigWithAllFixes = AllFixesMachine.TestCase
+
+
+class MultiTargetTodayMachine(ClusterMachine):
+    """The multi-target configurations with today's protocol (no fix), on one-chunk rings
+    (where a freed region is handed on at once)."""
+
+    CONFIGS = MULTI_TARGET
+    MAX_RING_CHUNKS = 1
+    LIVENESS = False  # today's in-order walk can also deadlock here; see test_upstream_...
+
+
+def test_search_finds_the_multi_target_race() -> None:
+    """The same random search, with the fix off, finds the multi-target retry race: a write
+    over another room's unscattered data (or a room completing before its data landed).
+    It stops at the first hit: measured here after 30 to 450 examples (median about 170)."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    try:
+        run_state_machine_as_test(MultiTargetTodayMachine, settings=settings(
+            SETTINGS, max_examples=2000, phases=[Phase.generate], print_blob=False,
+            database=None))
+    except AssertionError as exc:
+        assert "overwrite" in str(exc) or "violations" in str(exc) or "overlap" in str(exc), exc
+        return
+    raise AssertionError("the search did not find the multi-target retry race")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +263,15 @@ def _is_msg(a, src: str | None = None, kind: type | None = None, room: int | Non
     return (kind is None or isinstance(msg, kind)) and (room is None or msg.room == room)
 
 
+def _late_staging_req(dst: str):
+    """Blocks the STAGING_REQs on the prefill rank's prefetch socket to ``dst`` (a socket of
+    their own: the rank's CHUNK_READY and KV_STATUS, and decode's answers, still flow)."""
+    from twin.core import wire
+
+    return lambda a: a.kind == "msg" and a.node == dst and isinstance(a.event.msg,
+                                                                        wire.StagingReq)
+
+
 def test_upstream_multi_target_retry_rewrites_scattered_region() -> None:
     """Prefill TP1 -> decode TP2: one prefill rank writes each chunk to two decode sessions.
 
@@ -218,48 +279,78 @@ def test_upstream_multi_target_retry_rewrites_scattered_region() -> None:
     chunk is re-enqueued and the retry writes the first session's region again, although that
     region was already written, announced (CHUNK_READY), scattered and freed, and the ring may
     have handed it to another room. Minimal case, one-chunk ring on each decode rank:
-    room 0 writes d0, d0 scatters and frees; room 0 defers on d1 (its STAGING_RSP is late);
-    room 1 gets d0's bytes and writes them; room 0's retry then rewrites d0 over room 1's
-    unscattered data.
+    room 0 writes d0, d0 scatters and frees; room 0 defers on d1 (its STAGING_REQ to d1 is
+    late); room 1 gets d0's bytes and writes them; room 0's retry then rewrites d0 over room
+    1's unscattered data.
     """
     from twin.core import wire
 
     cfg = make_config(ServerSide(tp_size=1), ServerSide(tp_size=2), page_size=16, ring_chunks=1)
     c = Cluster(cfg)
     d0, d1 = (n.id for n in c.topo.decode_groups[0].nodes)
+    late_req = _late_staging_req(d1)
     c.add_request(0, 16)
-    _run_except(c, lambda a: _is_msg(a, src=d1))  # d1's answers are late
+    _run_except(c, late_req)
     assert c.outcome(0) == "pending"
     assert not c.integrity.violations
     c.add_request(1, 16)
     late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
     # Room 1 writes d0 and defers on d1; the worker then retries room 0, which rewrites d0.
-    _run_except(c, lambda a: _is_msg(a, src=d1) or late_ready(a))
+    _run_except(c, lambda a: late_req(a) or late_ready(a))
     kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
     assert ("overwrite", d0, 1) in kinds, c.integrity.violations
 
 
-def test_upstream_release_before_prefill_drained() -> None:
-    """Decode frees a failed room's staging allocations at once (``release_room``) while a
-    prefill write of that room is still in flight; the ring hands the bytes to the next room and
-    the late write lands on its unscattered data. (SGLang's ABORT_ACK-gated deferred KV release
-    covers KV pages, not the staging ring; the twin does not model it.)"""
+def _release_race(cfg_changes: dict, release_timeout_passes: bool) -> Cluster:
+    """Room 0's prefill write to d0 is slow; decode times room 0 out; room 1 (another prefill
+    instance) then gets d0's region once room 0 is released, and room 0's write lands last."""
     from twin.core import wire
 
     cfg = make_config(ServerSide(tp_size=2, instances=2), ServerSide(tp_size=1), page_size=16,
-                      ring_chunks=1)
+                      ring_chunks=1).replace(**cfg_changes)
     c = Cluster(cfg)
-    (d0,) = (n.id for n in c.topo.decode_groups[0].nodes)
     c.add_request(0, 16)
     slow_write = lambda a: a.kind == "xfer" and c.in_flight[(a.node, a.event.worker)].room == 0  # noqa: E731
     _run_except(c, slow_write)
     assert any(a.kind == "xfer" for a in c.pending)
-    c.fire_timers()  # decode times room 0 out and releases its allocation
+    c.fire_timers()  # decode's waiting timeout fails room 0 and sends ABORT
     assert c.outcome(0) == "Failed"
+    _run_except(c, slow_write)  # the ABORTs reach prefill; its writes are still in flight
+    if release_timeout_passes:
+        c.fire_timers()  # the deferred-release deadline: released without every ACK
     c.add_request(1, 16, prefill_group=1)  # another prefill instance: its workers are free
     late_ready = lambda a: _is_msg(a, kind=wire.ChunkReady, room=1)  # noqa: E731
     _run_except(c, lambda a: slow_write(a) or late_ready(a))
     assert not c.integrity.violations
-    _run_except(c, late_ready)  # room 0's write lands on room 1's unscattered region
+    _run_except(c, late_ready)  # room 0's write lands
+    return c
+
+
+def test_deferred_release_holds_staging_until_prefill_drained() -> None:
+    """SGLang's default (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``): the failed room
+    keeps its staging until every prefill rank acknowledged the ABORT, which a rank does only
+    once its writes of the room landed; the next room waits, and nothing is overwritten."""
+    (d0,) = ("d0g0r0",)
+    c = _release_race({}, release_timeout_passes=False)
+    assert not c.integrity.violations
+    drain(c)
+    assert c.outcome(1) == "Success" and not c.integrity.violations
+    assert not c.ranks[d0].snapshot().live
+
+
+def test_upstream_release_before_prefill_drained_with_deferred_release_off() -> None:
+    """With deferred decode KV release off, decode frees a failed room's staging allocations
+    at once (``release_room``) while a prefill write of that room is still in flight; the ring
+    hands the bytes to the next room and the late write lands on its unscattered data."""
+    c = _release_race({"deferred_decode_kv_release": False}, release_timeout_passes=False)
     kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
-    assert ("overwrite", d0, 1) in kinds, c.integrity.violations
+    assert ("overwrite", "d0g0r0", 1) in kinds, c.integrity.violations
+
+
+def test_upstream_release_before_prefill_drained_after_the_release_timeout() -> None:
+    """With it on, the window remains once the release deadline passes without every ACK (a
+    prefill rank still writing past ``deferred_decode_kv_release_timeout_s``, or a poisoned
+    room that never acknowledges)."""
+    c = _release_race({}, release_timeout_passes=True)
+    kinds = {(v.kind, v.node, v.room) for v in c.integrity.violations}
+    assert ("overwrite", "d0g0r0", 1) in kinds, c.integrity.violations

@@ -128,6 +128,19 @@ def test_self_send_explicit_bind_and_unread() -> None:
         assert [cs.recv_frames(5000) for _ in range(3)] == [[b"one"], [b"zero"], [b"two"]]
 
 
+def test_prefetch_frames_ride_their_own_socket_and_context() -> None:
+    """SGLang's prefill sends STAGING_REQ on a prefetch PUSH socket in a context of its own;
+    the rank's other frames share the cached control socket. Both reach the same PULL socket."""
+    with ControlSocket() as a, ControlSocket() as b:
+        a.send(b.endpoint, [b"STAGING_REQ"], socket="prefetch")
+        a.send(b.endpoint, [b"CHUNK_READY"])
+        got = sorted(tuple(b.recv_frames(5000) or ()) for _ in range(2))
+        assert got == [(b"CHUNK_READY",), (b"STAGING_REQ",)]
+        prefetch = a._push[(b.endpoint, "prefetch")]
+        control = a._push[(b.endpoint, "control")]
+        assert prefetch is not control and prefetch.context is not control.context
+
+
 def test_close_terminates_private_context() -> None:
     cs = ControlSocket()
     cs.send(cs.endpoint, [b"queued"])

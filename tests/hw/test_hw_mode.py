@@ -124,3 +124,15 @@ def test_multi_target_retry_race_corrupts_real_bytes(tmp_path: Path) -> None:
     replayed = replay_sim(read_trace(out))
     assert replayed.divergence is None and replayed.same_outcome
     assert any(c.startswith("overwrite: ") for c in replayed.corruption)
+
+
+def test_multi_target_retry_resume_fix_keeps_real_bytes_clean() -> None:
+    """The same run with the proposed fix on: every byte of every room verifies."""
+    from twin.core.fixes import MULTI_TARGET_RETRY_RESUME
+
+    sc = SCENARIOS["multi-target-retry"]
+    cfg = sc.config.replace(fixes=(MULTI_TARGET_RETRY_RESUME,))
+    result = run_hw(cfg, sc.workload(), faults=list(sc.faults), params=sc.params,
+                    options=_options())
+    s = result.summary()
+    assert s["status"] == "completed" and not s["corruption"], s

@@ -55,7 +55,8 @@ def test_multi_target_retry_finding_corrupts_todays_protocol() -> None:
     already scattered and reallocated to another room."""
     sc = SCENARIOS["multi-target-retry"]
     assert sc.finding and sc.defects == () and sc.base_defects == ()
-    assert check_scenario(sc) == {"on": "corrupted", "off": "n/a (no switch)", "ok": True}
+    assert check_scenario(sc) == {
+        "on": "corrupted", "off": "completed (fix multi-target-retry-resume)", "ok": True}
     r = _run(sc, ())
     kinds = {v.kind for v in r.sim.integrity.violations}
     assert "overwrite" in kinds
@@ -70,6 +71,15 @@ def test_multi_target_retry_finding_corrupts_todays_protocol() -> None:
         got = {run_sim(sc.config, sc.workload(), params=params, seed=s).status.value
                for s in range(3)}
         assert got == {want}, (step, got)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in SCENARIOS.items()
+                                         if s.finding and s.fixes and n != "multi-target-retry"))
+def test_finding_shows_its_symptom_and_its_fix_removes_it(name: str) -> None:
+    sc = SCENARIOS[name]
+    got = check_scenario(sc)
+    want_on = {"clean": "completed", "wedge": "wedged", "corruption": "corrupted"}[sc.symptom]
+    assert got["on"] == want_on and got["ok"], (name, got)
 
 
 def test_default_is_clean_and_has_no_defects() -> None:

@@ -31,6 +31,7 @@ import click
 
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import ALL_DEFECTS, Defects
+from twin.core.fixes import ALL_FIXES, Fixes
 from twin.core.grid import pages_for_tokens
 from twin.runtime.faults import FaultSpec, FaultSpecError, check_faults, parse_fault
 from twin.runtime.outcome import EXIT_BAD_INPUT
@@ -183,16 +184,36 @@ def make_defects(names: tuple[str, ...] | list[str]) -> Defects:
         raise BadInput(str(exc)) from None
 
 
+_defect = click.option(
+    "--defect", "defects", multiple=True, metavar="NAME",
+    help=f"Switch an upstream defect back on (repeatable): {', '.join(ALL_DEFECTS)}.")
+
+
+def _keep_fixes(ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> None:
+    try:
+        Fixes.of(value)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    ctx.meta["twin_fixes"] = tuple(value)
+
+
+_fix = click.option(
+    "--fix", "fixes", multiple=True, metavar="NAME", expose_value=False, callback=_keep_fixes,
+    help=f"Switch on a proposed change SGLang has not merged (repeatable): "
+         f"{', '.join(ALL_FIXES)}.")
+
+
+def defect_option(f: Any) -> Any:
+    """``--defect NAME`` and ``--fix NAME``; the fixes reach ``resolve_run`` through the click
+    context, so every command that takes defects takes fixes too."""
+    return _defect(_fix(f))
+
+
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
 
 
 # -- options ----------------------------------------------------------------------------------
-defect_option = click.option(
-    "--defect", "defects", multiple=True, metavar="NAME",
-    help=f"Switch an upstream defect back on (repeatable): {', '.join(ALL_DEFECTS)}.")
-
-
 def fault_option(examples: str) -> Callable[[Any], Any]:
     return click.option(
         "--fault", "faults", multiple=True, metavar="SPEC",
@@ -434,6 +455,10 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: st
             cut += f" (arrivals stretched x{slowdown:g})"
     names = list(sc.base_defects) + (list(sc.defects) if scenario_defects else []) + list(defects)
     overrides = sc.overrides if not workload_spec else {}
+    ctx = click.get_current_context(silent=True)
+    fixes = tuple(ctx.meta.get("twin_fixes", ())) if ctx is not None else ()
+    if fixes:
+        cfg = cfg.replace(fixes=tuple(sorted({*cfg.fixes, *fixes})))
     specs = parse_faults([*sc.faults, *faults])
     run = RunInputs(sc, cfg, params, workload, make_defects(names), specs, overrides,
                     max_concurrency or sc.max_concurrency, cut=cut)

@@ -9,6 +9,7 @@ from twin.core.allocator import ALLOC_OVERSIZED, StagingAllocator, is_watermark_
 from twin.core.config import ConfigError, ModelShape, ServerSide, TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import ALL_DEFECTS, CATALOG, Defects
+from twin.core.fixes import ALL_FIXES, Fixes
 from twin.core.grid import compute_grid_segments, staging_grid_tokens
 from twin.core.layout import compute_head_slice_params, compute_staging_layout
 from twin.core.prefill import PrefillRank
@@ -16,10 +17,12 @@ from twin.core.prefill import PrefillRank
 __all__ = [
     "ALLOC_OVERSIZED",
     "ALL_DEFECTS",
+    "ALL_FIXES",
     "CATALOG",
     "ConfigError",
     "DecodeRank",
     "Defects",
+    "Fixes",
     "ModelShape",
     "PrefillRank",
     "ServerSide",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twin.core.fixes import Fixes
 from twin.core.grid import staging_grid_tokens
 from twin.core.layout import num_tp_writers, staging_layout
 
@@ -78,6 +79,20 @@ class TwinConfig:
     ``deferral_wait_s`` is the transfer worker's bounded wait before re-polling a deferred chunk
     (SGLang's 1 ms condition-variable wait); ``late_register_delay_s`` is how long after the
     metadata the pre-fix registration point comes (only with ``late-decode-registration``).
+
+    Failure paths: ``deferred_decode_kv_release`` (SGLang's
+    ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by default) makes decode hold a
+    failed room's staging until every prefill rank acknowledged the abort (``ABORT_ACK``) or
+    ``deferred_decode_kv_release_timeout_s`` passed (``..._TIMEOUT``, 30 s).
+
+    ``fixes``: proposed changes SGLang has not merged, switched on (``twin/core/fixes.py``);
+    ``control_retry_s`` is how long the lost-control-message recovery fix waits before it
+    re-requests a chunk's STAGING_RSP and watermark.
+
+    ``worker_wake``: ``"sglang"`` wakes a deferred transfer worker on every WATERMARK and on
+    nothing else (a STAGING_RSP or a queued chunk is found when the bounded wait ends);
+    ``"eager"`` is the twin's model before trace format 3 (a STAGING_RSP, a queued chunk or
+    an abort woke it at once, a WATERMARK only when it advanced), kept so older traces replay.
     """
 
     model: ModelShape = field(default_factory=ModelShape)
@@ -94,10 +109,22 @@ class TwinConfig:
     deferral_wait_s: float = 1e-3
     late_register_delay_s: float = 5e-3
     enable_prefill_context_parallel: bool = False
+    deferred_decode_kv_release: bool = True
+    deferred_decode_kv_release_timeout_s: float = 30.0
+    fixes: tuple[str, ...] = ()
+    control_retry_s: float = 0.05
+    worker_wake: str = "sglang"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fixes, tuple):
+            object.__setattr__(self, "fixes", tuple(self.fixes))
         validate(self)
+
+    @property
+    def fix_set(self) -> Fixes:
+        """The switched-on fixes as a ``Fixes`` set (``fixes.on(NAME)``)."""
+        return Fixes.of(self.fixes)
 
     # Derived quantities --------------------------------------------------------------
     @property
@@ -168,7 +195,7 @@ class TwinConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that ``from_dict`` reads back to an equal config."""
-        out = {
+        out: dict[str, Any] = {
             "model": dataclasses.asdict(self.model),
             "prefill": dataclasses.asdict(self.prefill),
             "decode": dataclasses.asdict(self.decode),
@@ -176,7 +203,10 @@ class TwinConfig:
         for f in dataclasses.fields(self):
             if f.name not in ("model", "prefill", "decode", "extra"):
                 value = getattr(self, f.name)
-                if value is not None:
+                if f.name == "fixes":
+                    if value:
+                        out[f.name] = list(value)
+                elif value is not None:
                     out[f.name] = value
         out.update(self.extra)
         return out
@@ -207,6 +237,10 @@ def _typed(source: str, name: str, value: Any, want: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: field {name!r}: expected a number, got {value!r}")
         return float(value)
+    if want == "tuple[str, ...]":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{source}: field {name!r}: expected a list of names, got {value!r}")
+        return tuple(value)
     return value
 
 
@@ -328,6 +362,15 @@ def validate(cfg: TwinConfig) -> None:
     _positive("waiting_timeout_s", cfg.waiting_timeout_s)
     _positive("bootstrap_timeout_s", cfg.bootstrap_timeout_s)
     _positive("deferral_wait_s", cfg.deferral_wait_s)
+    _positive("deferred_decode_kv_release_timeout_s", cfg.deferred_decode_kv_release_timeout_s)
+    _positive("control_retry_s", cfg.control_retry_s)
+    if cfg.worker_wake not in ("sglang", "eager"):
+        raise ConfigError(f"field 'worker_wake': expected 'sglang' or 'eager', got "
+                          f"{cfg.worker_wake!r}")
+    try:
+        Fixes.of(cfg.fixes)
+    except ValueError as exc:
+        raise ConfigError(f"field 'fixes': {exc}") from None
     if not cfg.late_register_delay_s >= 0:
         raise ConfigError(f"field 'late_register_delay_s': must be >= 0, got "
                           f"{cfg.late_register_delay_s}")

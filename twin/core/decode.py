@@ -1,8 +1,19 @@
 """Decode rank: staging ring, STAGING_REQ allocation, CHUNK_READY fan-in, scatter, completion.
 
-Mirrors sglang 0.5.23 ``DecodeStagingHandler`` and ``handle_staging_req``. Feed inputs with
-``handle(event, now)``; it returns effects for the driver. Each timeout comes out as a
-``SetTimer`` effect; the driver answers it with a ``Tick`` input at that time.
+Mirrors sglang 0.5.23 ``DecodeStagingHandler``, ``handle_staging_req`` and the decode transfer
+queue's ``pop_transferred``. Feed inputs with ``handle(event, now)``; it returns effects for the
+driver. Each timeout comes out as a ``SetTimer`` effect; the driver answers it with a ``Tick``
+input at that time.
+
+Concluding a room. A rank's *local* poll of a room is Success once every byte landed and was
+scattered here, Failed once it failed here. SGLang MIN-reduces the polls of the attention-TP
+group every decode loop, so a room concludes Success only when every rank of the group is done,
+and one rank's failure fails it on every rank in the same poll. The twin shares a local poll
+with the room's ``group`` (``GroupPoll`` effect, ``PeerPolled`` input) and concludes on the
+reduction. A failed room then goes down SGLang's failure path: it sends ``ABORT`` to its prefill
+ranks and, with deferred decode KV release on (the default), keeps its staging until every
+prefill rank acknowledged (``ABORT_ACK`` of the armed generation) or the release deadline passed;
+held rooms are released together across the group.
 """
 
 from __future__ import annotations
@@ -24,11 +35,17 @@ from twin.core.defects import (
     RAISE_ON_UNALIGNED_PREFIX,
     Defects,
 )
+from twin.core.fixes import LOST_CONTROL_RECOVERY
 from twin.core.layout import num_tp_writers
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
 
 _S, _T = DecodeRoomState, DecodeTrigger
+
+POLL_SUCCESS = "Success"
+POLL_FAILED = "Failed"
+POLL_RELEASE_READY = "ReleaseReady"
+_FAILED_POLLS = (POLL_FAILED, POLL_RELEASE_READY)
 
 
 @dataclass(slots=True)
@@ -59,6 +76,18 @@ class DecodeRoom:
     oversized: set[int] = field(default_factory=set)
     arrivals: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
     scattering: dict[int, int] = field(default_factory=dict)  # alloc_id -> chunk_idx
+    group: tuple[str, ...] = ()  # the other decode ranks whose polls are reduced with ours
+    peer_polls: dict[str, str] = field(default_factory=dict)
+    shared: str = ""  # the local poll last shared with the group
+    concluded: bool = False
+    abort_notified: bool = False
+    generation: int | None = None
+    acks: set[int] = field(default_factory=set)
+    held: bool = False
+    release_at: float = 0.0
+    # ``_chunk_events``: every submitted scatter whose allocation the poll has not freed yet,
+    # in submission order (alloc_id -> chunk_idx); a held room's stay here until released.
+    events: dict[int, int] = field(default_factory=dict)
 
     @property
     def expected_responses(self) -> int:
@@ -69,11 +98,13 @@ class DecodeRank:
     """One decode attention-TP rank with its staging ring (``session`` is its agent name)."""
 
     def __init__(self, cfg: TwinConfig, session: str, attn_tp_rank: int,
-                 defects: Defects | None = None) -> None:
+                 defects: Defects | None = None, port: int = -1) -> None:
         self.cfg = cfg
         self.session = session
         self.rank = attn_tp_rank
+        self.port = port
         self.defects = defects or Defects()
+        self.fixes = cfg.fix_set
         self._allocator = StagingAllocator(cfg.ring_bytes, self.defects)
         self._rooms: dict[int, DecodeRoom] = {}
         self._subscribers: dict[tuple[str, ...], str] = {}
@@ -81,6 +112,8 @@ class DecodeRank:
         self.now = 0.0
         self._dirty: set[int] = set()
         self._deadlines: list[tuple[float, int]] = []
+        self._generation = 0
+        self._early_polls: dict[int, dict[str, str]] = {}
 
     @property
     def watermark(self) -> tuple[int, int]:
@@ -97,7 +130,10 @@ class DecodeRank:
                                       end=c.end, chunk_pages=c.chunk_pages)
                     for i, c in r.chunks.items()},
             arrivals={i: len(v) for i, v in r.arrivals.items()},
-            scattering=dict(r.scattering)) for r in self._rooms.values()}
+            scattering=dict(r.scattering), group=r.group, peer_polls=dict(r.peer_polls),
+            held=r.held, acks=frozenset(r.acks), release_at=r.release_at,
+            held_scattered=tuple(a for a in r.events if a not in r.scattering))
+            for r in self._rooms.values()}
         return DecodeSnapshot(
             node=self.session, now=self.now, crashed=self._crashed, ring_bytes=a.total_size,
             head=a.head, round=a.round, watermark=a.get_watermark(),
@@ -124,8 +160,9 @@ class DecodeRank:
             self._advance(out)
         return out
 
-    def _arm(self, room: DecodeRoom, start: float, out: list[ev.Effect]) -> None:
-        at = start + self.cfg.waiting_timeout_s + 1e-6
+    def _arm(self, room: DecodeRoom, start: float, out: list[ev.Effect],
+             after_s: float | None = None) -> None:
+        at = start + (self.cfg.waiting_timeout_s if after_s is None else after_s) + 1e-6
         heapq.heappush(self._deadlines, (at, room.room))
         out.append(ev.SetTimer(at=at))
 
@@ -137,6 +174,8 @@ class DecodeRank:
             self._on_chunk_ready(msg, out)
         elif isinstance(msg, wire.TransferStatus):
             self._on_status(e.src, msg, out)
+        elif isinstance(msg, wire.AbortAck):
+            self._on_abort_ack(msg, out)
         else:
             out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
                                   reason="unexpected message kind at decode"))
@@ -151,8 +190,12 @@ class DecodeRank:
             room=e.room, prefill_ranks=e.prefill_ranks, prefill_attn_tp=e.prefill_attn_tp,
             decode_prefix_len=e.decode_prefix_len, total_pages=e.total_pages,
             registered=not late, registered_at=self.now,
+            group=tuple(g for g in e.group if g != self.session),
+            peer_polls=self._early_polls.pop(e.room, {}),
         )
         self._rooms[e.room] = room
+        if room.peer_polls:
+            self._dirty.add(room.room)
         self._arm(room, self.now, out)
         if not late:
             self._register(room, out)
@@ -163,6 +206,7 @@ class DecodeRank:
             decode_rank=self.rank, decode_prefix_len=e.decode_prefix_len,
             total_pages=e.total_pages,
             register_at=self.now + self.cfg.late_register_delay_s if late else None,
+            dst_port=self.port,
         ))
 
     def _on_room_register(self, e: ev.DecodeRoomRegister, out: list[ev.Effect]) -> None:
@@ -189,6 +233,7 @@ class DecodeRank:
             out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason="room not registered"))
             return
         info = room.chunks.get(msg.chunk_idx)
+        repeated = info is not None
         if info is not None:
             offset, rnd, end = info.offset, info.round, info.end
         elif msg.chunk_idx in room.oversized:
@@ -200,6 +245,9 @@ class DecodeRank:
         for dst in room.prefill_ranks:
             out.append(ev.Send(dst=dst, msg=rsp))
         self._subscribe(room.prefill_ranks, msg.session_id, out)
+        if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
+            # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
+            self._send_watermark(tuple(sorted(room.prefill_ranks)), msg.session_id, out)
 
     def region_bytes(self, room: DecodeRoom, chunk_pages: int) -> int:
         """Bytes of one staging region holding ``chunk_pages`` pages from every writer."""
@@ -259,6 +307,7 @@ class DecodeRank:
                                   reason=f"chunk {chunk_idx} has no unscattered allocation"))
             return False
         room.scattering[info.alloc_id] = chunk_idx
+        room.events[info.alloc_id] = chunk_idx
         _, writer_bytes, total = self.cfg.region_layout(self.rank, num_pages, room.prefill_attn_tp)
         out.append(ev.StartScatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
@@ -269,9 +318,17 @@ class DecodeRank:
 
     def _on_scatter_done(self, e: ev.ScatterDone, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
-        if room is not None:
-            room.scattering.pop(e.alloc_id, None)
-            self._dirty.add(room.room)
+        if room is None:
+            if e.alloc_id in self._allocator.allocations:  # no_release_room: freed here
+                self._free(e.alloc_id, e.room, e.chunk_idx, "scattered", out)
+            return  # release_room drained the stream and freed it with the room
+        room.scattering.pop(e.alloc_id, None)
+        self._dirty.add(room.room)
+        if room.held:
+            # A held room left the transfer queue: its scatter events are not polled any
+            # more, and release_room frees their allocations when the room is released.
+            return
+        room.events.pop(e.alloc_id, None)
         self._free(e.alloc_id, e.room, e.chunk_idx, "scattered", out)
 
     def _free(self, alloc_id: int, room: int, chunk_idx: int, reason: str,
@@ -294,9 +351,16 @@ class DecodeRank:
             out.append(ev.Dropped(what="KV_STATUS", room=msg.room, reason="room cleared"))
             return
         if msg.status == wire.KVPoll.Failed:
-            self._fail(room, f"prefill {src} failed: {msg.failure_reason}", out, notify=True)
+            if room.state in (_S.ALL_SUCCESS, _S.DONE):
+                # The receiver concluded Success when every rank reported it
+                # (CommonKVReceiver._poll caches it): a later Failed is not seen, and the room
+                # waits for its chunks until the completion timeout.
+                out.append(ev.Dropped(what="KV_STATUS", room=msg.room,
+                                      reason="Failed after all-ranks Success"))
+                return
+            self._fail(room, f"prefill {src} failed: {msg.failure_reason}", out)
             return
-        if msg.status != wire.KVPoll.Success:
+        if msg.status != wire.KVPoll.Success or room.state is _S.FAILED:
             return
         self._dirty.add(room.room)
         room.success_ranks.add(src)
@@ -311,61 +375,145 @@ class DecodeRank:
                                      info.chunk_pages, out, blind=True)
 
     def _advance(self, out: list[ev.Effect]) -> None:
-        """``advance_scatter`` for every room: complete, time out, or wait."""
-        done: list[DecodeRoom] = []
+        """One decode poll of every room that changed: ``advance_scatter`` and the timeouts
+        (the local poll), then the group's reduction, which concludes, holds or releases."""
         dirty = sorted(self._dirty)
         self._dirty.clear()
         for room_id in dirty:
             room = self._rooms.get(room_id)
             if room is None:
                 continue
-            if room.state is _S.FAILED:
-                done.append(room)
-            elif room.state is _S.ALL_SUCCESS:
-                pending = room.chunks and not self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
-                if not room.scattering and not pending:
-                    room.state = decode_next(room.state, _T.COMPLETE)
-                    done.append(room)
-                elif self.now - room.success_at > self.cfg.waiting_timeout_s:
-                    room.state = decode_next(room.state, _T.FAIL)
-                    room.fail_reason = (f"not complete {self.cfg.waiting_timeout_s:.0f}s after "
-                                        f"all-ranks Success (a scatter never arrived)")
-                    done.append(room)
-            elif self.now - room.registered_at > self.cfg.waiting_timeout_s:
-                room.state = decode_next(room.state, _T.FAIL)
-                room.fail_reason = f"no transfer result within {self.cfg.waiting_timeout_s:.0f}s"
-                out.append(ev.AbortNotice(room=room.room, dsts=room.prefill_ranks,
-                                          reason=room.fail_reason))
-                done.append(room)
-        for room in done:
+            self._local_poll(room, out)
+            self._share(room, out)
+            self._reduce(room, out)
+            self._share(room, out)
+
+    def _local_poll(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        timeout = self.cfg.waiting_timeout_s
+        if room.state is _S.ALL_SUCCESS:
+            pending = room.chunks and not self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+            if not room.scattering and not pending:
+                room.state = decode_next(room.state, _T.COMPLETE)
+            elif self.now - room.success_at > timeout:
+                # The staging completion timeout; SGLang reports it as a Failed poll, and the
+                # failure path below sends ABORT (with deferred release on).
+                self._fail(room, f"not complete {timeout:.0f}s after all-ranks Success (a "
+                           f"scatter never arrived)", out)
+        elif room.state is _S.WAITING and self.now - room.registered_at > timeout:
+            self._fail(room, f"no transfer result within {timeout:.0f}s", out, initiated=True)
+
+    def _poll_value(self, room: DecodeRoom) -> str:
+        if room.state is _S.FAILED:
+            return POLL_RELEASE_READY if room.held and self._release_ready(room) else POLL_FAILED
+        return POLL_SUCCESS if room.state in (_S.DONE, _S.SUCCESS) else ""
+
+    def _share(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        poll = self._poll_value(room)
+        if room.group and poll and poll != room.shared and room.room in self._rooms:
+            room.shared = poll
+            out.append(ev.GroupPoll(room=room.room, poll=poll, peers=room.group))
+
+    def _reduce(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        """The MIN of the group's polls: Failed anywhere fails the room here; Success
+        everywhere concludes it; a held room is released once every rank may release it."""
+        peers = [room.peer_polls.get(p, "") for p in room.group]
+        failed = next((p for p in room.group if room.peer_polls.get(p) in _FAILED_POLLS), None)
+        if failed is not None and room.state is not _S.FAILED:
+            self._fail(room, f"decode rank {failed} of the group failed the room", out)
+        if room.state is _S.DONE and all(p == POLL_SUCCESS for p in peers):
+            room.state = decode_next(room.state, _T.GROUP_SUCCESS)
+            room.concluded = True
+            out.append(ev.RoomConcluded(room=room.room, status=room.state.value))
+            self._unregister(room, out)
+            return
+        if room.state is not _S.FAILED:
+            return
+        if not room.concluded:
+            room.concluded = True
             out.append(ev.RoomConcluded(room=room.room, status=room.state.value,
                                         reason=room.fail_reason))
+            if not self.cfg.deferred_decode_kv_release:
+                self._unregister(room, out)
+                return
+            self._hold(room, out)
+        if self._release_ready(room) and all(p == POLL_RELEASE_READY for p in peers):
+            out.append(ev.RoomReleased(room=room.room,
+                                       drained=len(room.acks) >= room.expected_responses))
             self._unregister(room, out)
 
+    def _hold(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        """``ensure_abort_notified(force_arm=True)`` then ``_defer_release``."""
+        self._notify_abort(room, out)
+        room.held = True
+        room.release_at = self.now + self.cfg.deferred_decode_kv_release_timeout_s
+        out.append(ev.RoomHeld(room=room.room, generation=room.generation or 0,
+                               required_acks=room.expected_responses, release_at=room.release_at))
+        self._arm(room, self.now, out, self.cfg.deferred_decode_kv_release_timeout_s)
+
+    def _release_ready(self, room: DecodeRoom) -> bool:
+        """``is_abort_release_safe`` (every prefill rank acknowledged) or the deadline passed."""
+        return len(room.acks) >= room.expected_responses or self.now >= room.release_at
+
+    def _notify_abort(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        """Send ``ABORT`` to the room's prefill ranks once, arming a new generation for the
+        acknowledgements when deferred release is on."""
+        if room.abort_notified:
+            return
+        room.abort_notified = True
+        if self.cfg.deferred_decode_kv_release:
+            self._generation += 1
+            room.generation = self._generation
+        msg = wire.Abort(room=room.room, decode_ip=self.session, decode_port=self.port,
+                         generation=room.generation)
+        for dst in room.prefill_ranks:
+            out.append(ev.Send(dst=dst, msg=msg))
+
+    def _on_abort_ack(self, msg: wire.AbortAck, out: list[ev.Effect]) -> None:
+        room = self._rooms.get(msg.room)
+        if room is None or room.generation is None or msg.generation != room.generation:
+            out.append(ev.Dropped(what="ABORT_ACK", room=msg.room,
+                                  reason="no armed generation for it"))
+            return
+        room.acks.add(msg.prefill_rank)
+        self._dirty.add(room.room)
+
+    def _on_peer_polled(self, e: ev.PeerPolled, out: list[ev.Effect]) -> None:
+        room = self._rooms.get(e.room)
+        if room is None:
+            self._early_polls.setdefault(e.room, {})[e.peer] = e.poll
+            return
+        room.peer_polls[e.peer] = e.poll
+        self._dirty.add(room.room)
+
     def _fail(self, room: DecodeRoom, reason: str, out: list[ev.Effect],
-              notify: bool = True) -> None:
+              initiated: bool = False) -> None:
+        """Fail ``room`` here. ``initiated``: decode itself gave up on it (an abort, the
+        waiting timeout), which sends ``ABORT`` at once whatever the release setting."""
         if room.state is _S.FAILED:
             return
         room.state = decode_next(room.state, _T.FAIL)
         room.fail_reason = reason
         self._dirty.add(room.room)
-        if notify:
-            out.append(ev.AbortNotice(room=room.room, dsts=room.prefill_ranks, reason=reason))
+        if initiated:
+            self._notify_abort(room, out)
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
         if room is not None:
-            self._fail(room, e.reason, out)
+            self._fail(room, e.reason, out, initiated=True)
 
     def _unregister(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """``unregister_decode_req`` + ``release_room``: free what was never scattered."""
         del self._rooms[room.room]
-        if self.defects.on(NO_RELEASE_ROOM):
-            return
-        # In-flight scatters are drained first; their allocations are freed as they finish.
-        for chunk_idx, info in sorted(room.chunks.items()):
-            self._free(info.alloc_id, room.room, chunk_idx, "released", out)
-        room.chunks.clear()
+        if not self.defects.on(NO_RELEASE_ROOM):
+            for chunk_idx, info in sorted(room.chunks.items()):
+                self._free(info.alloc_id, room.room, chunk_idx, "released", out)
+            room.chunks.clear()
+        # The scatter stream is drained first (SGLang synchronizes it), so every submitted
+        # scatter has finished: free their allocations too, in submission order.
+        for alloc_id, chunk_idx in room.events.items():
+            self._free(alloc_id, room.room, chunk_idx, "released", out)
+        room.events.clear()
 
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
@@ -376,5 +524,6 @@ class DecodeRank:
         ev.DecodeRoomRegister: _on_room_register,
         ev.ScatterDone: _on_scatter_done,
         ev.RoomAborted: _on_abort,
+        ev.PeerPolled: _on_peer_polled,
         ev.Tick: _on_tick,
     }

@@ -29,7 +29,9 @@ class DecodeRoomInit:
     """Decode pre-allocated KV for a room (``pop_preallocated``) and is about to send metadata.
 
     ``total_pages`` counts pages after the decode-side cached prefix (``decode_prefix_len``
-    tokens); ``prefill_ranks`` are the prefill nodes that write this rank's KV.
+    tokens); ``prefill_ranks`` are the prefill nodes that write this rank's KV. ``group`` are the
+    decode ranks whose poll states of this room are reduced together (SGLang's MIN all-reduce
+    over the attention-TP group), this rank included; empty: the rank concludes alone.
     """
 
     room: int
@@ -37,6 +39,7 @@ class DecodeRoomInit:
     prefill_attn_tp: int
     decode_prefix_len: int
     total_pages: int
+    group: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,12 +81,17 @@ class RoomBootstrapped:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Target:
-    """One decode session a prefill rank writes a room's KV to."""
+    """One decode session a prefill rank writes a room's KV to.
+
+    ``dst_port``: the session's control port from its metadata (SGLang's ``dst_port``), which
+    picks the transfer worker; -1 when unknown (traces before format 3).
+    """
 
     session: str
     decode_rank: int
     total_pages: int
     decode_prefix_len: int
+    dst_port: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,11 +123,25 @@ class WorkerPoll:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferDone:
-    """The staged WRITE posted by ``worker`` settled."""
+    """The staged WRITE posted by ``worker`` ended.
+
+    ``settled``: False when the backend cannot prove the write stopped (a handle still running
+    after a failure, a rejected post); SGLang then poisons the room's abort acknowledgement.
+    """
 
     worker: int
     ok: bool = True
     error: str = ""
+    settled: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerPolled:
+    """Decode rank ``peer`` of the room's group shared its poll state ``poll`` of ``room``."""
+
+    room: int
+    peer: str
+    poll: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,11 +178,13 @@ class SendMetadata:
     decode_prefix_len: int
     total_pages: int
     register_at: float | None = None
+    dst_port: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AbortNotice:
-    """Tell the other side that a room failed here so it stops working on it."""
+    """Tell the other side that a room failed here (traces before format 3; the decode rank
+    now sends SGLang's ``ABORT`` frame instead)."""
 
     room: int
     dsts: tuple[str, ...]
@@ -332,6 +356,38 @@ class SetTimer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GroupPoll:
+    """Share this decode rank's poll state of ``room`` with ``peers`` (the MIN all-reduce).
+
+    ``poll``: ``"Success"`` (every byte landed here), ``"Failed"``, or ``"ReleaseReady"`` (a
+    held failed room may be released here: every prefill rank acknowledged, or the deadline).
+    """
+
+    room: int
+    poll: str
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoomHeld:
+    """A failed room keeps its staging until ``required_acks`` prefill ranks acknowledged the
+    abort of ``generation`` or ``release_at`` comes (deferred decode KV release)."""
+
+    room: int
+    generation: int
+    required_acks: int
+    release_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoomReleased:
+    """A held failed room was released: ``drained`` when every prefill rank acknowledged."""
+
+    room: int
+    drained: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankCrashed:
     """The rank raised out of its scheduler loop; it handles nothing from now on."""
 
@@ -340,20 +396,22 @@ class RankCrashed:
 
 INPUT_TYPES = (
     MessageArrived, DecodeRoomInit, DecodeRoomRegister, ScatterDone, Tick, RoomAborted,
-    RoomBootstrapped, Prefetch, SendKV, WorkerPoll, TransferDone, SendFailed,
+    RoomBootstrapped, Prefetch, SendKV, WorkerPoll, TransferDone, SendFailed, PeerPolled,
 )
 EFFECT_TYPES = (
     Send, SendMetadata, AbortNotice, Allocated, Freed, WatermarkMoved, StartScatter,
     StartTransfer, Deferred, WorkerIdle, WakeWorkers, TargetsKnown, ChunkQueued, ChunkSkipped,
-    RoomConcluded, RoomTornDown, Dropped, SetTimer, RankCrashed,
+    RoomConcluded, RoomTornDown, Dropped, SetTimer, RankCrashed, GroupPoll, RoomHeld,
+    RoomReleased,
 )
 EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (*INPUT_TYPES, *EFFECT_TYPES, Target)}
 Input = (
     MessageArrived | DecodeRoomInit | DecodeRoomRegister | ScatterDone | Tick | RoomAborted
-    | RoomBootstrapped | Prefetch | SendKV | WorkerPoll | TransferDone | SendFailed
+    | RoomBootstrapped | Prefetch | SendKV | WorkerPoll | TransferDone | SendFailed | PeerPolled
 )
 Effect = (
     Send | SendMetadata | AbortNotice | Allocated | Freed | WatermarkMoved | StartScatter
     | StartTransfer | Deferred | WorkerIdle | WakeWorkers | TargetsKnown | ChunkQueued
-    | ChunkSkipped | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed
+    | ChunkSkipped | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed | GroupPoll
+    | RoomHeld | RoomReleased
 )

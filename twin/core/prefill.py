@@ -4,6 +4,12 @@ Mirrors sglang 0.5.23 ``prefill.py`` (``send_kv_chunk``), ``prefetch_staging_req
 ``transfer_worker``. Each worker is a queue of chunks and at most one chunk in flight. A chunk
 that is not ready (allocation pending or watermark behind) is re-enqueued at the tail
 (backpressure deferral); a worker whose whole queue is blocked waits for a ``WakeWorkers``.
+
+Aborts. A decode ``ABORT`` fails a room that has not succeeded yet (one at Success is left
+alone); a prefill-side abort (``RoomAborted``) fails it whatever its state. With deferred decode
+KV release an ``ABORT`` carrying a generation registers an acknowledgement target: this rank
+answers ``ABORT_ACK`` once none of the room's chunks is dequeued or in flight, unless a write
+could not be proven to have stopped (a *poisoned* room never acknowledges).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from twin.core.defects import (
     TEARDOWN_DROPS_DEFERRED,
     Defects,
 )
+from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
 from twin.core.grid import (
     chunk_index,
     compute_grid_segments,
@@ -55,7 +62,8 @@ class TransferChunk:
     num_pages: int
     is_last: bool
     counted: bool = False
-    next_target: int = 0
+    written: set[int] = field(default_factory=set)  # indices of targets written and announced
+    current: int = 0  # the target whose write is in flight
     staged: bool = True
 
 
@@ -65,6 +73,7 @@ class PrefillTarget:
     decode_rank: int
     total_pages: int
     staging: dict[int, StagingInfo] = field(default_factory=dict)
+    dst_port: int = -1
 
 
 @dataclass(slots=True)
@@ -85,6 +94,7 @@ class Worker:
     queue: deque[TransferChunk] = field(default_factory=deque)
     busy: TransferChunk | None = None
     waiting: bool = False
+    sleeping: bool = False  # waiting with no poll scheduled: every chunk in its queue blocked
     blocked_streak: int = 0
 
 
@@ -98,9 +108,15 @@ class PrefillRank:
         self.rank = attn_tp_rank
         self.unique_rank = unique_rank
         self.defects = defects or Defects()
+        self.fixes = cfg.fix_set
+        self._eager = cfg.worker_wake == "eager"
         self._rooms: dict[int, PrefillRoom] = {}
         self._watermarks: dict[str, tuple[int, int]] = {}
         self._prefetch_requested: set[tuple[int, int, str]] = set()
+        self._requested_at: dict[tuple[int, int, str], float] = {}  # lost-control recovery
+        self._ack_targets: dict[int, dict[tuple[str, int], int]] = {}
+        self._poisoned: set[int] = set()
+        self._aborted: set[int] = set()  # failed rooms already torn down here
         self._workers = [Worker() for _ in range(cfg.transfer_queue_size)]
         self.now = 0.0
         m = cfg.model
@@ -151,9 +167,11 @@ class PrefillRank:
         msg = e.msg
         if isinstance(msg, wire.Watermark):
             prev = self._watermarks.get(msg.session_id, (0, 0))
-            if (msg.round, msg.tail) > prev:
+            advanced = (msg.round, msg.tail) > prev
+            if advanced:
                 self._watermarks[msg.session_id] = (msg.round, msg.tail)
-                self._wake(out)
+            if advanced or not self._eager:
+                self._wake(out)  # handle_watermark_msg notifies the condition, advancing or not
         elif isinstance(msg, wire.StagingRsp):
             room = self._rooms.get(msg.room)
             target = None if room is None else _find(room.targets, msg.session_id)
@@ -161,23 +179,59 @@ class PrefillRank:
                 out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
                 return
             target.staging[msg.chunk_idx] = StagingInfo(msg.offset, msg.round, msg.end)
-            self._wake(out)
+            self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
+        elif isinstance(msg, wire.Abort):
+            self._on_decode_abort(msg, out)
         else:
             out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
                                   reason="unexpected message kind at prefill"))
 
     def _wake(self, out: list[ev.Effect]) -> None:
+        """``watermark_cv.notify_all()``: every waiting worker polls now."""
         waiting = tuple(i for i, w in enumerate(self._workers) if w.waiting)
         for i in waiting:
-            self._workers[i].waiting = False
-            self._workers[i].blocked_streak = 0
+            w = self._workers[i]
+            w.waiting = w.sleeping = False
+            w.blocked_streak = 0
         if waiting:
             out.append(ev.WakeWorkers(workers=waiting, at=self.now))
 
+    def _news(self, out: list[ev.Effect], worker: int | None = None) -> None:
+        """News that does not notify the condition. With ``worker_wake = "eager"`` (the model
+        of traces before format 3) it woke the waiting workers (or ``worker``) at once."""
+        if not self._eager:
+            self._nudge(out)
+        elif worker is None:
+            self._wake(out)
+        else:
+            w = self._workers[worker]
+            w.waiting = w.sleeping = False
+            w.blocked_streak = 0
+            out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
+
+    def _nudge(self, out: list[ev.Effect]) -> None:
+        """News that does not notify the condition (an allocation, a queued chunk, an abort):
+        a waiting worker sees it when its bounded wait ends. A worker the twin lets sleep
+        (its whole queue blocked) stands for one cycling through 1 ms waits, so it polls
+        ``deferral_wait_s`` from now; one with a poll scheduled keeps it."""
+        sleeping = []
+        for i, w in enumerate(self._workers):
+            w.blocked_streak = 0
+            if w.waiting and w.sleeping:
+                w.sleeping = False
+                sleeping.append(i)
+        if sleeping:
+            out.append(ev.WakeWorkers(workers=tuple(sleeping),
+                                      at=self.now + self.cfg.deferral_wait_s))
+
     # -- rooms and sends ---------------------------------------------------------------------
     def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
+        if e.room in self._aborted:
+            out.append(ev.Dropped(what="metadata", room=e.room, reason="room already failed"))
+            return
         room = self._rooms.get(e.room)
-        targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages) for t in e.targets]
+        targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages, dst_port=t.dst_port)
+                   for t in e.targets]
         if room is None:
             base = e.targets[0].decode_prefix_len if e.targets else 0
             room = self._rooms[e.room] = PrefillRoom(room=e.room, targets=targets, base=base,
@@ -200,6 +254,7 @@ class PrefillRank:
                 if key in self._prefetch_requested:
                     continue
                 self._prefetch_requested.add(key)
+                self._requested_at[key] = self.now
                 out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
                     room=e.room, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session)))
@@ -223,7 +278,7 @@ class PrefillRank:
         segments = (compute_grid_segments(start, end, room.base, cfg.grid_tokens)
                     if aligned else [(start, end)])
         total_pages = max((t.total_pages for t in room.targets), default=0)
-        worker = sum(t.decode_rank for t in room.targets) % len(self._workers)
+        worker = self._worker_of(room)
         for seg_start, seg_end in segments:
             num_pages = pages_for_tokens(seg_end - seg_start, page)
             chunk = TransferChunk(room=e.room, page_start=room.sent_pages, num_pages=num_pages,
@@ -240,14 +295,21 @@ class PrefillRank:
         if w.busy is None and not w.waiting:
             self._run_worker(worker, out)
         elif w.waiting:
-            w.waiting = False
-            w.blocked_streak = 0
-            out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
+            self._news(out, worker)  # queue.put: found after the bounded wait
+
+    def _worker_of(self, room: PrefillRoom) -> int:
+        """``add_transfer_request``: shard by the sum of the sessions' ports, so the same
+        destinations always use the same worker (and its staging buffer). Targets from traces
+        before format 3 carry no port; those shard by the decode ranks' indices."""
+        ports = [t.dst_port for t in room.targets]
+        if ports and all(p >= 0 for p in ports):
+            return sum(ports) % len(self._workers)
+        return sum(t.decode_rank for t in room.targets) % len(self._workers)
 
     # -- transfer worker ---------------------------------------------------------------------
     def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:
         w = self._workers[e.worker]
-        w.waiting = False
+        w.waiting = w.sleeping = False
         if w.busy is None:
             self._run_worker(e.worker, out)
 
@@ -260,6 +322,7 @@ class PrefillRank:
             if room is None:
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room state torn down"))
+                self._maybe_ack(chunk.room, out)
                 continue
             if not chunk.counted:
                 room.outstanding += 1
@@ -269,8 +332,8 @@ class PrefillRank:
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room failed"))
                 if not self._queued(room.room):
-                    del self._rooms[room.room]
-                    out.append(ev.RoomTornDown(room=room.room))
+                    self._tear_down(room, out)
+                self._maybe_ack(room.room, out)
                 continue
             room.state = prefill_next(room.state, _T.DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
@@ -279,44 +342,80 @@ class PrefillRank:
 
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
-        """Post the next target's write; True when the worker is now busy or waiting."""
+        """Post the next target's write; True when the worker is now busy or waiting.
+
+        SGLang walks the chunk's targets in order and defers the whole chunk at the first one
+        that is not ready; the retry starts over at the first target. With
+        ``multi-target-retry-resume`` the chunk writes whichever unwritten target is ready and
+        a retry visits only the targets not written yet."""
         w = self._workers[index]
         cfg = self.cfg
+        resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
         chunk_idx = chunk_index(chunk.page_start, cfg.full_chunk_pages)
-        while chunk.next_target < len(room.targets):
-            target = room.targets[chunk.next_target]
+        while True:
+            pending = [i for i in range(len(room.targets)) if i not in chunk.written]
+            if not pending:
+                break
             if chunk.num_pages == 0:
-                chunk.next_target += 1
+                chunk.written.update(pending)
                 continue
-            info = target.staging.get(chunk_idx)
-            if info is not None and info.oversized:
-                self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds the "
-                                 "ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
-                return False
-            wm = self._watermarks.get(target.session, (0, 0))
-            if info is None or info.pending or not is_watermark_ready(wm, info.round, info.end):
-                reason = "allocation pending" if info is None or info.pending else (
-                    f"watermark {wm} behind round {info.round} end {info.end}")
-                chunk.next_target = 0  # the retry re-processes every target of the chunk
-                w.queue.append(chunk)
-                w.blocked_streak += 1
-                all_blocked = w.blocked_streak >= len(w.queue)
-                w.waiting = True
-                retry = None if all_blocked else self.now + cfg.deferral_wait_s
-                out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
-                                       session=target.session, reason=reason,
-                                       all_blocked=all_blocked, retry_at=retry))
+            blocked: tuple[PrefillTarget, str] | None = None
+            for i in pending if resume else pending[:1]:
+                target = room.targets[i]
+                info = target.staging.get(chunk_idx)
+                if info is not None and info.oversized:
+                    self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds "
+                                     "the ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
+                    return False
+                wm = self._watermarks.get(target.session, (0, 0))
+                if info is None or info.pending or not is_watermark_ready(wm, info.round,
+                                                                          info.end):
+                    reason = "allocation pending" if info is None or info.pending else (
+                        f"watermark {wm} behind round {info.round} end {info.end}")
+                    if self.fixes.on(LOST_CONTROL_RECOVERY):
+                        self._re_request(room, target, chunk_idx, out)
+                    blocked = blocked or (target, reason)
+                    continue
+                post = self._post(index, room, chunk, target, chunk_idx, info, out)
+                if post is None:
+                    return False
+                out.append(post)
+                w.busy = chunk
+                chunk.current = i
+                chunk.staged = post.staged
+                w.blocked_streak = 0
                 return True
-            post = self._post(index, room, chunk, target, chunk_idx, info, out)
-            if post is None:
-                return False
-            out.append(post)
-            w.busy = chunk
-            chunk.staged = post.staged
-            w.blocked_streak = 0
+            assert blocked is not None
+            target, reason = blocked
+            if not resume:
+                chunk.written.clear()  # the retry re-processes every target of the chunk
+            w.queue.append(chunk)
+            w.blocked_streak += 1
+            all_blocked = w.blocked_streak >= len(w.queue)
+            w.waiting = True
+            retry = None if all_blocked else self.now + cfg.deferral_wait_s
+            if retry is None and self.fixes.on(LOST_CONTROL_RECOVERY):
+                retry = self.now + cfg.control_retry_s
+            w.sleeping = retry is None
+            out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
+                                   session=target.session, reason=reason,
+                                   all_blocked=all_blocked, retry_at=retry))
             return True
         self._finish_chunk(index, room, chunk, out)
         return False
+
+    def _re_request(self, room: PrefillRoom, target: PrefillTarget, chunk_idx: int,
+                    out: list[ev.Effect]) -> None:
+        """Lost-control recovery: ask again for a chunk deferred ``control_retry_s`` after its
+        last request; decode answers with the allocation and its current watermark."""
+        key = (room.room, chunk_idx, target.session)
+        if self.now - self._requested_at.get(key, self.now) < self.cfg.control_retry_s:
+            return
+        self._requested_at[key] = self.now
+        full = self.cfg.full_chunk_pages
+        pages = min(full, target.total_pages - chunk_idx * full)
+        out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
+            room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session)))
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
               chunk_idx: int, info: StagingInfo,
@@ -353,10 +452,18 @@ class PrefillRank:
             self._run_worker(e.worker, out)
             return
         if not e.ok:
-            self._fail_chunk(room, chunk, f"NIXL transfer failed: {e.error}", out)
+            if not e.settled:
+                # A handle may still be writing: fail the room here without telling decode
+                # (its waiting timeout will), and never acknowledge its abort.
+                self._poisoned.add(room.room)
+                self._ack_targets.pop(room.room, None)
+                self._fail_chunk(room, chunk, f"NIXL transfer not settled: {e.error}", out,
+                                 notify=False)
+            else:
+                self._fail_chunk(room, chunk, f"NIXL transfer failed: {e.error}", out)
             self._run_worker(e.worker, out)
             return
-        target = room.targets[chunk.next_target]
+        target = room.targets[chunk.current]
         chunk_idx = chunk_index(chunk.page_start, self.cfg.full_chunk_pages)
         skip_last = chunk.is_last and self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         if chunk.staged and not skip_last:
@@ -364,7 +471,7 @@ class PrefillRank:
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
                 num_pages=chunk.num_pages, writer_id=target.session,
                 prefill_rank=self.unique_rank)))
-        chunk.next_target += 1
+        chunk.written.add(chunk.current)
         if self._step_chunk(e.worker, room, chunk, out):
             return
         self._run_worker(e.worker, out)
@@ -376,33 +483,50 @@ class PrefillRank:
         if chunk.is_last:
             self._conclude(room, "Success", "", out)
         self._maybe_teardown(room, chunk, out)
+        self._maybe_ack(room.room, out)
 
     def _maybe_teardown(self, room: PrefillRoom, chunk: TransferChunk,
                         out: list[ev.Effect]) -> None:
         gate = room.outstanding <= 0 or self.defects.on(TEARDOWN_DROPS_DEFERRED)
         concluded = room.state is _S.SUCCESS or (chunk.is_last and room.state is _S.FAILED)
         if gate and concluded:
-            del self._rooms[room.room]
-            self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
-            out.append(ev.RoomTornDown(room=room.room))
+            self._tear_down(room, out)
+
+    def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
+        del self._rooms[room.room]
+        self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
+        self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
+        if room.state is _S.FAILED:
+            self._aborted.add(room.room)
+        out.append(ev.RoomTornDown(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
-                    out: list[ev.Effect]) -> None:
+                    out: list[ev.Effect], notify: bool = True) -> None:
         if chunk.counted:
             chunk.counted = False
             room.outstanding -= 1
-        self._conclude(room, "Failed", reason, out)
+        self._conclude(room, "Failed", reason, out, notify=notify)
         self._maybe_teardown(room, chunk, out)
+        self._maybe_ack(room.room, out)
 
     def _conclude(self, room: PrefillRoom, status: str, reason: str,
-                  out: list[ev.Effect]) -> None:
+                  out: list[ev.Effect], notify: bool = True) -> None:
+        """``conclude_transfer``: a room already Failed concludes Failed again, with its first
+        reason, and tells decode again (``KV_STATUS`` Failed)."""
         if room.state is _S.FAILED:
+            if notify:
+                self._send_status(room, wire.KVPoll.Failed, room.fail_reason, out)
             return
         room.state = prefill_next(room.state,
                                   _T.LAST_CHUNK_DONE if status == "Success" else _T.FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
         out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
+        if notify:
+            self._send_status(room, poll, reason, out)
+
+    def _send_status(self, room: PrefillRoom, poll: wire.KVPoll, reason: str,
+                     out: list[ev.Effect]) -> None:
         for target in room.targets:
             out.append(ev.Send(dst=target.session, msg=wire.TransferStatus(
                 room=room.room, status=poll, prefill_rank=self.unique_rank,
@@ -419,16 +543,49 @@ class PrefillRank:
             self._conclude(room, "Failed", f"CHUNK_READY send to {e.dst} failed", out)
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
+        """A prefill-side abort (``sender.abort``): fails the room even at Success."""
         room = self._rooms.get(e.room)
-        if room is None or room.state is _S.FAILED:
+        if room is None:
+            # The sender exists before its metadata: a late metadata must not revive it.
+            self._aborted.add(e.room)
             return
+        if room.state is _S.FAILED:
+            return
+        self._abort_room(room, e.reason, out)
+
+    def _on_decode_abort(self, msg: wire.Abort, out: list[ev.Effect]) -> None:
+        """``_handle_abort_notification``: a decode ABORT fails a room only while it has not
+        succeeded; with a generation it also registers where the acknowledgement goes."""
+        room = self._rooms.get(msg.room)
+        if room is not None and room.state not in (_S.SUCCESS, _S.FAILED):
+            self._abort_room(room, "Aborted by decode-side abort notification.", out)
+        if msg.generation is None or not self.cfg.deferred_decode_kv_release:
+            return
+        if msg.room not in self._poisoned:
+            targets = self._ack_targets.setdefault(msg.room, {})
+            targets[(msg.decode_ip, msg.decode_port)] = msg.generation
+        self._maybe_ack(msg.room, out)
+
+    def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T.FAIL)
-        room.fail_reason = e.reason
-        out.append(ev.RoomConcluded(room=e.room, status="Failed", reason=e.reason))
-        if room.outstanding <= 0 and not self._queued(e.room):
-            del self._rooms[e.room]
-            out.append(ev.RoomTornDown(room=e.room))
-        self._wake(out)
+        room.fail_reason = reason
+        out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
+        if room.outstanding <= 0 and not self._queued(room.room):
+            self._tear_down(room, out)
+        self._news(out)  # its queued chunks are skipped at the next pass
+
+    def _maybe_ack(self, room_id: int, out: list[ev.Effect]) -> None:
+        """``_maybe_ack_drained_abort``: acknowledge once nothing of the room is dequeued or in
+        flight; a poisoned room never acknowledges."""
+        room = self._rooms.get(room_id)
+        if room is not None and room.outstanding > 0:
+            return
+        targets = self._ack_targets.pop(room_id, None)
+        if not targets or room_id in self._poisoned:
+            return
+        for (ip, _port), generation in sorted(targets.items()):
+            out.append(ev.Send(dst=ip, msg=wire.AbortAck(
+                room=room_id, prefill_rank=self.unique_rank, generation=generation)))
 
     def _queued(self, room: int) -> bool:
         return any(c.room == room for w in self._workers for c in w.queue) or any(

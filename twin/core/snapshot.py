@@ -104,6 +104,12 @@ class DecodeRoomView:
     arrivals: dict[int, int]
     scattering: dict[int, int]
     fail_reason: str
+    group: tuple[str, ...] = ()
+    peer_polls: dict[str, str] | None = None
+    held: bool = False
+    acks: frozenset[int] = frozenset()
+    release_at: float = 0.0
+    held_scattered: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,14 +39,18 @@ class DecodeRoomState(Enum):
 
     WAITING = "Waiting"            # KV arriving, not every prefill rank succeeded yet
     ALL_SUCCESS = "AllSuccess"     # every prefill rank reported Success; scatters may be pending
-    SUCCESS = "Success"            # concluded: every byte landed and was scattered
-    FAILED = "Failed"              # concluded as failed (abort, status Failed, timeout)
+    DONE = "Done"                  # every byte landed here; the group's other ranks not yet
+    SUCCESS = "Success"            # concluded: every rank of the group is done
+    FAILED = "Failed"              # concluded as failed here or on a rank of the group; with
+    #                                deferred release the room (and its staging) is held until
+    #                                every prefill rank acknowledged the abort, or the deadline
 
 
 class DecodeTrigger(Enum):
     ALL_RANKS_SUCCESS = "the last prefill rank reported Success"
     COMPLETE = "every allocation was scattered and every scatter finished"
-    FAIL = "aborted, a prefill rank failed, or a timeout fired"
+    GROUP_SUCCESS = "every rank of the group is done (the MIN of the group's polls is Success)"
+    FAIL = "aborted, a prefill rank failed, a timeout fired, or a rank of the group failed"
 
 
 P, PT = PrefillRoomState, PrefillTrigger
@@ -65,9 +69,11 @@ PREFILL_TRANSITIONS: dict[tuple[PrefillRoomState, PrefillTrigger], PrefillRoomSt
 D, DT = DecodeRoomState, DecodeTrigger
 DECODE_TRANSITIONS: dict[tuple[DecodeRoomState, DecodeTrigger], DecodeRoomState] = {
     (D.WAITING, DT.ALL_RANKS_SUCCESS): D.ALL_SUCCESS,
-    (D.ALL_SUCCESS, DT.COMPLETE): D.SUCCESS,
+    (D.ALL_SUCCESS, DT.COMPLETE): D.DONE,
+    (D.DONE, DT.GROUP_SUCCESS): D.SUCCESS,
     (D.WAITING, DT.FAIL): D.FAILED,
     (D.ALL_SUCCESS, DT.FAIL): D.FAILED,
+    (D.DONE, DT.FAIL): D.FAILED,
     (D.FAILED, DT.FAIL): D.FAILED,
 }
 

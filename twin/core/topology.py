@@ -26,6 +26,16 @@ class Node:
     rank: int
     unique_rank: int
 
+    @property
+    def port(self) -> int:
+        """The node's control port as the protocol sees it (SGLang's ``rank_port``, a free
+        port bound at start-up): a fixed pseudo-random value per node id, so the transfer
+        worker a room's destinations pick is as arbitrary as SGLang's and still reproducible."""
+        h = 0x811C9DC5  # FNV-1a, 32 bits
+        for byte in self.id.encode("ascii"):
+            h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+        return 20000 + h % 40000
+
 
 @dataclass(frozen=True, slots=True)
 class Group:
@@ -68,6 +78,11 @@ class Topology:
         p, d = self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size
         return [decode_group.nodes[i] for i in target_decode_ranks(p, d, prefill.rank)]
 
+    def decode_group_of(self, node: Node) -> tuple[str, ...]:
+        """Node ids of ``node``'s decode attention-TP group (whose polls SGLang reduces)."""
+        return tuple(node_id("decode", node.instance, node.dp, r)
+                     for r in range(self.cfg.decode.attn_tp_size))
+
     def writers_of(self, decode: Node, prefill_group: Group) -> tuple[str, ...]:
         """Prefill node ids of ``prefill_group`` writing into decode rank ``decode``."""
         p, d = self.cfg.prefill.attn_tp_size, self.cfg.decode.attn_tp_size
@@ -79,7 +94,7 @@ def build_rank(cfg: TwinConfig, node: Node, defects: Defects) -> PrefillRank | D
     """A fresh core for ``node`` (a prefill or a decode rank)."""
     if node.role == "prefill":
         return PrefillRank(cfg, node.id, node.rank, node.unique_rank, defects)
-    return DecodeRank(cfg, node.id, node.rank, defects)
+    return DecodeRank(cfg, node.id, node.rank, defects, port=node.port)
 
 
 def build_ranks(topo: Topology, defects: Defects) -> dict[str, PrefillRank | DecodeRank]:

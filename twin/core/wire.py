@@ -7,8 +7,16 @@ Frames are ZMQ multipart messages with ASCII decimal fields (sglang 0.5.23)::
     [b"WATERMARK", round, tail, session_id]
     [b"CHUNK_READY", room, chunk_idx, page_start, num_pages, writer_id, prefill_rank]
     [b"KV_STATUS", room, status, prefill_rank, failure_reason]
+    [b"ABORT", room(, decode_ip, decode_port(, generation))]
+    [b"ABORT_ACK", room, prefill_rank(, generation)]
 
 ``decode`` raises ``ValueError`` naming the message kind and field on malformed input.
+
+Sockets. Each frame travels on one ZMQ PUSH socket, and only frames on the same socket keep
+their order (``socket_of``): prefill sends STAGING_REQ on its own prefetch socket and context
+(``prefetch_staging_reqs``), CHUNK_READY, KV_STATUS and ABORT_ACK on the manager's cached socket
+(``_send_multipart_locked``); decode sends STAGING_RSP, WATERMARK, ABORT and its bootstrap
+metadata on one cached socket per prefill endpoint (``_connect_to_bootstrap_server``).
 """
 
 from __future__ import annotations
@@ -80,11 +88,45 @@ class TransferStatus:
     failure_reason: str = ""
 
 
-Message = StagingReq | StagingRsp | Watermark | ChunkReady | TransferStatus
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Decode's abort notification (``AbortNotification``): ``decode_ip``/``decode_port`` name
+    where the acknowledgement goes, ``generation`` the armed deferred-release generation (None
+    when deferred release is off: no acknowledgement is awaited)."""
+
+    TAG: ClassVar[bytes] = b"ABORT"
+    room: int
+    decode_ip: str
+    decode_port: int
+    generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortAck:
+    """Prefill's acknowledgement that its transfer of an aborted room drained (``AbortAck``)."""
+
+    TAG: ClassVar[bytes] = b"ABORT_ACK"
+    room: int
+    prefill_rank: int
+    generation: int | None = None
+
+
+Message = StagingReq | StagingRsp | Watermark | ChunkReady | TransferStatus | Abort | AbortAck
 MESSAGE_TYPES: dict[bytes, type] = {
-    t.TAG: t for t in (StagingReq, StagingRsp, Watermark, ChunkReady, TransferStatus)
+    t.TAG: t for t in (StagingReq, StagingRsp, Watermark, ChunkReady, TransferStatus, Abort,
+                       AbortAck)
 }
-_STR_FIELDS = {"session_id", "writer_id"}
+_STR_FIELDS = {"session_id", "writer_id", "decode_ip"}
+
+PREFETCH_SOCKET = "prefetch"
+CONTROL_SOCKET = "control"
+
+
+def socket_of(msg: Message) -> str:
+    """The sender's socket for ``msg``: ``"prefetch"`` for STAGING_REQ, else ``"control"``.
+
+    Frames keep their order only within one (source, destination, socket)."""
+    return PREFETCH_SOCKET if isinstance(msg, StagingReq) else CONTROL_SOCKET
 
 
 def _enc(value: object) -> bytes:
@@ -101,10 +143,13 @@ def encode(msg: Message) -> list[bytes]:
     parts = [msg.TAG]
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
-        if f.name == "pp_rank" and value is None:
+        if f.name in _OPTIONAL and value is None:
             continue
         parts.append(_enc(value))
     return parts
+
+
+_OPTIONAL = {"pp_rank", "failure_reason", "generation"}
 
 
 def _field_names(cls: type) -> list[str]:
@@ -121,8 +166,7 @@ def decode(frames: list[bytes]) -> Message:
         raise ValueError(f"unknown message kind {tag[:32]!r}")
     kind = tag.decode("ascii")
     names = _field_names(cls)
-    optional = {"pp_rank", "failure_reason"}
-    required = [n for n in names if n not in optional]
+    required = [n for n in names if n not in _OPTIONAL]
     body = frames[1:]
     if len(body) < len(required):
         missing = required[len(body)]

@@ -2,9 +2,13 @@
 
 ``Cluster`` holds prefill and decode ranks of one deployment and a list of pending actions
 (message deliveries, transfer and scatter completions, worker polls, bootstrap metadata, the
-scheduler's sends). ``choices()`` lists the actions that may go next: control messages keep
-per-link FIFO order as ZMQ does, everything else is free. ``step(i)`` takes one. Property tests
-and the wedge explorer drive it; it checks the core's invariants after every step.
+scheduler's sends). ``choices()`` lists the actions that may go next: frames keep FIFO order per
+(source, destination, socket) as ZMQ does (``wire.socket_of``: prefill's STAGING_REQ has a
+socket of its own, so it may overtake or trail the same rank's CHUNK_READY and KV_STATUS;
+decode's bootstrap metadata shares its control socket), everything else is free. ``step(i)``
+takes one. Property tests and the wedge explorer drive it; it checks the core's invariants
+after every step. The decode group's poll reduction happens within a step (the runtime hands a
+``GroupPoll`` to the peers it holds at once), as SGLang's lockstep all-reduce does.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from twin.runtime.runtime import Runtime
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    kind: str  # msg | meta | xfer | scatter | poll | send | register | abort
+    kind: str  # msg | meta | xfer | scatter | poll | send | register | control
     node: str
     event: ev.Input
     src: str = ""
@@ -105,21 +109,31 @@ class Cluster:
             self._feed(d.id, ev.DecodeRoomInit(
                 room=room, prefill_ranks=self.topo.writers_of(d, pg),
                 prefill_attn_tp=cfg.prefill.attn_tp_size, decode_prefix_len=decode_prefix_len,
-                total_pages=total_pages))
+                total_pages=total_pages, group=self.topo.decode_group_of(d)))
 
     # -- choosing and taking actions ---------------------------------------------------------
     def choices(self) -> list[int]:
-        """Indices of ``pending`` that may be taken next (per-link FIFO for messages)."""
-        seen_links: set[tuple[str, str]] = set()
+        """Indices of ``pending`` that may be taken next (FIFO per source, destination and
+        socket for frames and metadata)."""
+        seen_links: set[tuple[str, str, str]] = set()
         out = []
         for i, a in enumerate(self.pending):
-            if a.kind == "msg":
-                link = (a.src, a.node)
+            link = self.link_of(a)
+            if link is not None:
                 if link in seen_links:
                     continue
                 seen_links.add(link)
             out.append(i)
         return out
+
+    @staticmethod
+    def link_of(a: Action) -> tuple[str, str, str] | None:
+        """The ordered channel an action travels on, or None when it is free to go any time."""
+        if a.kind == "msg":
+            return (a.src, a.node, wire.socket_of(a.event.msg))  # type: ignore[union-attr]
+        if a.kind == "meta":
+            return (a.src, a.node, wire.CONTROL_SOCKET)
+        return None
 
     def step(self, index: int) -> Action:
         action = self.pending.pop(index)
@@ -189,7 +203,8 @@ class Cluster:
         self._push("msg", dst, ev.MessageArrived(src=src, msg=msg), src=src)
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
-        self._push("meta" if type(event) is ev.RoomBootstrapped else "abort", dst, event, src=src)
+        self._push("meta" if type(event) is ev.RoomBootstrapped else "control", dst, event,
+                   src=src)
 
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         self.in_flight[(node, e.worker)] = e

@@ -11,6 +11,12 @@ The twin's own bootstrap (agent metadata and registered regions) travels as
 instead of being base64-encoded into the JSON. SGLang's staging frames are a separate
 protocol and are not decoded here.
 
+Sockets as SGLang opens them: ``send(..., socket=NAME)`` picks one PUSH socket per (peer,
+name). SGLang's prefill sends STAGING_REQ on a prefetch socket created in a context of its own,
+apart from the manager's cached socket that carries CHUNK_READY, KV_STATUS and ABORT_ACK; the
+``"prefetch"`` sockets here live in a second context the same way, so frames on different
+sockets reach the peer's PULL socket over separate connections and may overtake each other.
+
 Delivery notes: PUSH sockets use ``ZMQ_IMMEDIATE`` so :meth:`ControlSocket.send` blocks (up
 to its timeout) until the peer's PULL socket is reachable instead of queueing silently.
 A send returns once the message is queued; ``close()`` defaults to linger 0, which drops
@@ -59,7 +65,8 @@ class ControlSocket:
         self._owns_ctx = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._send_timeout_ms = send_timeout_ms
-        self._push: dict[str, zmq.Socket[Any]] = {}
+        self._push: dict[tuple[str, str], zmq.Socket[Any]] = {}
+        self._prefetch_ctx: zmq.Context[Any] | None = None
         self._backlog: deque[list[bytes]] = deque()
         self._closed = False
         self._pull: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
@@ -111,6 +118,8 @@ class ControlSocket:
         self._push.clear()
         self._pull.close(0)
         self._backlog.clear()
+        if self._prefetch_ctx is not None:
+            self._prefetch_ctx.term()
         if self._owns_ctx:
             self._ctx.term()
 
@@ -119,10 +128,15 @@ class ControlSocket:
             raise ControlError("control socket is closed")
 
     # ------------------------------------------------------------------ send
-    def _push_for(self, endpoint: str) -> zmq.Socket[Any]:
-        sock = self._push.get(endpoint)
+    def _push_for(self, endpoint: str, socket: str = "control") -> zmq.Socket[Any]:
+        sock = self._push.get((endpoint, socket))
         if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
+            ctx = self._ctx
+            if socket != "control":
+                if self._prefetch_ctx is None:
+                    self._prefetch_ctx = zmq.Context()
+                ctx = self._prefetch_ctx
+            sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             try:
@@ -130,13 +144,14 @@ class ControlSocket:
             except zmq.ZMQError as e:
                 sock.close(0)
                 raise ControlError(f"cannot connect to {endpoint!r}: {e}") from e
-            self._push[endpoint] = sock
+            self._push[(endpoint, socket)] = sock
         return sock
 
     def send(
-        self, endpoint: str, frames: Sequence[bytes], *, timeout_ms: int | None = None
+        self, endpoint: str, frames: Sequence[bytes], *, timeout_ms: int | None = None,
+        socket: str = "control",
     ) -> None:
-        """Queue one multipart message for ``endpoint``.
+        """Queue one multipart message for ``endpoint`` on this side's ``socket`` to it.
 
         Blocks at most ``timeout_ms`` (default: the socket's ``send_timeout_ms``) while the
         peer is unreachable or its queue is full, then raises :class:`ControlError`.
@@ -145,7 +160,7 @@ class ControlSocket:
         if not frames:
             raise ValueError("a message needs at least one frame")
         parts = [bytes(f) for f in frames]
-        sock = self._push_for(endpoint)
+        sock = self._push_for(endpoint, socket)
         sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms if timeout_ms is None else timeout_ms)
         try:
             sock.send_multipart(parts, copy=True)

@@ -48,7 +48,7 @@ from twin.runtime.runtime import Runtime
 HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
     b"TWIN_HELLO", b"TWIN_DIR", b"TWIN_START", b"TWIN_CMD", b"TWIN_REC", b"TWIN_REPORT",
     b"TWIN_STATE", b"TWIN_STOP")
-META, ABORT = b"TWIN_META", b"TWIN_ABORT"
+META, ABORT, PEER = b"TWIN_META", b"TWIN_ABORT", b"TWIN_PEER"
 IDLE_WAIT_MS = 20
 FLUSH_IDLE_S = 0.05
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
@@ -103,6 +103,7 @@ class RankProcess:
         self.runtime = Runtime({spec.node: self.core}, self, recorder=self,
                                hooks={ev.RoomConcluded: self._concluded,
                                       ev.RoomTornDown: self._torn_down,
+                                      ev.RoomReleased: self._torn_down,
                                       ev.RankCrashed: self._crashed},
                                scripted=spec.script is not None)
         tp = getattr(cfg, spec.role).attn_tp_size
@@ -236,6 +237,9 @@ class RankProcess:
             elif tag == ABORT:
                 d = json.loads(frames[1])
                 self.input(ev.RoomAborted(room=d["room"], reason=d["reason"]))
+            elif tag == PEER:
+                d = json.loads(frames[1])
+                self.input(ev.PeerPolled(room=d["room"], peer=d["peer"], poll=d["poll"]))
             elif tag == STOP:
                 self.stopping = True
             else:
@@ -342,7 +346,7 @@ class RankProcess:
     def _push(self, dst: str, msg: wire.Message) -> None:
         """Send one frame; a peer that cannot take it for a minute is a failed send."""
         try:
-            self.sock.send(self.endpoints[dst], wire.encode(msg))
+            self.sock.send(self.endpoints[dst], wire.encode(msg), socket=wire.socket_of(msg))
         except ControlError as exc:
             self.reports.append({"kind": "send-failed", "node": self.spec.node,
                                  "detail": f"{msg.TAG.decode()} -> {dst}: {exc}"})
@@ -357,6 +361,10 @@ class RankProcess:
             frames = [META, json.dumps({"room": event.room, "target": target}).encode()]
         elif isinstance(event, ev.RoomAborted):
             frames = [ABORT, json.dumps({"room": event.room, "reason": event.reason}).encode()]
+        elif isinstance(event, ev.PeerPolled):
+            # The decode group's poll reduction (a gloo all-reduce in SGLang) between processes.
+            frames = [PEER, json.dumps({"room": event.room, "peer": event.peer,
+                                        "poll": event.poll}).encode()]
         else:
             raise TypeError(f"no control frame for {type(event).__name__}")
         self.sock.send(self.endpoints[dst], frames)
@@ -391,15 +399,17 @@ class RankProcess:
         try:
             handle = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes)
         except TransferError as exc:
-            self.in_flight[e.worker] = ("error", str(exc))
+            # A rejected post: SGLang cannot prove nothing of it lands, so it poisons the room.
+            self.in_flight[e.worker] = ("unsettled", str(exc))
             return
         self.in_flight[e.worker] = ("handle", handle)
 
     def _poll_transfers(self) -> None:
         for worker, (kind, value) in list(self.in_flight.items()):
-            if kind == "error":
+            if kind in ("error", "unsettled"):
                 del self.in_flight[worker]
-                self.input(ev.TransferDone(worker=worker, ok=False, error=value))
+                self.input(ev.TransferDone(worker=worker, ok=False, error=value,
+                                           settled=kind == "error"))
                 continue
             state = self.nixl.poll(value)
             if state == "PROC":
@@ -439,7 +449,8 @@ class RankProcess:
             req = self.rooms.get(e.room)
             if e.status == "Success" and req is not None:
                 report["mismatch"] = self._verify(req)
-            self.pool.release(e.room)
+            if e.status == "Success" or not self.cfg.deferred_decode_kv_release:
+                self.pool.release(e.room)  # a held failed room keeps its KV pages until released
         self.reports.append(report)
 
     def _verify(self, req: dict[str, Any]) -> str | None:

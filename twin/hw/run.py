@@ -269,7 +269,8 @@ class HwRun:
             self.launcher.feed(d.id, ev.DecodeRoomInit(
                 room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
                 prefill_attn_tp=self.cfg.prefill.attn_tp_size,
-                decode_prefix_len=req.decode_prefix_len, total_pages=total))
+                decode_prefix_len=req.decode_prefix_len, total_pages=total,
+                group=self.topo.decode_group_of(d)))
 
     def _bootstrapped(self, node: str, room: int, known: int) -> None:
         req = self.reqs.get(room)

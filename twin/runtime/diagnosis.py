@@ -143,6 +143,13 @@ class _Graph:
                              f"emptied and its watermark stayed at the old head instead of "
                              f"moving to (round + 1, 0)")
         for room in dec.rooms.values():
+            if room.held and (a.alloc_id in room.held_scattered or a.alloc_id in room.scattering
+                              or any(c.alloc_id == a.alloc_id for c in room.chunks.values())):
+                return self.root(("held", s, room.room),
+                                 f"{s}: failed room {room.room} holds its staging until every "
+                                 f"prefill rank acknowledged its ABORT ({len(room.acks)} of "
+                                 f"{len(room.prefill_ranks)}) or {room.release_at:.3f}s "
+                                 f"(deferred decode KV release)")
             if a.alloc_id in room.scattering:
                 return self.root(("scatter", s, a.alloc_id),
                                  f"{s}: the scatter of room {room.room} chunk "

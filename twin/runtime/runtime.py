@@ -5,6 +5,9 @@ one in a hardware rank process) and turns every effect into a driver action. The
 that is the same in every mode lives here, once: frame and control fan-out, worker polls (one
 pending poll per worker; a newer one replaces it), the late registration point, timeouts,
 crashed ranks, dropped-input notes for diagnosis, and the progress clock the wedge monitor reads.
+A decode rank's ``GroupPoll`` (its share of the MIN all-reduce of the group's polls) reaches a
+peer held by this runtime in the same step, after the current input's effects (SGLang reduces
+in lockstep); a peer in another process gets it through ``control``.
 The protocol decides *when* (``Deferred.retry_at``, ``WakeWorkers.at``,
 ``SendMetadata.register_at``, ``SetTimer.at``); the driver only supplies:
 
@@ -20,6 +23,7 @@ Drivers observe any other effect through ``hooks`` (metrics, integrity, request 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -32,7 +36,7 @@ Rank = PrefillRank | DecodeRank
 Hook = Callable[[str, Any], None]
 
 PROGRESS_EFFECTS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
-                    ev.ChunkQueued)
+                    ev.ChunkQueued, ev.RoomReleased)
 """Effects that count as progress for the wedge monitor (the same in every mode)."""
 
 DROPPED_NOTES_PER_ROOM = 8
@@ -83,11 +87,25 @@ class Runtime:
         self._poll_tokens: dict[tuple[str, int], int] = {}
         self._time = driver.time
         self._now = 0.0  # the time of the input being handled (effects happen then)
+        self._local: deque[tuple[str, ev.Input]] = deque()
+        self._draining = False
         self._table = self._dispatch_table(hooks or {})
 
     # -- feeding -------------------------------------------------------------------------------
     def feed(self, node: str, event: ev.Input) -> list[ev.Effect]:
-        """Hand ``event`` to ``node``'s core now and carry out its effects (none if crashed)."""
+        """Hand ``event`` to ``node``'s core now and carry out its effects (none if crashed);
+        then the group polls this produced for other ranks held here."""
+        effects = self._feed(node, event)
+        if not self._draining:
+            self._draining = True
+            try:
+                while self._local:
+                    self._feed(*self._local.popleft())
+            finally:
+                self._draining = False
+        return effects
+
+    def _feed(self, node: str, event: ev.Input) -> list[ev.Effect]:
         if node in self.crashed:
             return []
         rank = self.ranks[node]
@@ -151,6 +169,8 @@ class Runtime:
             ev.Allocated: self._progress,
             ev.ChunkQueued: self._progress,
             ev.RoomConcluded: self._progress,
+            ev.RoomReleased: self._progress,
+            ev.GroupPoll: self._group_poll,
         }
         table: dict[type, Hook] = {}
         for t in ev.EFFECT_TYPES:
@@ -166,7 +186,8 @@ class Runtime:
 
     def _metadata(self, node: str, e: ev.SendMetadata) -> None:
         target = ev.Target(session=e.session, decode_rank=e.decode_rank,
-                           total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len)
+                           total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len,
+                           dst_port=e.dst_port)
         boot = ev.RoomBootstrapped(room=e.room, targets=(target,))
         for p in e.prefill_ranks:
             self.driver.control(node, p, boot)
@@ -177,6 +198,14 @@ class Runtime:
         aborted = ev.RoomAborted(room=e.room, reason=e.reason)
         for d in e.dsts:
             self.driver.control(node, d, aborted)
+
+    def _group_poll(self, node: str, e: ev.GroupPoll) -> None:
+        polled = ev.PeerPolled(room=e.room, peer=node, poll=e.poll)
+        for peer in e.peers:
+            if peer in self.ranks:
+                self._local.append((peer, polled))
+            else:
+                self.driver.control(node, peer, polled)
 
     def _start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         self.last_progress = self._now

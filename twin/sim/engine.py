@@ -81,7 +81,7 @@ class Simulation:
         self._loop_of = {n.id: self.decode_loops[i] for i, g in enumerate(self.topo.decode_groups)
                          for n in g.nodes}
         self.placement = Placement(cfg, self.topo, self.params, request_overrides)
-        self.link_last: dict[tuple[str, str], float] = {}
+        self.link_last: dict[tuple[str, str, str], float] = {}
         self.nic_free: dict[str, float] = {}
         self.stream_free: dict[str, float] = {}
         self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
@@ -147,7 +147,7 @@ class Simulation:
                 return
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
-        link = (src, dst)
+        link = (src, dst, wire.socket_of(msg))  # FIFO per sending socket, not per peer
         t = max(self.env.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         copies, extra = (1, 0.0) if fate is None else (fate.copies, fate.extra_s)
@@ -156,8 +156,9 @@ class Simulation:
             self.at(t + extra + i * 1e-6 - self.env.now, self.feed, dst, arrived)
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
-        """Metadata and abort notices: the control link's latency and order, no jitter."""
-        link = (src, dst)
+        """Metadata (on decode's control socket, in order with its frames) and other notices:
+        the control link's latency and order, no jitter."""
+        link = (src, dst, wire.CONTROL_SOCKET)
         t = max(self.env.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         self.at(t - self.env.now, self.feed, dst, event)
@@ -279,12 +280,17 @@ class Simulation:
             self.feed(d.id, ev.DecodeRoomInit(
                 room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
                 prefill_attn_tp=self.cfg.prefill.attn_tp_size,
-                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages))
+                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages,
+                group=self.topo.decode_group_of(d)))
 
     def _bootstrap_deadline(self, req: RequestState) -> None:
+        """SGLang's bootstrap timeout fails only the prefill sender (its own poll); decode
+        learns nothing and gives up at its waiting timeout."""
         if req.bootstrap_done_s >= 0 or req.finished:
             return
-        self.abort(req.room, "bootstrap timeout: decode metadata never reached every rank")
+        reason = "bootstrap timeout: decode metadata never reached every rank"
+        for n in self.topo.prefill_groups[req.prefill_group].nodes:
+            self.feed(n.id, ev.RoomAborted(room=req.room, reason=reason))
 
     def abort(self, room: int, reason: str) -> None:
         """Abort a request everywhere (client abort, bootstrap timeout)."""

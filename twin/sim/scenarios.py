@@ -7,7 +7,8 @@ injected abort or send error, an unaligned prefix), ``fails_by_design`` names th
 the defects off the run ends ``failed`` with exactly those rooms failed, else ``completed``.
 ``twin scenarios --check`` runs them both ways.
 A *finding* scenario shows a failure of today's protocol (every defect off) that the twin found;
-it has no switch, so it is checked once, for its symptom.
+it has no defect switch. When a proposed fix removes it (``fixes``, see ``twin/core/fixes.py``),
+it is checked both ways: the symptom with the fix off, a clean run with it on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from twin.core.defects import (
     SWALLOWED_CHUNK_READY_ERROR,
     TEARDOWN_DROPS_DEFERRED,
 )
+from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
 from twin.runtime.faults import FaultSpec, parse_fault
 from twin.runtime.params import SimParams
 from twin.workloads import Workload, fixed, poisson, shared_prefix
@@ -57,6 +59,7 @@ class Scenario:
     def clean_status(self) -> str:
         """The status of a run with the scenario's defects off."""
         return "failed" if self.fails_by_design else "completed"
+    fixes: tuple[str, ...] = ()
 
     def fault_specs(self) -> list[FaultSpec]:
         return [parse_fault(f) for f in self.faults]
@@ -180,7 +183,27 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              decode=ServerSide(tp_size=2), staging_pool_size_bytes=2 * MiB),
         lambda: poisson(60, 40, (800, 400), 8, seed=1),
         symptom="corruption", faults=("delay:WATERMARK:src=d0g0r1:ms=20",), params=QUIET,
-        finding=True,
+        finding=True, fixes=(MULTI_TARGET_RETRY_RESUME,),
+    ),
+    Scenario(
+        "lost-staging-rsp", "today's protocol has no recovery for a lost control frame: prefill "
+        "TP4 -> decode TP2, serial requests; both STAGING_RSPs that would tell p0g0r0 where "
+        "room 1's chunk goes are lost, so the chunk waits for its allocation forever and the "
+        "room stalls until decode's waiting timeout. Fixed by lost-control-recovery (sglang "
+        "PR #29978: prefill re-requests the STAGING_RSP)",
+        _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(4, 1024, 0.2), symptom="wedge",
+        faults=("drop:STAGING_RSP:dst=p0g0r0:room=1:chunk=0:nth=1",
+                "drop:STAGING_RSP:dst=p0g0r0:room=1:chunk=0:nth=2"),
+        params=QUIET, finding=True, fixes=(LOST_CONTROL_RECOVERY,),
+    ),
+    Scenario(
+        "lost-watermark", "a lost WATERMARK: prefill TP4 -> decode TP2 on a one-chunk ring, "
+        "serial one-chunk requests; the watermark that d0g0r0 broadcasts when room 0 frees the "
+        "ring never reaches p0g0r0, whose write of room 1 then waits forever. Fixed by "
+        "lost-control-recovery (decode re-broadcasts its watermark to a repeated request)",
+        _cfg(**TP4_TP2, staging_pool_size_bytes=MiB), _serial(3, 256, 0.2), symptom="wedge",
+        faults=("drop:WATERMARK:src=d0g0r0:dst=p0g0r0:nth=2",),
+        params=QUIET, finding=True, fixes=(LOST_CONTROL_RECOVERY,),
     ),
 )}
 
@@ -203,6 +226,13 @@ def check_scenario(sc: Scenario) -> dict[str, object]:
         failed[label] = tuple(sorted(q.room for q in r.sim.metrics.done if q.status == "Failed"))
     want_on = {"clean": sc.clean_status, "wedge": "wedged",
                "corruption": "corrupted"}[sc.symptom]
+    if sc.finding and sc.fixes:
+        fixed = run_sim(sc.config.replace(fixes=sc.fixes), sc.workload(),
+                        defects=Defects.of(sc.base_defects), faults=sc.fault_specs(),
+                        params=sc.params, request_overrides=sc.overrides,
+                        max_concurrency=sc.max_concurrency).status.value
+        return {"on": results["on"], "off": f"{fixed} (fix {', '.join(sc.fixes)})",
+                "ok": results["on"] == want_on and fixed == "completed"}
     if sc.finding:
         return {"on": results["on"], "off": "n/a (no switch)", "ok": results["on"] == want_on}
     ok = (results["on"] == want_on and results["off"] == sc.clean_status

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from twin.core import events as ev
+from twin.core.config import TwinConfig
 
 ADDED_IN: dict[int, dict[type, tuple[str, ...] | None]] = {
     # Version 2: effects carry what a driver needs (the one runtime); None: a new effect type.
@@ -21,6 +22,16 @@ ADDED_IN: dict[int, dict[type, tuple[str, ...] | None]] = {
         ev.WakeWorkers: ("at",),
         ev.SendMetadata: ("register_at",),
         ev.WatermarkMoved: ("lag_bytes",),
+    },
+    # Version 3: failure paths and sockets as SGLang runs them: the decode group's poll
+    # reduction, deferred decode KV release (ABORT / ABORT_ACK frames ride in Send), the
+    # metadata's control port; inputs gained DecodeRoomInit.group, Target.dst_port,
+    # TransferDone.settled and PeerPolled.
+    3: {
+        ev.GroupPoll: None,
+        ev.RoomHeld: None,
+        ev.RoomReleased: None,
+        ev.SendMetadata: ("dst_port",),
     },
 }
 
@@ -53,3 +64,12 @@ def comparable(effects: list[Any], version: int,
             d.pop(name, None)
         out.append(d)
     return out
+
+
+def recorded_config(version: int, cfg: TwinConfig) -> TwinConfig:
+    """The config a trace of ``version`` was recorded with, in today's terms: before format 3
+    the twin woke a deferred transfer worker on any allocation or queued chunk
+    (``worker_wake = "eager"``)."""
+    if version < 3 and cfg.worker_wake == "sglang":
+        return cfg.replace(worker_wake="eager")
+    return cfg

@@ -51,6 +51,7 @@ from twin.trace.codec import (
     field_specs,
     line_emitters,
 )
+from twin.trace.compat import recorded_config
 from twin.trace.index import STATE_EVERY, Block, BlockMeta, IndexWriter, LiveState, index_path
 
 try:
@@ -65,6 +66,7 @@ def _loads(raw: bytes) -> Any:
         return _fast_loads(raw)
     except ValueError:
         return json.loads(raw)
+
 
 __all__ = [
     "DRIVER",
@@ -88,7 +90,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "staging-twin-trace"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DRIVER = "driver"
 """The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
 MODES = ("sim", "hw")
@@ -201,6 +203,7 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
         raise TraceError(where, "expected an object", "config")
     try:
         config = TwinConfig.from_dict(cfg_data, source="config")
+        config = recorded_config(h["version"], config)
     except ConfigError as exc:
         found = re.search(r"field '([^']+)': (.*)", str(exc), re.DOTALL)
         if found is None:

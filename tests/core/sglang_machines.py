@@ -1,0 +1,445 @@
+"""SGLang 0.5.23's decode-side staging state machine, run from the wheel with recording stubs.
+
+``sglang_ref`` loads SGLang's pure helpers; this module loads the code that *decides*: the
+whole ``DecodeStagingHandler`` class and ``handle_staging_req`` (``common/staging_handler.py``),
+``StagingManagerMixin._handle_staging_req`` (the listener's STAGING_REQ entry),
+``CommonKVManager.handle_chunk_ready`` and ``apply_prefill_status`` (``common/conn.py``) and
+``poll_and_all_reduce_with_staging`` (``utils.py``). NIXL, ZMQ, CUDA streams, events and
+threads are replaced by recording stubs; the clock is a settable fake. Loading refuses when
+the code's shape changed (a method or a function-local import that is not where it was).
+
+``SglangDecodeRank`` wraps one decode rank around that code. What is *not* SGLang's own code
+here is the thin glue a decode scheduler supplies, written after ``decode.py``
+(``pop_transferred`` with deferred release off: conclude on the reduced poll, then
+``unregister_decode_req``) and ``CommonKVReceiver._poll`` (status, waiting timeout); it is
+marked ``# glue`` below.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import sys
+import threading
+import types
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_ref import (
+    STAGING_HANDLER,
+    ReferenceUnavailable,
+    _namespace,
+    load,
+    wheel_path,
+)
+
+CONN = "sglang/srt/disaggregation/common/conn.py"
+UTILS = "sglang/srt/disaggregation/utils.py"
+
+HANDLER_METHODS = {
+    "register_wm_subscriber", "num_writers_for", "register_decode_req",
+    "unregister_decode_req", "release_room", "submit_chunk_scatter", "is_staging_room",
+    "handle_chunk_arrived", "submit_last_scatter_async", "is_done", "is_failed",
+    "advance_scatter", "_scatter_region", "_free_and_send_watermark", "_send_watermark",
+}
+_LOCAL_IMPORTS = {
+    "handle_staging_req": {"StagingAllocator", "compute_staging_layout",
+                           "resolve_total_kv_heads"},
+}
+
+
+class KVPoll:
+    """SGLang's ``KVPoll`` values (``disaggregation/base/conn.py``)."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+class Event:
+    """A scatter's device event: ``query()`` is True once the harness says it finished."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self, _stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+
+class Stream:
+    def synchronize(self) -> None:
+        pass
+
+
+class _DropImports(ast.NodeTransformer):
+    """Remove function-local imports anywhere in a function; collects the names they bound."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def _drop(self, node: ast.Import | ast.ImportFrom) -> ast.AST:
+        self.names.update(a.asname or a.name for a in node.names)
+        return ast.copy_location(ast.Pass(), node)
+
+    visit_Import = visit_ImportFrom = _drop  # noqa: N815
+
+
+def _strip_local_imports(fn: ast.FunctionDef, expected: set[str]) -> None:
+    dropper = _DropImports()
+    dropper.visit(fn)
+    if dropper.names != expected:
+        raise ReferenceUnavailable(f"{fn.name} imports changed: {sorted(dropper.names)}")
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise ReferenceUnavailable(f"no {cls.name}.{name} in the sglang wheel")
+
+
+def _top(tree: ast.Module, name: str, path: str) -> ast.stmt:
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+    raise ReferenceUnavailable(f"{path}: no top-level {name!r}")
+
+
+def _exec(path: str, source: str, body: list[ast.stmt], namespace: dict[str, Any],
+          wheel: Path) -> dict[str, Any]:
+    name = "sglang_sm_" + Path(path).stem
+    module = types.ModuleType(name)
+    module.__dict__.update(_namespace(name))
+    module.__dict__.update(namespace)
+    sys.modules[name] = module
+    filename = f"{wheel.name}/{path}"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    future = ast.parse("from __future__ import annotations").body
+    code = compile(ast.Module(body=[*future, *body], type_ignores=[]), filename, "exec",
+                   dont_inherit=True)
+    exec(code, module.__dict__)
+    return module.__dict__
+
+
+@functools.lru_cache(maxsize=1)
+def load_machines() -> types.SimpleNamespace:
+    """SGLang's decode-side decision code, executed from the wheel's source."""
+    ref = load()
+    wheel = wheel_path()
+    with zipfile.ZipFile(wheel) as zf:
+        src = {p: zf.read(p).decode("utf-8") for p in (STAGING_HANDLER, CONN, UTILS)}
+    clock = FakeClock()
+    events: list[Event] = []
+
+    def create_device_event(_device: Any) -> Event:
+        ev = Event()
+        events.append(ev)
+        return ev
+
+    # staging_handler.py: the handler class, handle_staging_req, the mixin's entry point.
+    tree = ast.parse(src[STAGING_HANDLER])
+    handler = _top(tree, "DecodeStagingHandler", STAGING_HANDLER)
+    assert isinstance(handler, ast.ClassDef)
+    have = {n.name for n in handler.body if isinstance(n, ast.FunctionDef)}
+    missing = HANDLER_METHODS - have
+    if missing:
+        raise ReferenceUnavailable(f"DecodeStagingHandler changed shape: no {sorted(missing)}")
+    hsr = _top(tree, "handle_staging_req", STAGING_HANDLER)
+    assert isinstance(hsr, ast.FunctionDef)
+    _strip_local_imports(hsr, _LOCAL_IMPORTS["handle_staging_req"])
+    mixin = _top(tree, "StagingManagerMixin", STAGING_HANDLER)
+    assert isinstance(mixin, ast.ClassDef)
+    entry = _method(mixin, "_handle_staging_req")
+    ns = _exec(STAGING_HANDLER, src[STAGING_HANDLER], [handler, hsr, entry], {
+        "time": clock, "torch": types.SimpleNamespace(), "create_device_event":
+        create_device_event, "create_device_stream": lambda _d: Stream(),
+        "device_stream_context": None, "get_schedule": None,
+        "StagingAllocator": ref.StagingAllocator,
+        "compute_staging_layout": ref.compute_staging_layout,
+        "resolve_total_kv_heads": _resolve_total_kv_heads,
+    }, wheel)
+
+    # conn.py: the listener's CHUNK_READY path and the status bookkeeping.
+    ctree = ast.parse(src[CONN])
+    manager = _top(ctree, "CommonKVManager", CONN)
+    assert isinstance(manager, ast.ClassDef)
+    conn_fns = [_method(manager, m) for m in ("handle_chunk_ready", "apply_prefill_status")]
+    cns = _exec(CONN, src[CONN], conn_fns, {"KVPoll": KVPoll}, wheel)
+
+    # utils.py: the staging-aware poll (one rank: the all-reduce is the identity).
+    poll_fn = _top(ast.parse(src[UTILS]), "poll_and_all_reduce_with_staging", UTILS)
+    uns = _exec(UTILS, src[UTILS], [poll_fn], {
+        "KVPoll": KVPoll,
+        "_poll_with_failure_injection": lambda pollers: [int(p.poll()) for p in pollers],
+        "_apply_metadata_gate": lambda *a: None,
+        "_all_reduce_polls": lambda polls, _group: polls,
+        "dist": None,
+    }, wheel)
+    return types.SimpleNamespace(
+        DecodeStagingHandler=ns["DecodeStagingHandler"],
+        handle_staging_req_entry=ns["_handle_staging_req"],
+        handle_chunk_ready=cns["handle_chunk_ready"],
+        apply_prefill_status=cns["apply_prefill_status"],
+        poll_and_all_reduce_with_staging=uns["poll_and_all_reduce_with_staging"],
+        StagingAllocator=ref.StagingAllocator, clock=clock, events=events,
+    )
+
+
+def _resolve_total_kv_heads(kv_args: Any, attn_tp_size: int) -> int:
+    return int(kv_args.total_kv_head_num)
+
+
+# ---------------------------------------------------------------------------------------------
+# One decode rank around SGLang's code
+# ---------------------------------------------------------------------------------------------
+class _Sock:
+    def __init__(self, dst: str, sent: list[tuple[str, list[bytes]]]) -> None:
+        self.dst, self.sent = dst, sent
+
+    def send_multipart(self, parts: list[bytes]) -> None:
+        self.sent.append((self.dst, [bytes(p) for p in parts]))
+
+
+@dataclass
+class _Receiver:
+    """The parts of ``CommonKVReceiver`` the staging code reads, plus its poll (glue)."""
+
+    room: int
+    bootstrap_infos: list[dict[str, Any]]
+    prefill_info: Any
+    mgr: Any
+    sent: list[tuple[str, list[bytes]]]
+    init_time: float
+    waiting_timeout: float
+    require_staging: bool = True
+    chunk_staging_infos: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    conclude_state: int | None = None
+
+    def _connect_to_bootstrap_server(self, info: dict[str, Any]) -> tuple[_Sock, Any]:
+        return _Sock(info["rank_ip"], self.sent), threading.Lock()
+
+    def poll(self) -> int:  # glue: CommonKVReceiver._poll
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self.mgr.request_status[self.room]
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+        elif status == KVPoll.WaitingForInput and \
+                self.mgr.clock.now - self.init_time >= self.waiting_timeout:
+            self.mgr.update_status(self.room, KVPoll.Failed)
+            return KVPoll.Failed
+        return status
+
+
+class _Manager:
+    """A stand-in ``CommonKVManager``/``StagingManagerMixin`` for the lifted methods."""
+
+    DEFAULT_PREFILL_FAILURE_REASON = "prefill failed"
+
+    def __init__(self, m: types.SimpleNamespace, attn_tp_size: int, kv_args: Any) -> None:
+        self.clock = m.clock
+        self.attn_tp_size = attn_tp_size
+        self.kv_args = kv_args
+        self.kv_buffer_tensors = None
+        self.pp_size = 1
+        self.enable_staging = True
+        self.defer_decode_allocation = False
+        self.request_status: dict[int, int] = {}
+        self.prefill_response_tracker: dict[int, set[int]] = {}
+        self.required_prefill_response_num_table: dict[int, int] = {}
+        self.failure_records: dict[int, str] = {}
+        self._staging_ctx = types.SimpleNamespace(allocator=None, room_bootstrap={},
+                                                  room_receivers={})
+        self._staging_handler: Any = None
+
+    def record_failure(self, room: int, reason: str) -> None:
+        self.failure_records.setdefault(room, reason)
+
+    def update_status(self, room: int, status: int) -> None:  # glue: update_status's rules
+        current = self.request_status.get(room)
+        if current is None:
+            return
+        if status == KVPoll.Failed or current == KVPoll.Failed:
+            self.request_status[room] = KVPoll.Failed
+            return
+        self.request_status[room] = max(current, status)
+
+
+class SglangDecodeRank:
+    """One decode attention-TP rank: SGLang's handler, allocator, entry points and poll.
+
+    Every ``on_*`` call is one input; it runs the decode poll afterwards (the twin's core
+    advances its rooms after every input), and returns what SGLang decided: frames sent,
+    scatters submitted, allocations freed, rooms concluded.
+    """
+
+    def __init__(self, *, ring_bytes: int, page_size: int, decode_tp: int, tp_rank: int,
+                 total_kv_heads: int, head_bytes: int, num_layers: int,
+                 timeout_s: float) -> None:
+        m = load_machines()
+        self.m = m
+        m.events.clear()
+        m.clock.now = 0.0
+        heads = max(1, total_kv_heads // decode_tp)
+        kv_args = types.SimpleNamespace(
+            page_size=page_size, engine_rank=tp_rank, total_kv_head_num=total_kv_heads,
+            kv_item_lens=[page_size * heads * head_bytes] * (2 * num_layers))
+        self.mgr = _Manager(m, decode_tp, kv_args)
+        self.alloc = m.StagingAllocator(ring_bytes, "cpu", 0)
+        self.alloc._scatter_stream = Stream()
+        self.freed: list[int] = []
+        real_free = self.alloc.free
+
+        def free(alloc_id: int) -> None:
+            if alloc_id in self.alloc.allocations:
+                self.freed.append(alloc_id)
+            real_free(alloc_id)
+
+        self.alloc.free = free
+        self.mgr._staging_ctx.allocator = self.alloc
+        h = m.DecodeStagingHandler.__new__(m.DecodeStagingHandler)
+        h.kv_manager, h.staging_allocator = self.mgr, self.alloc
+        h.kv_buffer_info = {"page_size": page_size}
+        h.decode_tp, h.total_kv_heads, h.tp_rank = decode_tp, total_kv_heads, tp_rank
+        h.scheduler, h.completion_timeout = None, float(timeout_s)
+        h._room_to_decode_req, h._room_to_receiver = {}, {}
+        h._wm_subscribers, h._writer_counts = {}, {}
+        h.device, h.gpu_id = types.SimpleNamespace(type="cpu", index=0), 0
+        self.scatters: list[tuple[int, int, int, int, int]] = []
+        self._pending_event: tuple[int, int] | None = None
+        self._scattering: tuple[int, int] = (-1, -1)
+        h._scatter_region = self._scatter_region  # the kernel launch: recorded
+        submit = h.submit_chunk_scatter
+
+        def submit_chunk_scatter(room: int, chunk_idx: int, page_start: int,
+                                 num_pages: int) -> bool:
+            self._scattering = (room, chunk_idx)
+            return bool(submit(room, chunk_idx, page_start, num_pages))
+
+        h.submit_chunk_scatter = submit_chunk_scatter
+        self.handler = h
+        self.mgr._staging_handler = h
+        self.timeout_s = timeout_s
+        self.sent: list[tuple[str, list[bytes]]] = []
+        self.queue: list[Any] = []  # decode requests in the transfer queue, in arrival order
+        self.events: dict[int, tuple[int, Event]] = {}  # alloc_id -> (room, event)
+        self.concluded: list[tuple[int, str]] = []
+
+    def _scatter_region(self, staging_offset: int, page_start: int, num_pages: int,
+                        decode_req: Any, receiver: Any) -> bool:
+        room, chunk = self._scattering
+        self.scatters.append((room, chunk, staging_offset, page_start, num_pages))
+        self._pending_event = (room, receiver.chunk_staging_infos[chunk][0])
+        return True
+
+    # -- inputs -------------------------------------------------------------------------------
+    def on_room(self, room: int, prefill_ranks: list[str], prefill_ranks_ids: list[int],
+                prefill_tp: int, prefix: int) -> None:
+        mgr, m = self.mgr, self.m
+        info = types.SimpleNamespace(attn_tp_size=prefill_tp, pp_size=1)
+        receiver = _Receiver(room, [{"rank_ip": p, "rank_port": i, "pp_rank": 0}
+                                    for p, i in zip(prefill_ranks, prefill_ranks_ids,
+                                                    strict=True)],
+                             info, mgr, self.sent, m.clock.now, self.timeout_s)
+        req = types.SimpleNamespace(bootstrap_room=room, kv=types.SimpleNamespace(
+            cache_protected_len=prefix, req_pool_idx=0))
+        decode_req = types.SimpleNamespace(req=req, kv_receiver=receiver)
+        mgr.request_status[room] = KVPoll.WaitingForInput  # glue: bootstrapped, metadata sent
+        mgr.prefill_response_tracker[room] = set()
+        mgr.required_prefill_response_num_table[room] = len(prefill_ranks)
+        self.handler.register_decode_req(room, decode_req)
+        mgr._staging_ctx.room_bootstrap[room] = receiver.bootstrap_infos  # send_metadata
+        mgr._staging_ctx.room_receivers[room] = receiver
+        self.queue.append(decode_req)
+        self._poll()
+
+    def on_staging_req(self, frames: list[bytes]) -> None:
+        self.m.handle_staging_req_entry(self.mgr, frames)
+        self._poll()
+
+    def on_chunk_ready(self, frames: list[bytes]) -> None:
+        self._pending_event = None
+        self.m.handle_chunk_ready(self.mgr, frames)
+        if self._pending_event is not None:
+            room, alloc_id = self._pending_event
+            self.events[alloc_id] = (room, self.m.events[-1])
+        self._poll()
+
+    def on_status(self, room: int, status: int, prefill_rank: int) -> None:
+        self.m.apply_prefill_status(self.mgr, bootstrap_room=room, status=status,
+                                    prefill_rank=prefill_rank, failure_reason="failed")
+        self._poll()
+
+    def on_scatter_done(self, alloc_id: int) -> None:
+        _, ev = self.events.pop(alloc_id)
+        ev.done = True
+        self._poll()
+
+    def on_abort(self, room: int) -> None:  # glue: CommonKVReceiver.abort
+        for decode_req in self.queue:
+            receiver = decode_req.kv_receiver
+            if decode_req.req.bootstrap_room == room and receiver.conclude_state != KVPoll.Failed:
+                self.mgr.record_failure(room, "Aborted by AbortReq.")
+                self.mgr.update_status(room, KVPoll.Failed)
+                receiver.conclude_state = KVPoll.Failed
+        self._poll()
+
+    def on_time(self, now: float) -> None:
+        self.m.clock.now = now
+        self._poll()
+
+    # -- the decode loop's transfer-queue poll (glue after pop_transferred) -------------------
+    def _poll(self) -> None:
+        if not self.queue:
+            return
+        polls = self.m.poll_and_all_reduce_with_staging(self.queue, self.handler, None)
+        done = []
+        for decode_req, poll in zip(self.queue, polls, strict=True):
+            room = decode_req.req.bootstrap_room
+            if poll == KVPoll.Success:
+                self.concluded.append((room, "Success"))
+                done.append(decode_req)
+            elif poll == KVPoll.Failed:
+                self.concluded.append((room, "Failed"))
+                done.append(decode_req)
+        for decode_req in done:
+            room = decode_req.req.bootstrap_room
+            self.queue.remove(decode_req)
+            for alloc_id in [a for a, (r, _) in self.events.items() if r == room]:
+                del self.events[alloc_id]  # release_room drains the stream and frees them
+            self.handler.unregister_decode_req(room)
+            self.mgr.request_status.pop(room, None)
+
+    def drain(self) -> tuple[list[tuple[str, list[bytes]]], list[tuple[int, int, int, int, int]],
+                             list[int], list[tuple[int, str]]]:
+        """What happened since the last drain: frames, scatters, frees, conclusions."""
+        out = (self.sent[:], self.scatters[:], self.freed[:], self.concluded[:])
+        self.sent.clear()
+        self.scatters.clear()
+        self.freed.clear()
+        self.concluded.clear()
+        return out
+
+    def ring(self) -> tuple[int, int, tuple[int, int], list[tuple[int, int, int, int]]]:
+        a = self.alloc
+        live = [(i, *a.allocations[i]) for i in a.alloc_order if i in a.allocations]
+        return a.head, a.round, a.get_watermark(), [(i, o, n, r) for i, o, n, r in live]

@@ -1,0 +1,78 @@
+"""Named switches that turn on proposed changes SGLang has not merged: the opposite of defects.
+
+Every fix is off by default (the protocol as sglang 0.5.23 runs it). ``Fixes`` is an immutable
+set of names; the core asks ``fixes.on(NAME)`` at the exact place where the change differs, so
+its effect can be measured in every driver before anyone merges it. A run's fixes live in its
+config (``TwinConfig.fixes``), so traces, hardware ranks and replays carry them.
+``docs/defects.md`` describes each fix and how to add one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MULTI_TARGET_RETRY_RESUME = "multi-target-retry-resume"
+LOST_CONTROL_RECOVERY = "lost-control-recovery"
+
+
+@dataclass(frozen=True, slots=True)
+class FixInfo:
+    """What a fix changes and where it comes from."""
+
+    name: str
+    side: str
+    summary: str
+    source: str
+
+
+CATALOG: dict[str, FixInfo] = {
+    f.name: f
+    for f in (
+        FixInfo(
+            MULTI_TARGET_RETRY_RESUME, "prefill worker",
+            "a chunk for several decode sessions writes every session that is ready and retries "
+            "only the sessions not yet written: no retry rewrites a region decode already "
+            "scattered and reused, and a session that is not ready no longer blocks the others "
+            "(which can deadlock when two prefill senders' allocations are ordered differently "
+            "on two decode rings)",
+            "the twin's finding (docs/defects.md, 'Multi-target retry rewrites a reallocated "
+            "region')",
+        ),
+        FixInfo(
+            LOST_CONTROL_RECOVERY, "both",
+            "prefill re-sends the STAGING_REQ of a chunk still deferred control_retry_s after "
+            "its last request (a lost STAGING_RSP or WATERMARK); decode answers a repeated "
+            "request with the allocation and re-broadcasts its current watermark",
+            "sglang PR #29978 (not merged in 0.5.23)",
+        ),
+    )
+}
+
+ALL_FIXES: tuple[str, ...] = tuple(CATALOG)
+
+
+@dataclass(frozen=True, slots=True)
+class Fixes:
+    """An immutable set of switched-on fixes; unknown names are rejected."""
+
+    names: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.names) - set(CATALOG))
+        if unknown:
+            raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(ALL_FIXES)}")
+
+    @classmethod
+    def of(cls, names: Iterable[str] = ()) -> Fixes:
+        return cls(frozenset(names))
+
+    def on(self, name: str) -> bool:
+        assert name in CATALOG, name
+        return name in self.names
+
+    def sorted(self) -> list[str]:
+        return sorted(self.names)
+
+
+NONE = Fixes()
