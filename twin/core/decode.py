@@ -498,9 +498,12 @@ class DecodeRank:
             self._notify_abort(room, out)
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
+        """``CommonKVReceiver.abort``: fail the room, and notify its prefill ranks even when it
+        had already failed for another reason (``ensure_abort_notified``)."""
         room = self._rooms.get(e.room)
         if room is not None:
             self._fail(room, e.reason, out, initiated=True)
+            self._notify_abort(room, out)
 
     def _unregister(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """``unregister_decode_req`` + ``release_room``: free what was never scattered."""

@@ -488,8 +488,10 @@ class PrefillRank:
     def _maybe_teardown(self, room: PrefillRoom, chunk: TransferChunk,
                         out: list[ev.Effect]) -> None:
         gate = room.outstanding <= 0 or self.defects.on(TEARDOWN_DROPS_DEFERRED)
-        concluded = room.state is _S.SUCCESS or (chunk.is_last and room.state is _S.FAILED)
-        if gate and concluded:
+        # A failed room also goes once nothing of it is queued: the prefill scheduler polls
+        # Failed and clears the sender (CommonKVSender.clear), whichever chunk finished last.
+        failed_done = room.state is _S.FAILED and (chunk.is_last or not self._queued(room.room))
+        if gate and (room.state is _S.SUCCESS or failed_done):
             self._tear_down(room, out)
 
     def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
