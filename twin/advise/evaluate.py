@@ -167,9 +167,9 @@ def early_verdict(partial: Any, es: EarlyStop, requests: int,
     # (1 - q) * (n - 1) + 1 of them do; n <= requests, so this bound is safe.
     allowed = (1 - es.percentile / 100) * (requests - 1) + 1
     if late >= allowed:
-        return ("over-budget", f"{where}: {late} request(s) already over the {es.ttft_s:g} s "
-                               f"TTFT budget; p{es.percentile} of {requests} allows fewer than "
-                               f"{math.ceil(allowed)}"), late
+        return ("over-budget", f"stopped at {at:.1f} s: {late} request(s) already over the "
+                               f"{es.ttft_s:g} s TTFT budget (p{es.percentile} of {requests} "
+                               f"allows < {math.ceil(allowed)})"), late
     return None, late
 
 
