@@ -28,9 +28,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from twin.cli import hw_cmd, info_cmd, sim_cmd, trace_cmd
+    from twin.cli import agent_cmd, hw_cmd, info_cmd, sim_cmd, trace_cmd
 
-    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd):
+    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, agent_cmd):
         for command in module.COMMANDS:
             cli.add_command(command)
 
