@@ -44,7 +44,6 @@ from twin.hw.netutil import (
     parse_host_port,
 )
 from twin.hw.nodes import (
-    AGENT_BEAT,
     AGENT_BYE,
     AGENT_ERROR,
     AGENT_EXIT,
@@ -56,6 +55,7 @@ from twin.hw.nodes import (
     AGENT_STOP,
     AGENT_WELCOME,
     ROLES,
+    Beater,
 )
 
 EXIT_OK, EXIT_LOST, EXIT_BAD = 0, 1, 2
@@ -171,7 +171,7 @@ class Agent:
         self.failed = False
         self.stopping_since: float | None = None
         self.last_heard = time.monotonic()
-        self._last_beat = 0.0
+        self.beater: Beater | None = None
 
     # -- talking to the coordinator ------------------------------------------------------------
     def _send(self, frames: list[bytes], timeout_ms: int = 0) -> bool:
@@ -214,6 +214,9 @@ class Agent:
                         self.data_ports = tuple(w["data_ports"])  # type: ignore[assignment]
                         self.ucx = rank_env(self.address, self.data_ports)
                     self.last_heard = time.monotonic()
+                    self.beater = Beater(self.heartbeat_s)
+                    self.beater.set(self.name, self.coordinator)
+                    self.beater.start()
                     self.echo(f"agent       {self.name}: joined; heartbeat timeout "
                               f"{self.heartbeat_timeout_s:g} s")
                     return
@@ -288,8 +291,12 @@ class Agent:
             self._stop_ranks(grace_s=0)
             return EXIT_LOST
         finally:
+            if self.beater is not None:
+                self.beater.halt.set()
             self._stop_ranks(grace_s=0)
             self.sock.close(linger_ms=1000)
+            if self.beater is not None:
+                self.beater.join(5)
             if self.own_log_dir and not self.failed:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -314,15 +321,14 @@ class Agent:
                     self.stopping_since = time.monotonic()
                 frames = self.sock.recv_frames(timeout_ms=0)
             now = time.monotonic()
-            if now - self._last_beat >= self.heartbeat_s:
-                self._last_beat = now
-                self._send([AGENT_BEAT, self.name.encode()])
             self._check_ranks()
             if self.stopping_since is not None:
                 self._stop_ranks(grace_s=max(0.0, 5.0 - (now - self.stopping_since)))
                 self._check_ranks()
                 self._send([AGENT_BYE, self.name.encode()], timeout_ms=1000)
-                self.echo(f"agent       {self.name}: the run ended; its ranks stopped")
+                self.echo(f"agent       {self.name}: the run ended"
+                          + ("; its ranks stopped" if self.procs else " before its ranks "
+                             "started"))
                 return EXIT_OK
             if now - self.last_heard > timeout:
                 self.failed = True

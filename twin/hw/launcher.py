@@ -389,9 +389,11 @@ class Launcher:
             if left <= 0:
                 raise LaunchError(f"ranks did not {phase} within "
                                   f"{self.options.start_timeout_s:g} s")
-            self._tick_agents()
-            if self.errors and self.hub is not None:
-                raise LaunchError(self.errors[0])
+            if self.hub is not None:
+                self.hub.pump_agents(0)  # heartbeats and rank exits first, then judge
+                self._tick_agents()
+                if self.errors:
+                    raise LaunchError(self.errors[0])
             dead = [n for n, p in self.procs.items() if not p.is_alive()]
             if dead:
                 self.failed_nodes.update(dead)
@@ -425,7 +427,7 @@ class Launcher:
             if self.stopping:
                 continue
             self.errors.append(f"agent {a.name} ({a.address}, ranks {', '.join(ranks) or '-'}):"
-                               f" {a.lost}; its ranks are stopped by the agent itself")
+                               f" {a.lost}; its ranks end with the agent (which stops them when it loses the coordinator)")
         while hub.errors:
             text = hub.errors.pop(0)
             if not self.stopping:
@@ -545,8 +547,6 @@ class Launcher:
     def pump(self, timeout_ms: int) -> int:
         """Receive and dispatch rank messages for up to ``timeout_ms``; return how many."""
         n = 0
-        if self.hub is not None:
-            self._tick_agents()
         frames = self.sock.recv_frames(timeout_ms=timeout_ms)
         while frames is not None:
             n += 1
@@ -565,6 +565,8 @@ class Launcher:
             elif tag == STATE:
                 self.states[frames[1].decode()] = pickle.loads(frames[2])
             frames = self.sock.recv_frames(timeout_ms=0)
+        if self.hub is not None:
+            self._tick_agents()  # after reading what arrived, heartbeats included
         self.flush_records()
         return n
 

@@ -26,14 +26,18 @@ records holding back by the offsets' uncertainty (half the best round trip).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import zmq
 
 from twin.core.topology import Topology
 from twin.hw.control import ControlError, ControlSocket
@@ -323,6 +327,48 @@ class RemoteRank:
         return f"{self.agent.name}:{os.path.join(self.agent.log_dir, self.node + '.log')}"
 
 
+class Beater(threading.Thread):
+    """Sends heartbeats (``[AGENT_BEAT, name]`` to each target endpoint) from a thread of its
+    own (own zmq sockets, never blocking), so that a process busy for a while (the coordinator
+    in a send to a dead rank, an agent starting its ranks) is not taken for a lost one."""
+
+    def __init__(self, period_s: float) -> None:
+        super().__init__(name="twin-heartbeat", daemon=True)
+        self.period_s = period_s
+        self.lock = threading.Lock()
+        self.targets: dict[str, str] = {}  # agent name -> endpoint
+        self.halt = threading.Event()
+
+    def set(self, name: str, endpoint: str | None) -> None:
+        with self.lock:
+            if endpoint is None:
+                self.targets.pop(name, None)
+            else:
+                self.targets[name] = endpoint
+
+    def run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        socks: dict[str, zmq.Socket[Any]] = {}
+        try:
+            while not self.halt.wait(self.period_s):
+                with self.lock:
+                    targets = dict(self.targets)
+                for name, endpoint in targets.items():
+                    sock = socks.get(endpoint)
+                    if sock is None:
+                        sock = socks[endpoint] = ctx.socket(zmq.PUSH)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        sock.setsockopt(zmq.SNDHWM, 4)
+                        sock.connect(endpoint)
+                    # Unreachable for now: the peer's own timeout decides.
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send_multipart([AGENT_BEAT, name.encode()], zmq.NOBLOCK)
+        finally:
+            for sock in socks.values():
+                sock.close(0)
+            ctx.term()
+
+
 class AgentHub:
     """The coordinator's control socket (bound at ``--listen``) and the agents that joined.
 
@@ -353,7 +399,9 @@ class AgentHub:
         self.ranks: dict[str, RemoteRank] = {}
         self.newly_lost: list[AgentInfo] = []
         self.errors: list[str] = []
-        self._last_beat = 0.0
+        self._last_tick = time.monotonic()
+        self._beater = Beater(heartbeat_s)
+        self._beater.start()
         self._ping_seq = 0
         self._pending_pings: dict[tuple[str, int], float] = {}
         self._sampling: str = "start"
@@ -417,11 +465,15 @@ class AgentHub:
                 f"{self.join_timeout_s:g} s (joined: {have}){hint}")
 
     def pump_agents(self, timeout_ms: int) -> None:
-        """Receive agent frames only (before ranks exist)."""
+        """Receive and handle agent frames; other frames (ranks') are put back, in order."""
+        others: list[list[bytes]] = []
         frames = self.sock.recv_frames(timeout_ms=timeout_ms)
         while frames is not None:
-            self.handle(frames)
+            if not self.handle(frames):
+                others.append(frames)
             frames = self.sock.recv_frames(timeout_ms=0)
+        if others:
+            self.sock.unread(others)
 
     def handle(self, frames: list[bytes]) -> bool:
         """Process one agent frame; ``False`` if ``frames`` is not one (a rank's)."""
@@ -452,6 +504,7 @@ class AgentHub:
                 self.errors.append(f"agent {a.name}: {d.get('detail', '')}")
             elif tag == AGENT_BYE:
                 a.gone = True
+                self._beater.set(a.name, None)
         except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
             pass  # a malformed agent frame is dropped, like a malformed rank frame
         return True
@@ -491,6 +544,7 @@ class AgentHub:
         self.agents[name] = a
         self.by_endpoint[endpoint] = name
         self._send(endpoint, [AGENT_WELCOME, self._welcome(name)])
+        self._beater.set(name, endpoint)
 
     def _welcome(self, name: str) -> bytes:
         return json.dumps({
@@ -580,19 +634,21 @@ class AgentHub:
                 self.newly_lost.append(a)
 
     def tick(self) -> None:
-        """Heartbeats to every agent; agents silent for ``heartbeat_timeout_s`` are lost
-        (appended to ``newly_lost``)."""
+        """Agents silent for ``heartbeat_timeout_s`` are lost (appended to ``newly_lost``).
+        Call it after receiving what has arrived: if this process itself was busy for a while
+        (the last tick is more than a second ago), the agents' queued heartbeats are read
+        before anyone is judged."""
         now = time.monotonic()
-        if now - self._last_beat >= self.heartbeat_s:
-            self._last_beat = now
-            for a in self.agents.values():
-                if a.lost is None and not a.gone:
-                    self._send(a.endpoint, [AGENT_BEAT, a.name.encode()])
+        stalled = now - self._last_tick > 1.0
+        self._last_tick = now
+        if stalled:
+            return
         for a in self.agents.values():
             if a.lost is None and not a.gone and now - a.last_heard > self.heartbeat_timeout_s:
                 a.lost = (f"no heartbeat for {self.heartbeat_timeout_s:g} s (the agent died "
                           f"or its network is down)")
                 self.newly_lost.append(a)
+                self._beater.set(a.name, None)
 
     def take_lost(self) -> list[AgentInfo]:
         out, self.newly_lost = self.newly_lost, []
@@ -609,9 +665,11 @@ class AgentHub:
 
     def close(self) -> None:
         """Tell every agent still there to leave; close the socket."""
+        self._beater.halt.set()
         if not self.sock.closed:
             self.stop_agents()
             self.sock.close(linger_ms=500)
+        self._beater.join(5)
 
     def records(self) -> list[dict[str, Any]]:
         return [a.record() for a in sorted(self.agents.values(), key=lambda a: a.name)]
