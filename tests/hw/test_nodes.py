@@ -259,3 +259,17 @@ def test_ranks_on_every_node_end_with_a_killed_coordinator(net: TwoNodes, tmp_pa
         assert "no word from the coordinator" in run.agent_log(role)
     assert _gone(pids, 20), "rank processes outlived the coordinator"
     assert read_trace(tmp_path / "run.jsonl.gz").status == "incomplete"
+
+
+@pytest.mark.slow
+def test_a_killed_rank_on_a_node_is_named_with_its_agent(net: TwoNodes, tmp_path: Path) -> None:
+    run, proc = _mid_run(net, tmp_path)
+    decode = [int(p) for p in re.findall(r"pid (\d+)\)", run.agent_log("decode"))]
+    pids = run.rank_pids()
+    os.kill(decode[0], 9)
+    code, out = run.finish(proc, timeout=120)
+    assert code == EXIT_ERROR, out
+    assert "error       d0g0r0: rank process died (killed by SIGKILL) on agent node-b; its " \
+           "log: node-b:" in out, out
+    assert _gone(pids, 20)
+    assert all(a.wait(30) == 0 for a in run.agents.values())
