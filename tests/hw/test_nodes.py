@@ -198,11 +198,11 @@ def test_an_agent_that_never_joins_is_named(net: TwoNodes, tmp_path: Path) -> No
     assert trace.status == "crashed" and "decode ranks (d0g0r0)" in trace.outcome["diagnosis"][0]
 
 
-def _mid_run(net: TwoNodes, tmp_path: Path) -> tuple[Run, subprocess.Popen[str]]:
+def _mid_run(net: TwoNodes, tmp_path: Path, *extra: str) -> tuple[Run, subprocess.Popen[str]]:
     run = Run(net, tmp_path, heartbeat_s=3.0)
     proc = run.coordinator(["hw", "--config", SMALL, "--workload",
                             "poisson:n=400,rate=5,input=600,output=4", "--timeout", "150",
-                            "--trace-out", "run.jsonl.gz"])
+                            "--trace-out", "run.jsonl.gz", *extra])
     run.wait_chunks(100)  # requests flow
     assert proc.poll() is None
     return run, proc
@@ -261,10 +261,25 @@ def test_ranks_on_every_node_end_with_a_killed_coordinator(net: TwoNodes, tmp_pa
     assert read_trace(tmp_path / "run.jsonl.gz").status == "incomplete"
 
 
+def _listening(net: TwoNodes, node: str, pids: set[int]) -> set[int]:
+    """TCP ports the processes ``pids`` listen on, seen from ``node``."""
+    out = net.run(node, ["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    ports = set()
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            ports.add(int(line.split()[3].rsplit(":", 1)[1]))
+    return ports
+
+
 @pytest.mark.slow
 def test_a_killed_rank_on_a_node_is_named_with_its_agent(net: TwoNodes, tmp_path: Path) -> None:
-    run, proc = _mid_run(net, tmp_path)
+    """Also: the decode rank listens only on the coordinator's port ranges."""
+    run, proc = _mid_run(net, tmp_path, "--control-ports", "29600-29609", "--data-ports",
+                         "29700-29709")
     decode = [int(p) for p in re.findall(r"pid (\d+)\)", run.agent_log("decode"))]
+    ports = sorted(_listening(net, "b", set(decode)))
+    assert len(ports) == 2 and 29600 <= ports[0] <= 29609 and 29700 <= ports[1] <= 29709, ports
     pids = run.rank_pids()
     os.kill(decode[0], 9)
     code, out = run.finish(proc, timeout=120)
@@ -273,3 +288,32 @@ def test_a_killed_rank_on_a_node_is_named_with_its_agent(net: TwoNodes, tmp_path
            "log: node-b:" in out, out
     assert _gone(pids, 20)
     assert all(a.wait(30) == 0 for a in run.agents.values())
+
+
+def _listen_addresses(pids: set[int]) -> set[str]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines()
+            if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids}
+
+
+@pytest.mark.slow
+def test_a_single_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Without --listen nothing listens beyond loopback: control sockets and UCX alike."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "twin", "hw", "--config", SMALL, "--workload",
+         "poisson:n=400,rate=5,input=600,output=4", "--timeout", "60", "--log-dir", "logs"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        log = tmp_path / "logs" / "d0g0r0.log"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                log.exists() and "CHUNK_READY" in log.read_text(errors="replace")):
+            time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        addresses = _listen_addresses({proc.pid, *map(int, children)})
+        assert addresses == {"127.0.0.1"}, addresses
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)

@@ -30,8 +30,9 @@ def _gpus(text: str | None) -> list[int] | None:
               help="The address this node's ranks listen on and UCX uses; default: the local "
                    "address of the route to the coordinator.")
 @click.option("--control-ports", default=None, metavar="FIRST-LAST",
-              help="Ports this agent's and its ranks' control sockets listen on (default: the "
-                   "coordinator's --control-ports, else any free port).")
+              help="Ports this agent's and its ranks' control sockets listen on (default: any "
+                   "free port for the agent, the coordinator's --control-ports for its "
+                   "ranks).")
 @click.option("--data-ports", default=None, metavar="FIRST-LAST",
               help="Ports UCX's TCP transport listens on, as UCX_TCP_PORT_RANGE (default: the "
                    "coordinator's --data-ports, else any free port).")

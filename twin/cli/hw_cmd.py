@@ -58,8 +58,9 @@ def agent_options(f: Callable[..., Any]) -> Callable[..., Any]:
                           "run, named in the verdict; agents stop their ranks after as long "
                           "without the coordinator."),
         click.option("--control-ports", default=None, metavar="FIRST-LAST",
-                     help="Ports the ranks' and agents' control sockets listen on, on every "
-                          "node (an agent's own --control-ports wins); default: any free port."),
+                     help="Ports the ranks' control sockets listen on, on every node (an "
+                          "agent's own --control-ports wins, and also holds the agent's own "
+                          "socket); default: any free port."),
         click.option("--data-ports", default=None, metavar="FIRST-LAST",
                      help="Ports UCX's TCP transport listens on (UCX_TCP_PORT_RANGE), on every "
                           "node (an agent's own --data-ports wins); default: any free port."),

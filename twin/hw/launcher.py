@@ -481,8 +481,12 @@ class Launcher:
                 # A dead peer must not stop the teardown.
                 with contextlib.suppress(Exception):
                     self.sock.send(ep, [STOP], timeout_ms=500)
+        # Wait for the ranks told to stop (on other nodes: those that know they are in a run;
+        # their agents stop the others).
+        told = [p for n, p in self.procs.items()
+                if n in self.endpoints or not isinstance(p, RemoteRank)]
         deadline = time.monotonic() + 10
-        while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
+        while any(p.is_alive() for p in told) and time.monotonic() < deadline:
             self.pump(50)
         if self.hub is not None:  # agents stop what is left of their ranks, then leave
             self.hub.stop_agents()

@@ -411,11 +411,11 @@ class AgentHub:
                rank_bytes: Mapping[str, int] | None = None) -> None:
         """Wait for the agents, measure their clocks, place the ranks; print what was decided.
         Raises ``NodesError`` naming what is missing."""
-        where = self.endpoint
+        where, join = self.endpoint, f"{self.listen[0]}:{self.listen[1]}"
         if is_unspecified(self.listen[0]):
-            where += " (every interface)"
+            where, join = where + " (every interface)", f"THIS_HOST:{self.listen[1]}"
         self.echo(f"listening   {where} for {self.expected} agent(s); start each with "
-                  f"`twin agent --join HOST:{self.listen[1]}`")
+                  f"`twin agent --join {join}`")
         deadline = time.monotonic() + self.join_timeout_s
         while len(self.agents) < self.expected:
             left = deadline - time.monotonic()
