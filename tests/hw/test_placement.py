@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,32 @@ def test_control_socket_binds_inside_its_port_range() -> None:
         while got is None and time.monotonic() < deadline:
             got = first.recv_frames(100)
         assert got == [b"x"]
+
+
+def test_bad_across_nodes_flags_are_rejected_before_anything_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from twin.cli import cli
+
+    bad_table = tmp_path / "bad.toml"
+    bad_table.write_text('[placement.a]\nranks = "prefill"\n')
+    small = ["hw", "--workload", "poisson:n=2,rate=5,input=64,output=1"]
+    cases = [
+        (["--agents", "2"], "--agents needs --listen"),
+        (["--listen", "127.0.0.1"], "expected HOST:PORT"),
+        (["--listen", "127.0.0.1:29500"], "--agents N"),
+        (["--listen", "127.0.0.1:29500", "--agents", "2", "--data-ports", "9-1"],
+         "--data-ports"),
+        (["--listen", "127.0.0.1:29500", "--agents", "2", "--prefill-gpus", "0"],
+         "--prefill-gpus"),
+        (["--listen", "127.0.0.1:29500", "--config", str(bad_table)], "placed on no agent"),
+    ]
+    for extra, message in cases:
+        r = CliRunner().invoke(cli, [*small, *extra])
+        assert r.exit_code == 2, (extra, r.output)
+        assert message in r.output and "Traceback" not in r.output, (extra, r.output)
+    r = CliRunner().invoke(cli, ["agent", "--join", "nowhere"])
+    assert r.exit_code == 2 and "expected HOST:PORT" in r.output
+    stall = str(Path(__file__).resolve().parents[2] / "traces" / "warmup-stall.jsonl.gz")
+    r = CliRunner().invoke(cli, ["replay", stall, "--listen", "127.0.0.1:1", "--agents", "2"])
+    assert r.exit_code == 2 and "add --mode hw" in r.output, r.output
