@@ -103,8 +103,8 @@ def measure(address: str, target: str, sizes: Sequence[int], repeat: int,
         def staged(pool: object, pages: list[int], n: int) -> tuple[float, float]:
             """(gather + WRITE, gather alone) in seconds."""
             t0 = time.perf_counter()
-            got = kernels.gather_to_staging(pool.k, pool.v, pages, PAGE, 0, HEADS,  # type: ignore[attr-defined]
-                                            staging)
+            k, v = pool.k, pool.v  # type: ignore[attr-defined]
+            got = kernels.gather_to_staging(k, v, pages, PAGE, 0, HEADS, staging)
             assert got == n, (got, n)
             gather = time.perf_counter() - t0
             return gather + write(staging, n), gather

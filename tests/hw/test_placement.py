@@ -98,7 +98,7 @@ def test_placement_table() -> None:
             parse_placement(data, TP4_TP2)
 
 
-def test_placement_table_is_accepted_in_a_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_placement_table_is_accepted_in_a_config_file(tmp_path: Path) -> None:
     path = tmp_path / "two-nodes.toml"
     path.write_text('[prefill]\ntp_size = 4\n[decode]\ntp_size = 2\n'
                     '[placement.node-a]\nranks = "prefill"\n'
@@ -141,7 +141,7 @@ def test_control_socket_binds_inside_its_port_range() -> None:
         assert got == [b"x"]
 
 
-def test_bad_across_nodes_flags_are_rejected_before_anything_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_across_nodes_flags_are_rejected_before_anything_runs(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from twin.cli import cli

@@ -2,8 +2,9 @@
 
 Each rank owns one :class:`ControlSocket`: a PULL socket bound on loopback, or on the address
 its node's agent was given, optionally within a port range (its ``endpoint`` is what peers
-send to), plus lazily connected PUSH sockets, one per peer endpoint. Frames are raw ``bytes``; interpreting them is the caller's job, so the receive
-path (:meth:`ControlSocket.recv_frames`) never raises because of message content.
+send to), plus lazily connected PUSH sockets, one per peer endpoint. Frames are raw
+``bytes``; interpreting them is the caller's job, so the receive path
+(:meth:`ControlSocket.recv_frames`) never raises because of message content.
 
 The twin's own bootstrap (agent metadata and registered regions) travels as
 ``[b"TWIN_BOOTSTRAP", name, json, metadata]``: the first three frames follow the documented

@@ -4,8 +4,9 @@
 automatically), or, across nodes, has each node's agent start that node's ranks
 (``twin.hw.nodes.AgentHub``); it hands out the directory of endpoints, NIXL metadata and ring
 descriptors, and starts every rank on one clock (on another host: the coordinator's start time
-in that host's clock, from its agent's measured offset). It always tears everything down (success, failure, timeout,
-Ctrl-C, SIGTERM, SIGHUP): ranks are told to stop, joined, and killed if they do not exit;
+in that host's clock, from its agent's measured offset). It always tears everything down
+(success, failure, timeout, Ctrl-C, SIGTERM, SIGHUP): ranks are told to stop, joined, and
+killed if they do not exit; on other nodes their agents stop what is left;
 sockets are closed. Ranks also die with the coordinator if it is killed (``lifeline``). A rank
 that dies or raises is named in ``errors``, one line each; its full output (tracebacks, NIXL
 messages) is in its log file, ``log_dir/NODE.log``. Records stream in from the ranks and are
@@ -427,7 +428,8 @@ class Launcher:
             if self.stopping:
                 continue
             self.errors.append(f"agent {a.name} ({a.address}, ranks {', '.join(ranks) or '-'}):"
-                               f" {a.lost}; its ranks end with the agent (which stops them when it loses the coordinator)")
+                               f" {a.lost}; its ranks end with the agent (which stops them "
+                               f"when it loses the coordinator)")
         while hub.errors:
             text = hub.errors.pop(0)
             if not self.stopping:

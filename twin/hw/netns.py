@@ -80,7 +80,8 @@ class TwoNodes:
         self.procs.append(proc)
         return proc
 
-    def run(self, node: str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    def run(self, node: str, argv: Sequence[str],
+            **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         return subprocess.run([*self.prefix(node), *argv], **kwargs)
 
     def link(self, node: str, up: bool) -> None:
