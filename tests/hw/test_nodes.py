@@ -157,7 +157,7 @@ def test_radix_grid_across_two_nodes(net: TwoNodes, tmp_path: Path, defect_on: b
     assert code == (EXIT_CORRUPTION if defect_on else EXIT_OK), out
     assert "placement   node-a: p0g0r0 p0g0r1 p0g0r2 p0g0r3" in out
     assert "placement   node-b: d0g0r0 d0g0r1" in out
-    assert re.search(r"agent +node-b .*clock offset \+\d+\.\d+ s", out), out
+    assert re.search(r"agent +node-b .*clock offset [+-]\d+\.\d+ s", out), out
     if defect_on:
         assert "corruption  d0g0r" in out and " layer " in out
     else:
