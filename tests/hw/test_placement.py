@@ -69,6 +69,8 @@ def test_placement_without_roles_and_on_one_agent() -> None:
     two = plan_placement(TP4_TP2, [_agent("y"), _agent("x")], "cpu")
     assert set(two["x"]) == {"p0g0r0", "p0g0r1", "p0g0r2", "p0g0r3"}
     assert set(two["y"]) == {"d0g0r0", "d0g0r1"}
+    with pytest.raises(NodesError, match="2 decode ranks but the decode agents offer 0"):
+        plan_placement(TP4_TP2, [_agent("only", gpus=[0, 1, 2, 3])], "cuda")
     one = plan_placement(TP4_TP2, [_agent("only", cuda=8)], "cuda")
     # One node takes both sides: its GPUs in order, prefill first (the 8-GPU layout).
     assert one["only"]["p0g0r3"] == "cuda:3" and one["only"]["d0g0r1"] == "cuda:5"

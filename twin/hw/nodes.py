@@ -248,7 +248,8 @@ def plan_placement(topo: Topology, agents: Sequence[AgentInfo], device: str,
                 half = len(free) // 2
                 free = free[:half] if role == "prefill" else free[half:]
             takers = free
-        caps = [len(a.gpus) if device == "cuda" and a.gpus else None for a in takers]
+        caps = [len(a.gpus) - len(out[a.name]) if device == "cuda" and a.gpus else None
+                for a in takers]  # GPUs not taken by the other side's ranks
         left = list(ranks)
         for i, a in enumerate(takers):
             share = math.ceil(len(left) / (len(takers) - i))
