@@ -29,6 +29,7 @@ def cli() -> None:
 
 def _register() -> None:
     from twin.cli import (
+        agent_cmd,
         calibrate_cmd,
         hw_cmd,
         info_cmd,
@@ -38,7 +39,8 @@ def _register() -> None:
         trace_cmd,
     )
 
-    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, models_cmd, calibrate_cmd, sweep_cmd):
+    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, agent_cmd, models_cmd, calibrate_cmd,
+                   sweep_cmd):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -34,6 +36,100 @@ def _gpus(text: str | None, flag: str) -> list[int] | None:
     if any(g < 0 for g in gpus):
         raise BadInput(f"{flag} {text!r}: GPU indices are not negative")
     return gpus
+
+
+def agent_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--listen, --agents and the rest of a run across nodes (``twin hw``, ``twin replay``)."""
+    for opt in reversed([
+        click.option("--listen", default=None, metavar="HOST:PORT",
+                     help="Run across nodes: listen here for `twin agent --join HOST:PORT` "
+                          "(one per node) instead of starting the ranks on this host. Give a "
+                          "private address; 0.0.0.0 listens on every interface."),
+        click.option("--agents", "n_agents", type=POSITIVE_INT, default=None, metavar="N",
+                     help="How many agents to wait for (default: one per [placement] "
+                          "entry of the config)."),
+        click.option("--agent-timeout", type=POSITIVE_FLOAT, default=120.0,
+                     show_default=True, metavar="S",
+                     help="Give up (exit 1, naming who is missing) if the agents have not all "
+                          "joined within S seconds."),
+        click.option("--heartbeat-timeout", type=POSITIVE_FLOAT, default=10.0,
+                     show_default=True, metavar="S",
+                     help="An agent silent for S seconds (dead, or its network lost) ends the "
+                          "run, named in the verdict; agents stop their ranks after as long "
+                          "without the coordinator."),
+        click.option("--control-ports", default=None, metavar="FIRST-LAST",
+                     help="Ports the ranks' control sockets listen on, on every node (an "
+                          "agent's own --control-ports wins, and also holds the agent's own "
+                          "socket); default: any free port."),
+        click.option("--data-ports", default=None, metavar="FIRST-LAST",
+                     help="Ports UCX's TCP transport listens on (UCX_TCP_PORT_RANGE), on every "
+                          "node (an agent's own --data-ports wins); default: any free port."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def apply_agent_options(options: Any, cfg: Any, *, listen: str | None, n_agents: int | None,
+                        agent_timeout: float, heartbeat_timeout: float,
+                        control_ports: str | None, data_ports: str | None) -> None:
+    """Fill ``options`` (``HwOptions``) for a run across nodes; ``BadInput`` names the flag."""
+    from twin.core.topology import Topology
+    from twin.hw.netutil import parse_host_port, parse_port_range
+    from twin.hw.nodes import PlacementError, parse_placement
+
+    if listen is None:
+        for flag, value in (("--agents", n_agents), ("--control-ports", control_ports),
+                            ("--data-ports", data_ports)):
+            if value is not None:
+                raise BadInput(f"{flag} needs --listen HOST:PORT (a run across nodes)")
+        return
+    try:
+        options.listen = parse_host_port(listen, allow_zero=False)
+    except ValueError as exc:
+        raise BadInput(f"--listen {exc}") from None
+    for flag, text in (("--control-ports", control_ports), ("--data-ports", data_ports)):
+        try:
+            ports = parse_port_range(text)
+        except ValueError as exc:
+            raise BadInput(f"{flag} {exc}") from None
+        setattr(options, flag[2:].replace("-", "_"), ports)
+    table = cfg.extra.get("placement")
+    if table is not None:
+        try:
+            options.placement = parse_placement(table, Topology(cfg), "--config: [placement]")
+        except PlacementError as exc:
+            raise BadInput(str(exc)) from None
+        if n_agents is not None and n_agents != len(options.placement):
+            raise BadInput(f"--agents {n_agents}: the config's [placement] table names "
+                           f"{len(options.placement)} agent(s)")
+    elif n_agents is None:
+        raise BadInput("--listen: say how many agents to wait for with --agents N (or place "
+                       "the ranks with a [placement] table in --config)")
+    options.agents = n_agents or len(options.placement or [])
+    options.agent_timeout_s = agent_timeout
+    options.heartbeat_timeout_s = heartbeat_timeout
+
+
+def reject_agent_options(across: dict[str, Any]) -> None:
+    """Agent options given to a replay in simulation."""
+    if across.get("listen") is not None or across.get("n_agents") is not None:
+        raise BadInput("--listen/--agents run a replay on hardware across nodes: add "
+                       "--mode hw")
+
+
+def replay_on_hardware(trace: Any, *, echo: Callable[[str], None] | None,
+                       **across: Any) -> Any:
+    """``twin replay --mode hw``, on this host or (``--listen``) across nodes."""
+    from twin.hw.launcher import HwOptions, LaunchError
+    from twin.hw.replay import replay_hw
+
+    options = HwOptions()
+    apply_agent_options(options, trace.config, **across)
+    try:
+        return replay_hw(trace, options, echo=echo)
+    except LaunchError as exc:
+        click.echo(f"error       the ranks did not start: {exc}", err=echo is None)
+        sys.exit(EXIT_ERROR)
 
 
 def _hw_faults(specs) -> None:  # type: ignore[no-untyped-def]
@@ -70,12 +166,14 @@ def _hw_faults(specs) -> None:  # type: ignore[no-untyped-def]
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each rank's log (frames, full tracebacks) to LOG_DIR/NODE.log; "
                    "default: a temporary folder kept only when a rank fails.")
+@agent_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary object.")
 def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, env_items,
                model, gpu,
                scenario_defects, first_n, slowdown, defects, faults, seed, until,
                max_concurrency, device, prefill_gpus, decode_gpus, kernels, kv_pool_pages,
-               timeout_s, trace_out, log_dir, as_json) -> None:
+               timeout_s, trace_out, log_dir, listen, n_agents, agent_timeout,
+               heartbeat_timeout, control_ports, data_ports, as_json) -> None:
     """Run a workload on real rank processes and verify every byte.
 
     One process per prefill and decode rank, pyzmq with SGLang's frames, NIXL WRITEs into the
@@ -83,6 +181,11 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     exactly as in `twin sim` (same flags, same defaults, same deployment line); without
     --max-concurrency at most 4 requests are in flight. Ctrl-C, SIGTERM and SIGHUP stop the
     run and its ranks; the ranks also die with this process.
+
+    Across nodes: `--listen HOST:PORT --agents N` waits for N `twin agent --join HOST:PORT`,
+    one per node, places the ranks (the config's [placement] table, or by the agents' --role),
+    prints the placement and each node's clock offset, and runs the same way (same verdicts,
+    exit codes and trace).
     """
     from twin.cli.common import check_output_dir
     from twin.hw.launcher import HwOptions, LaunchError, PoolError, plan_pool
@@ -100,9 +203,15 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
                         decode_gpus=_gpus(decode_gpus, "--decode-gpus"), timeout_s=timeout_s,
                         until_s=until, log_dir=log_dir,
                         kernels="" if kernels == "auto" else kernels)
+    apply_agent_options(options, run.cfg, listen=listen, n_agents=n_agents,
+                        agent_timeout=agent_timeout, heartbeat_timeout=heartbeat_timeout,
+                        control_ports=control_ports, data_ports=data_ports)
+    if options.across_nodes and (prefill_gpus or decode_gpus):
+        raise BadInput("--prefill-gpus/--decode-gpus place ranks on this host; across nodes "
+                       "give each agent its GPUs (twin agent --gpus) or use [placement]")
     concurrency = run.max_concurrency or options.max_concurrency
     run.max_concurrency = concurrency
-    if device == "cuda":
+    if device == "cuda" and not options.across_nodes:
         import torch
 
         if not torch.cuda.is_available():
@@ -113,6 +222,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     except (HwInputError, PoolError) as exc:
         raise BadInput(str(exc)) from None
     options.kv_pool_pages = plan.pages
+    options.rank_bytes = dict(plan.bytes_per_rank)
     if not as_json:
         click.echo(f"deployment  {describe(run.cfg)}")
         click.echo(f"workload    {run.workload_line()}")
@@ -131,8 +241,14 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         click.echo(f"status      interrupted by {why} while starting the ranks; ranks stopped")
         sys.exit(EXIT_ERROR)
     except LaunchError as exc:
-        click.echo("status      crashed (the ranks did not start)")
-        click.echo(f"error       {exc}")
+        if as_json:
+            emit_json({"status": "crashed", "mode": "hw", "errors": [str(exc)],
+                       "deployment": describe(run.cfg)})
+        else:
+            click.echo("status      crashed (the ranks did not start)")
+            click.echo(f"error       {exc}")
+            if trace_out:
+                click.echo(f"trace       {trace_out}")
         sys.exit(EXIT_ERROR)
     except OSError as exc:
         if trace_out is None or exc.errno not in WRITE_ERRNOS:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Any
 
 import click
 
 from twin.cli.common import BadInput, writing
+from twin.cli.hw_cmd import agent_options, reject_agent_options
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
@@ -131,8 +133,13 @@ COMMANDS = [trace_group, perfetto_command]
               default=None, help="A hardware trace's timing comparison simulates with this "
                                  "config's [sim] costs (e.g. from `twin calibrate`).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def replay_command(trace_path: str, mode: str, config_path: str | None, as_json: bool) -> None:
+@agent_options
+def replay_command(trace_path: str, mode: str, config_path: str | None, as_json: bool,
+                   **across: Any) -> None:
     """Replay a trace and check that it reaches the same outcome.
+
+    With --mode hw and --listen HOST:PORT the ranks run on the nodes of the agents that join
+    (`twin agent --join HOST:PORT`), as in `twin hw`.
 
     Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
     4 corruption, 5 failed requests (reproduced).
@@ -141,10 +148,12 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
         raise BadInput("--config: a cost model for the simulated timing comparison; "
                        "--mode hw replays on real ranks and takes none")
     if mode == "hw":
-        from twin.hw.replay import replay_hw
+        from twin.cli.hw_cmd import replay_on_hardware
 
-        result = replay_hw(_read(trace_path))
+        result = replay_on_hardware(_read(trace_path), echo=None if as_json else click.echo,
+                                    **across)
     else:
+        reject_agent_options(across)
         from twin.calibrate import costs_from
         from twin.replay import replay_sim
 

@@ -5,8 +5,9 @@ file and field (a misspelt key or table gets a suggestion). Validation mirrors S
 checks for the staging buffer: positive ``chunked_prefill_size`` that is a multiple of
 ``page_size``, no ``pp_size > 1``, no MLA model, no prefill context parallelism, KV heads that
 split over each side's attention TP (or are replicated across it). The driver tables
-(``[sim]``, ``[launch]``; ``[run]`` in a trace header) are kept in ``extra``; any other table is
-rejected. Given a ``base``, the file is a layer: the fields it names replace the base's.
+(``[sim]``, ``[launch]``, ``[placement]``; ``[run]`` in a trace header) are kept in ``extra``;
+any other table is rejected. Given a ``base``, the file is a layer: the fields it names
+replace the base's.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class TwinConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "<config>",
                   base: TwinConfig | None = None,
-                  tables: tuple[str, ...] = ("sim", "launch", "run", "serving")
+                  tables: tuple[str, ...] = ("sim", "launch", "run", "serving", "placement")
                   ) -> TwinConfig:
         """A config from plain data; with ``base``, only the fields ``data`` names change.
         ``tables``: the driver tables accepted into ``extra``."""
@@ -177,7 +178,7 @@ class TwinConfig:
     @classmethod
     def from_toml(cls, path: str | Path, base: TwinConfig | None = None) -> TwinConfig:
         """A config file (tables ``[model]``, ``[prefill]``, ``[decode]``, ``[sim]``,
-        ``[launch]``, ``[serving]``), layered over ``base`` when given."""
+        ``[launch]``, ``[serving]``, ``[placement]``), layered over ``base`` when given."""
         p = Path(path)
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -191,7 +192,7 @@ class TwinConfig:
             raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
-        return _from_dict(data, str(p), base, ("sim", "launch", "serving"))
+        return _from_dict(data, str(p), base, ("sim", "launch", "serving", "placement"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that ``from_dict`` reads back to an equal config."""
@@ -262,7 +263,8 @@ _MOVED_FROM_SIM = ("deferral_wait_s", "late_register_delay_s")
 
 
 def _from_dict(data: dict[str, Any], source: str, base: TwinConfig | None = None,
-               tables: tuple[str, ...] = ("sim", "launch", "run", "serving")) -> TwinConfig:
+               tables: tuple[str, ...] = ("sim", "launch", "run", "serving", "placement")
+               ) -> TwinConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a table of fields")
     sim = data.get("sim")

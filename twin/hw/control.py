@@ -1,9 +1,10 @@
-"""ZeroMQ control plane for twin ranks: multipart messages over loopback TCP.
+"""ZeroMQ control plane for twin ranks: multipart messages over TCP (loopback by default).
 
-Each rank owns one :class:`ControlSocket`: a PULL socket bound on loopback (its
-``endpoint`` is what peers send to) plus lazily connected PUSH sockets, one per peer
-endpoint. Frames are raw ``bytes``; interpreting them is the caller's job, so the receive
-path (:meth:`ControlSocket.recv_frames`) never raises because of message content.
+Each rank owns one :class:`ControlSocket`: a PULL socket bound on loopback, or on the address
+its node's agent was given, optionally within a port range (its ``endpoint`` is what peers
+send to), plus lazily connected PUSH sockets, one per peer endpoint. Frames are raw
+``bytes``; interpreting them is the caller's job, so the receive path
+(:meth:`ControlSocket.recv_frames`) never raises because of message content.
 
 The twin's own bootstrap (agent metadata and registered regions) travels as
 ``[b"TWIN_BOOTSTRAP", name, json, metadata]``: the first three frames follow the documented
@@ -27,6 +28,7 @@ anything still queued, so a process that sends a last message and exits should c
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,9 +51,10 @@ class ControlError(RuntimeError):
 class ControlSocket:
     """A bound PULL socket plus per-peer PUSH sockets; see the module docstring.
 
-    ``bind``: a zmq endpoint to bind (``tcp://127.0.0.1:5555``); by default a random port on
-    ``host``. ``context``: a shared zmq context (not terminated by :meth:`close`); by default
-    the socket owns a private context and terminates it on close. Not thread-safe.
+    ``bind``: a zmq endpoint to bind (``tcp://127.0.0.1:5555``); by default a free port on
+    ``host``, within ``ports`` (first, last; inclusive) if given. ``context``: a shared zmq
+    context (not terminated by :meth:`close`); by default the socket owns a private context and
+    terminates it on close. Not thread-safe.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class ControlSocket:
         bind: str | None = None,
         *,
         host: str = LOOPBACK_HOST,
+        ports: tuple[int, int] | None = None,
         context: zmq.Context[Any] | None = None,
         send_timeout_ms: int = 5000,
     ) -> None:
@@ -72,9 +76,11 @@ class ControlSocket:
         self._pull: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         try:
-            if bind is None:
+            if bind is None and ports is None:
                 port = self._pull.bind_to_random_port(f"tcp://{host}")
                 self.endpoint = f"tcp://{host}:{port}"
+            elif bind is None:
+                self.endpoint = _bind_in_range(self._pull, host, ports)
             else:
                 self._pull.bind(bind)
                 last = self._pull.getsockopt(zmq.LAST_ENDPOINT)
@@ -195,6 +201,25 @@ class ControlSocket:
         """Put messages back so the next receives return them first, in the given order."""
         self._check_open()
         self._backlog.extendleft(reversed(list(messages)))
+
+
+def _bind_in_range(sock: zmq.Socket[Any], host: str, ports: tuple[int, int] | None) -> str:
+    """Bind ``sock`` to the first free port of ``ports`` on ``host``, starting at a random
+    one (so that processes starting together rarely collide); every port is tried once."""
+    assert ports is not None
+    lo, hi = ports
+    count = hi - lo + 1
+    start = random.randrange(count)
+    for k in range(count):
+        port = lo + (start + k) % count
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EADDRINUSE:
+                continue
+            raise ControlError(f"cannot listen on {host}:{port}: {e}") from e
+        return f"tcp://{host}:{port}"
+    raise ControlError(f"no free port in {lo}-{hi} on {host} (all {count} in use)")
 
 
 # ---------------------------------------------------------------------- bootstrap

@@ -1,9 +1,12 @@
 """Start, feed and stop the rank processes of a hardware run; merge their records into a trace.
 
 ``Launcher`` spawns one process per prefill and decode attention-TP rank (free ports picked
-automatically), hands out the directory of endpoints, NIXL metadata and ring descriptors, and
-starts every rank on one clock. It always tears everything down (success, failure, timeout,
-Ctrl-C, SIGTERM, SIGHUP): ranks are told to stop, joined, and killed if they do not exit;
+automatically), or, across nodes, has each node's agent start that node's ranks
+(``twin.hw.nodes.AgentHub``); it hands out the directory of endpoints, NIXL metadata and ring
+descriptors, and starts every rank on one clock (on another host: the coordinator's start time
+in that host's clock, from its agent's measured offset). It always tears everything down
+(success, failure, timeout, Ctrl-C, SIGTERM, SIGHUP): ranks are told to stop, joined, and
+killed if they do not exit; on other nodes their agents stop what is left;
 sockets are closed. Ranks also die with the coordinator if it is killed (``lifeline``). A rank
 that dies or raises is named in ``errors``, one line each; its full output (tracebacks, NIXL
 messages) is in its log file, ``log_dir/NODE.log``. Records stream in from the ranks and are
@@ -35,6 +38,8 @@ from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
+from twin.hw.netutil import has_rdma_devices
+from twin.hw.nodes import AgentHub, NodesError, PlacementEntry, RemoteRank
 from twin.hw.rank import (
     CMD,
     DIRECTORY,
@@ -65,6 +70,19 @@ class HwOptions:
     kernels: str = ""
     until_s: float | None = None
     log_dir: str | None = None
+    # Across nodes (``twin hw --listen``): agents start the ranks.
+    listen: tuple[str, int] | None = None
+    agents: int | None = None
+    agent_timeout_s: float = 120.0
+    heartbeat_timeout_s: float = 10.0
+    control_ports: tuple[int, int] | None = None
+    data_ports: tuple[int, int] | None = None
+    placement: list[PlacementEntry] | None = None
+    rank_bytes: dict[str, int] | None = None  # plan_pool's, checked against each agent's host
+
+    @property
+    def across_nodes(self) -> bool:
+        return self.listen is not None
 
     def device_of(self, role: str, index: int) -> str:
         if self.device != "cuda":
@@ -74,7 +92,7 @@ class HwOptions:
 
 
 class LaunchError(RuntimeError):
-    """A rank failed to start or died."""
+    """A rank failed to start or died, or agents did not join."""
 
 
 class PoolError(ValueError):
@@ -180,6 +198,8 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
                 nbytes += core.buffer_bytes * core.num_workers
         per_rank[n.id] = nbytes
     plan = PoolPlan(pages, longest, auto, per_rank)
+    if options.across_nodes:
+        return plan  # each agent's ranks are checked against its own host (twin.hw.nodes)
     if options.device == "cuda":
         _check_gpu_memory(topo, per_rank, options, pages, longest)
     else:
@@ -193,6 +213,28 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
                 f"--kv-pool-pages (at least {longest}), cut the workload (--first-n), or use a "
                 f"smaller model or ring in --config")
     return plan
+
+
+def open_hub(cfg: TwinConfig, options: HwOptions,
+             echo: Callable[[str], None] | None = None) -> AgentHub | None:
+    """Across nodes: listen, wait for the agents, measure their clocks and place the ranks
+    (printed through ``echo``). ``None`` for a single-node run. Raises ``LaunchError``."""
+    if options.listen is None:
+        return None
+    hub = AgentHub(options.listen, options.agents or len(options.placement or []) or 1,
+                   join_timeout_s=options.agent_timeout_s,
+                   heartbeat_timeout_s=options.heartbeat_timeout_s,
+                   control_ports=options.control_ports, data_ports=options.data_ports,
+                   placement=options.placement, echo=echo)
+    try:
+        hub.gather(Topology(cfg), options.device, options.rank_bytes)
+    except NodesError as exc:
+        hub.close()
+        raise LaunchError(str(exc)) from None
+    except BaseException:
+        hub.close()
+        raise
+    return hub
 
 
 @dataclass(order=True)
@@ -210,7 +252,8 @@ class Launcher:
     def __init__(self, cfg: TwinConfig, *, defects: Defects, faults: list[str], seed: int,
                  options: HwOptions, writer: Any = None,
                  scripts: dict[str, list[Any]] | None = None,
-                 requests: dict[str, list[dict[str, Any]]] | None = None) -> None:
+                 requests: dict[str, list[dict[str, Any]]] | None = None,
+                 hub: AgentHub | None = None) -> None:
         self.cfg = cfg
         self.topo = Topology(cfg)
         self.defects = defects
@@ -220,14 +263,16 @@ class Launcher:
         self.writer = writer
         self.scripts = scripts
         self.requests = requests or {}
-        self.sock = ControlSocket()
-        self.procs: dict[str, Any] = {}
+        self.hub = hub
+        self.sock = hub.sock if hub is not None else ControlSocket()
+        self.procs: dict[str, Any] = {}  # node -> multiprocessing.Process, or RemoteRank
         self.endpoints: dict[str, str] = {}
         self.t0 = 0.0
         self._pending: list[_Pending] = []
         self._order = 0
         self._written_t = 0.0
         self._sent_upto: dict[str, float] = {}  # node -> time up to which it sent every record
+        self.clock_margin = 0.0  # how far two hosts' corrected clocks may disagree
         self.clamped = 0
         self.inputs = 0
         self.states: dict[str, Any] = {}
@@ -239,6 +284,8 @@ class Launcher:
         self.log_dir = options.log_dir
         self._own_log_dir = options.log_dir is None
         self._set_frame_log = False
+        self._set_env: list[str] = []
+        self.clock_notes: list[str] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -253,35 +300,10 @@ class Launcher:
         self.stop()
 
     def start(self) -> None:
-        if self.log_dir is None:
-            self.log_dir = tempfile.mkdtemp(prefix="twin-hw-logs-")
+        if self.hub is None:
+            self._spawn_local()
         else:
-            os.makedirs(self.log_dir, exist_ok=True)
-        # Spawned ranks inherit these: they die with this process and log to their own file.
-        os.environ[PARENT_ENV] = str(os.getpid())
-        os.environ[LOG_ENV] = self.log_dir
-        self._set_frame_log = not self._own_log_dir and "TWIN_HW_LOG_DIR" not in os.environ
-        if self._set_frame_log:
-            os.environ["TWIN_HW_LOG_DIR"] = self.log_dir  # --log-dir: frame logs there too
-        ctx = mp.get_context("spawn")
-        by_unique = {n.unique_rank: n.id for n in self.topo.nodes.values()
-                     if n.role == "prefill"}
-        counters = {"prefill": 0, "decode": 0}
-        for n in self.topo.nodes.values():
-            spec = RankSpec(
-                node=n.id, role=n.role, rank=n.rank, unique_rank=n.unique_rank,
-                config=self.cfg.to_dict(), defects=self.defects.sorted(), faults=self.faults,
-                coordinator=self.sock.endpoint,
-                device=self.options.device_of(n.role, counters[n.role]),
-                kv_pool_pages=self.options.kv_pool_pages, seed=self.seed,
-                kernels=self.options.kernels,
-                script=None if self.scripts is None else self.scripts.get(n.id, []),
-                requests=self.requests.get(n.id, []),
-                nodes_by_unique=by_unique)
-            counters[n.role] += 1
-            proc = ctx.Process(target=rank_main, args=(spec,), name=f"twin-{n.id}", daemon=True)
-            proc.start()
-            self.procs[n.id] = proc
+            self._launch_remote()
         hellos: dict[str, tuple[dict[str, Any], bytes]] = {}
         deadline = time.monotonic() + self.options.start_timeout_s
         while len(hellos) < len(self.procs):
@@ -308,7 +330,59 @@ class Launcher:
                 raise LaunchError(self._start_error(frames))
         self.t0 = time.monotonic()
         for node in order:
-            self.sock.send(self.endpoints[node], [START, repr(self.t0).encode()])
+            # Each rank's clock origin in its own host's clock: its records are our time.
+            t0 = self.t0 + (self.hub.offset_of(node) if self.hub is not None else 0.0)
+            self.sock.send(self.endpoints[node], [START, repr(t0).encode()])
+
+    def _specs(self, device_of: Callable[[Any, int], str]) -> list[RankSpec]:
+        by_unique = {n.unique_rank: n.id for n in self.topo.nodes.values()
+                     if n.role == "prefill"}
+        counters = {"prefill": 0, "decode": 0}
+        specs = []
+        for n in self.topo.nodes.values():
+            specs.append(RankSpec(
+                node=n.id, role=n.role, rank=n.rank, unique_rank=n.unique_rank,
+                config=self.cfg.to_dict(), defects=self.defects.sorted(), faults=self.faults,
+                coordinator=self.sock.endpoint, device=device_of(n, counters[n.role]),
+                kv_pool_pages=self.options.kv_pool_pages, seed=self.seed,
+                kernels=self.options.kernels,
+                script=None if self.scripts is None else self.scripts.get(n.id, []),
+                requests=self.requests.get(n.id, []),
+                nodes_by_unique=by_unique))
+            counters[n.role] += 1
+        return specs
+
+    def _spawn_local(self) -> None:
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="twin-hw-logs-")
+        else:
+            os.makedirs(self.log_dir, exist_ok=True)
+        # Spawned ranks inherit these: they die with this process and log to their own file.
+        os.environ[PARENT_ENV] = str(os.getpid())
+        os.environ[LOG_ENV] = self.log_dir
+        self._set_frame_log = not self._own_log_dir and "TWIN_HW_LOG_DIR" not in os.environ
+        if self._set_frame_log:
+            os.environ["TWIN_HW_LOG_DIR"] = self.log_dir  # --log-dir: frame logs there too
+        if self.options.device == "cpu" and "UCX_NET_DEVICES" not in os.environ and \
+                not has_rdma_devices():
+            # One host: UCX's TCP transport listens on loopback only, not on every interface.
+            os.environ["UCX_NET_DEVICES"] = "lo"
+            self._set_env.append("UCX_NET_DEVICES")
+        ctx = mp.get_context("spawn")
+        for spec in self._specs(lambda n, k: self.options.device_of(n.role, k)):
+            proc = ctx.Process(target=rank_main, args=(spec,), name=f"twin-{spec.node}",
+                               daemon=True)
+            proc.start()
+            self.procs[spec.node] = proc
+
+    def _launch_remote(self) -> None:
+        hub = self.hub
+        assert hub is not None
+        specs = self._specs(lambda n, k: hub.ranks[n.id].agent.ranks[n.id])
+        hub.launch(specs)
+        for spec in specs:
+            self.procs[spec.node] = hub.ranks[spec.node]
+        self.clock_margin = hub.margin_s
 
     def _recv(self, deadline: float, phase: str) -> list[bytes]:
         while True:
@@ -316,15 +390,50 @@ class Launcher:
             if left <= 0:
                 raise LaunchError(f"ranks did not {phase} within "
                                   f"{self.options.start_timeout_s:g} s")
+            if self.hub is not None:
+                self.hub.pump_agents(0)  # heartbeats and rank exits first, then judge
+                self._tick_agents()
+                if self.errors:
+                    raise LaunchError(self.errors[0])
             dead = [n for n, p in self.procs.items() if not p.is_alive()]
             if dead:
                 self.failed_nodes.update(dead)
                 raise LaunchError(f"rank {dead[0]} exited during {phase} "
-                                  f"({_exit_text(self.procs[dead[0]].exitcode)}); its log: "
-                                  f"{self.log_of(dead[0])}")
+                                  f"({self._death(dead[0])}); its log: {self.log_of(dead[0])}"
+                                  f"{self._tail(dead[0])}")
             frames = self.sock.recv_frames(timeout_ms=min(500, int(left * 1000) + 1))
-            if frames is not None:
+            if frames is not None and not (self.hub is not None and self.hub.handle(frames)):
                 return frames
+
+    def _death(self, node: str) -> str:
+        p = self.procs[node]
+        return p.reason() if isinstance(p, RemoteRank) else _exit_text(p.exitcode)
+
+    def _tail(self, node: str) -> str:
+        p = self.procs.get(node)
+        if isinstance(p, RemoteRank) and p.tail:
+            return f"; its last log line: {p.tail.splitlines()[-1].strip()[:300]}"
+        return ""
+
+    def _tick_agents(self) -> None:
+        """Heartbeats; an agent gone silent or reporting an error is an error naming it (its
+        ranks are stopped by the agent itself)."""
+        hub = self.hub
+        if hub is None:
+            return
+        hub.tick()
+        for a in hub.take_lost():
+            ranks = sorted(a.ranks)
+            self.failed_nodes.update(ranks)
+            if self.stopping:
+                continue
+            self.errors.append(f"agent {a.name} ({a.address}, ranks {', '.join(ranks) or '-'}):"
+                               f" {a.lost}; its ranks end with the agent (which stops them "
+                               f"when it loses the coordinator)")
+        while hub.errors:
+            text = hub.errors.pop(0)
+            if not self.stopping:
+                self.errors.append(text)
 
     def _start_error(self, frames: list[bytes]) -> str:
         report = json.loads(frames[2])
@@ -334,33 +443,61 @@ class Launcher:
                f"traceback: {self.log_of(node)})"
 
     def log_of(self, node: str) -> str:
-        """The log file of ``node`` (its stderr: tracebacks, NIXL messages)."""
+        """The log file of ``node`` (its stderr: tracebacks, NIXL messages); on another node
+        ``AGENT:PATH`` on that agent's host."""
+        p = self.procs.get(node)
+        if isinstance(p, RemoteRank):
+            return p.log()
         return rank_log_path(self.log_dir or ".", node)
 
     def check_alive(self) -> list[str]:
-        """Name ranks whose process ended while the run goes on (an error each)."""
+        """Name ranks whose process ended while the run goes on (an error each), and agents
+        that went silent (an error each, naming their ranks)."""
+        self._tick_agents()
         dead = []
         for node, p in self.procs.items():
             if node in self.failed_nodes or p.is_alive():
                 continue
             self.failed_nodes.add(node)
             dead.append(node)
-            self.errors.append(f"{node}: rank process died ({_exit_text(p.exitcode)}); its "
-                               f"log: {self.log_of(node)}")
+            if isinstance(p, RemoteRank):
+                self.errors.append(f"{node}: {p.reason()}; its log: {p.log()}"
+                                   f"{self._tail(node)}")
+            else:
+                self.errors.append(f"{node}: rank process died ({_exit_text(p.exitcode)}); "
+                                   f"its log: {self.log_of(node)}")
         return dead
 
     def stop(self) -> None:
-        """Stop every rank (gracefully, then by force), flush the trace, close the socket."""
+        """Stop every rank (gracefully, then by force; on other nodes through their agents),
+        flush the trace, close the socket."""
+        if self.hub is not None and self.t0 and not self.stopping:
+            with contextlib.suppress(Exception):  # the re-check must not stop the teardown
+                self.hub.sync_clocks(self.pump, end=True, rounds=4, round_timeout_s=0.5)
+                self.clock_notes = self.hub.clock_notes()
+                for note in self.clock_notes:
+                    self.sys({"type": "Note", "text": note})
         self.stopping = True
         for node, ep in self.endpoints.items():
             if self.procs.get(node) is not None and self.procs[node].is_alive():
                 # A dead peer must not stop the teardown.
                 with contextlib.suppress(Exception):
                     self.sock.send(ep, [STOP], timeout_ms=500)
+        # Wait for the ranks told to stop (on other nodes: those that know they are in a run;
+        # their agents stop the others).
+        told = [p for n, p in self.procs.items()
+                if n in self.endpoints or not isinstance(p, RemoteRank)]
         deadline = time.monotonic() + 10
-        while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
+        while any(p.is_alive() for p in told) and time.monotonic() < deadline:
             self.pump(50)
+        if self.hub is not None:  # agents stop what is left of their ranks, then leave
+            self.hub.stop_agents()
+            deadline = time.monotonic() + 15
+            while not self.hub.all_gone() and time.monotonic() < deadline:
+                self.pump(50)
         for p in self.procs.values():
+            if isinstance(p, RemoteRank):
+                continue
             if p.is_alive():
                 p.terminate()
                 p.join(3)
@@ -373,8 +510,12 @@ class Launcher:
                       f"after later ones were written; their times were raised to keep "
                       f"the trace in time order"}, t=self._written_t)
         self.flush_records(final=True)
-        self.sock.close()
-        for key in (PARENT_ENV, LOG_ENV) + (("TWIN_HW_LOG_DIR",) if self._set_frame_log else ()):
+        if self.hub is not None:
+            self.hub.close()
+        else:
+            self.sock.close()
+        for key in (PARENT_ENV, LOG_ENV, *self._set_env) + \
+                (("TWIN_HW_LOG_DIR",) if self._set_frame_log else ()):
             os.environ.pop(key, None)
         if self._own_log_dir and self.log_dir and not self.failed_nodes:
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -416,7 +557,9 @@ class Launcher:
         while frames is not None:
             n += 1
             tag = bytes(frames[0])
-            if tag == RECORDS:
+            if self.hub is not None and self.hub.handle(frames):
+                pass
+            elif tag == RECORDS:
                 node = frames[1].decode()
                 records, reports, upto = pickle.loads(frames[2])
                 self._sent_upto[node] = upto
@@ -428,6 +571,8 @@ class Launcher:
             elif tag == STATE:
                 self.states[frames[1].decode()] = pickle.loads(frames[2])
             frames = self.sock.recv_frames(timeout_ms=0)
+        if self.hub is not None:
+            self._tick_agents()  # after reading what arrived, heartbeats included
         self.flush_records()
         return n
 
@@ -463,7 +608,7 @@ class Launcher:
             horizon = float("inf")
         else:  # every rank has sent all its records up to the slowest one's report
             horizon = min((self._sent_upto.get(n, 0.0) for n in self.endpoints), default=0.0)
-            horizon = min(horizon, self.now())
+            horizon = min(horizon, self.now()) - self.clock_margin
         while self._pending and self._pending[0].t <= horizon:
             p = heapq.heappop(self._pending)
             t = p.t

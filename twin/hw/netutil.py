@@ -1,10 +1,20 @@
-"""Small networking helpers for the hardware-backed twin (loopback only)."""
+"""Small networking helpers for the hardware-backed twin.
+
+Loopback is the default everywhere; a non-loopback address is used only where a command names
+one (``twin hw --listen``, ``twin agent --join/--address``). Port ranges (``20000-20099``) bound
+what a process may listen on, so that a firewall can be opened for exactly those ports.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
+import os
 import socket
+import struct
 
 LOOPBACK_HOST = "127.0.0.1"
+SIOCGIFADDR = 0x8915
 
 
 def free_port(host: str = LOOPBACK_HOST) -> int:
@@ -37,3 +47,96 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
     if not 0 < port < 65536:
         raise ValueError(f"port out of range in {endpoint!r}")
     return host, port
+
+
+def parse_host_port(text: str, *, allow_zero: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``tcp://HOST:PORT``) as ``(ipv4 address, port)``; a host name is
+    resolved. Raises ``ValueError`` naming what is wrong."""
+    raw = text[len("tcp://"):] if text.startswith("tcp://") else text
+    host, sep, port_s = raw.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ValueError(f"{text!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+    port = int(port_s)
+    if not (0 if allow_zero else 1) <= port < 65536:
+        raise ValueError(f"{text!r}: port {port} out of range")
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError as exc:
+        raise ValueError(f"{text!r}: cannot resolve {host!r}: {exc}") from None
+    return addr, port
+
+
+def parse_port_range(text: str | None) -> tuple[int, int] | None:
+    """``"20000-20099"`` (or one port ``"20000"``) as ``(20000, 20099)``; ``None``/empty: any."""
+    if text is None or not text.strip():
+        return None
+    lo_s, sep, hi_s = text.strip().partition("-")
+    try:
+        lo = int(lo_s)
+        hi = int(hi_s) if sep else lo
+    except ValueError:
+        raise ValueError(f"{text!r}: expected a port range like 20000-20099") from None
+    if not 1 <= lo <= hi < 65536:
+        raise ValueError(f"{text!r}: expected 1 <= FIRST <= LAST <= 65535")
+    return lo, hi
+
+
+def format_port_range(ports: tuple[int, int] | None) -> str:
+    return "any free port" if ports is None else f"{ports[0]}-{ports[1]}"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def is_unspecified(host: str) -> bool:
+    """``0.0.0.0``: every interface."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IPv4 address this host would use to reach ``host:port`` (no packet is sent:
+    connecting a UDP socket only chooses the route)."""
+    if is_loopback(host):
+        return LOOPBACK_HOST
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return str(s.getsockname()[0])
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of every interface that has one: ``{name: address}`` (Linux)."""
+    out: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                res = fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)
+            except OSError:
+                continue
+            out[name] = socket.inet_ntoa(res[20:24])
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds ``address`` (``lo`` for loopback), or ``None``."""
+    if is_loopback(address):
+        return "lo"
+    for name, addr in interface_addresses().items():
+        if addr == address:
+            return name
+    return None
+
+
+def has_rdma_devices() -> bool:
+    """Whether the host has RDMA devices (InfiniBand, RoCE): UCX then picks them itself."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False

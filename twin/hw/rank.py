@@ -39,6 +39,7 @@ from twin.core.topology import Node, build_rank
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
+from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
 from twin.runtime.faults import FaultInjector, parse_fault
@@ -73,6 +74,8 @@ class RankSpec:
     script: list[Any] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     nodes_by_unique: dict[int, str] = field(default_factory=dict)
+    bind_host: str = LOOPBACK_HOST  # where the rank's control socket listens
+    control_ports: tuple[int, int] | None = None  # within these ports (inclusive), if given
 
 
 def _match_key(e: Any) -> Any:
@@ -116,7 +119,8 @@ class RankProcess:
         warm_up_rank(self.kernels, self.pool.k, self.pool.v, cfg.page_size, role=spec.role,
                      rank=spec.rank, prefill_attn_tp=cfg.prefill.attn_tp_size,
                      decode_attn_tp=cfg.decode.attn_tp_size, total_kv_heads=m.num_kv_heads)
-        self.sock = ControlSocket(send_timeout_ms=60_000)
+        self.sock = ControlSocket(host=spec.bind_host, ports=spec.control_ports,
+                                  send_timeout_ms=60_000)
         self.nixl = NixlEndpoint(spec.node)
         if isinstance(self.core, PrefillRank):
             self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)

@@ -11,11 +11,12 @@ room is byte-verified. The result has the simulator replay's shape (``twin.repla
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
-from twin.hw.launcher import HwOptions, Launcher
+from twin.hw.launcher import HwOptions, Launcher, open_hub
 from twin.hw.run import check_supported
 from twin.replay import Divergence, ReplayResult, verdict
 from twin.runtime.diagnosis import diagnose
@@ -42,8 +43,10 @@ def _scripts(trace: Trace) -> tuple[dict[str, list[Any]], dict[str, list[dict[st
 
 
 def replay_hw(trace: Trace, options: HwOptions | None = None,
-              stall_s: float = 10.0) -> ReplayResult:
-    """Replay ``trace`` on real processes; see the module docstring."""
+              stall_s: float = 10.0, echo: Callable[[str], None] | None = None
+              ) -> ReplayResult:
+    """Replay ``trace`` on real processes; see the module docstring. With ``options.listen``
+    the ranks run on the nodes of the agents that join (placement printed through ``echo``)."""
     options = options or HwOptions()
     defects = Defects.of(trace.header.get("defects", []))
     check_supported(defects, [])
@@ -74,8 +77,9 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
         if records:
             last[0] = time.monotonic()
 
+    hub = open_hub(trace.config, options, echo)
     with Launcher(trace.config, defects=defects, faults=[], seed=trace.header.get("seed") or 0,
-                  options=options, scripts=scripts, requests=requests) as launcher:
+                  options=options, scripts=scripts, requests=requests, hub=hub) as launcher:
         launcher.on_report = on_report
         launcher.on_records = on_records
         last[0] = time.monotonic()

@@ -30,7 +30,7 @@ from twin.core.config import TwinConfig
 from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.sendplan import early_send_end
-from twin.hw.launcher import HwOptions, Launcher
+from twin.hw.launcher import HwOptions, Launcher, open_hub
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import FaultSpec, fault_report, parse_fault
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
@@ -71,6 +71,7 @@ class HwResult:
     corrupted_rooms: list[int] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     log_dir: str | None = None
+    agents: list[dict[str, Any]] | None = None  # across nodes: each agent, its ranks and clock
 
     @property
     def status(self) -> RunStatus:
@@ -109,6 +110,7 @@ class HwResult:
             "verified": self.verified,
             "corrupted_requests": len(self.corrupted_rooms), "failures": self._failures(),
             "fault_report": self.faults, "log_dir": self.log_dir,
+            **({"agents": self.agents} if self.agents is not None else {}),
         }
 
     def _failures(self) -> dict[str, int]:
@@ -398,7 +400,8 @@ class HwRun:
             run_seconds=lau.now(), events=lau.inputs, errors=list(lau.errors), notes=self.notes,
             stopped=self.stopped, corrupted_rooms=rooms,
             faults=fault_report(self.faults, self.fired),
-            log_dir=lau.log_dir if lau.failed_nodes else None)
+            log_dir=lau.log_dir if lau.failed_nodes else None,
+            agents=lau.hub.records() if lau.hub is not None else None)
 
 
 def check_supported(defects: Defects, faults: list[str]) -> None:
@@ -423,30 +426,46 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
            echo: Callable[[str], None] | None = None) -> HwResult:
     """Run ``workload`` on real rank processes; the trace streams to ``trace_out``. Ctrl-C,
     SIGTERM and SIGHUP end the run as ``interrupted``; ``echo`` gets rank errors as they
-    happen."""
+    happen. With ``options.listen`` the ranks run on the nodes of the agents that join (their
+    clocks and the placement are printed through ``echo`` first)."""
     defects = defects or Defects()
     faults = list(faults or [])
     params = params or SimParams()
     options = options or HwOptions()
     check_supported(defects, faults)
     specs = [parse_fault(f) for f in faults]
-    writer = None
+    header: dict[str, Any] | None = None
     if trace_out is not None:
         from twin.runtime.header import trace_header
-        from twin.trace.format import TraceWriter
 
-        header = trace_header(cfg, workload, defects=defects,
+        plain = cfg.replace(extra={k: v for k, v in cfg.extra.items() if k != "placement"})
+        header = trace_header(plain, workload, defects=defects,
                               faults=specs, seed=seed, params=params,
                               request_overrides=request_overrides or {},
                               max_concurrency=max_concurrency, mode="hw")
-        writer = TraceWriter(trace_out, header)
+    writer = None
     result: HwResult | None = None
     try:
-        with signals_interrupt(), Launcher(cfg, defects=defects, faults=faults, seed=seed,
-                                           options=options, writer=writer) as launcher:
-            run = HwRun(launcher, workload, params, request_overrides or {},
-                        max_concurrency or options.max_concurrency, faults=specs, echo=echo)
-            result = run.run()
+        with signals_interrupt():
+            hub = None
+            try:
+                hub = open_hub(cfg, options, echo)
+            finally:
+                if header is not None:
+                    from twin.trace.format import TraceWriter
+
+                    if hub is not None:
+                        header["agents"] = hub.records()  # who ran what, and their clocks
+                    writer = TraceWriter(trace_out, header)  # type: ignore[arg-type]
+            with Launcher(cfg, defects=defects, faults=faults, seed=seed, options=options,
+                          writer=writer, hub=hub) as launcher:
+                run = HwRun(launcher, workload, params, request_overrides or {},
+                            max_concurrency or options.max_concurrency, faults=specs,
+                            echo=echo)
+                result = run.run()
+            result.notes.extend(launcher.clock_notes)
+            if launcher.hub is not None:  # with the clocks re-checked at the end
+                result.agents = launcher.hub.records()
     except BaseException as exc:
         if writer is not None:
             writer.close(writer.abort_outcome(exc))

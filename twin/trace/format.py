@@ -181,7 +181,7 @@ def make_header(mode: str, config: TwinConfig, nodes: Sequence[Mapping[str, Any]
 # Header validation (shared by writer and reader)
 # ---------------------------------------------------------------------------------------------
 _HEADER_KEYS = ("format", "version", "mode", "config", "defects", "faults", "seed", "workload",
-                "nodes", "software", "created")
+                "nodes", "software", "created", "agents")
 
 
 def _check_header(h: Any, where: str, warnings: list[str] | None = None
