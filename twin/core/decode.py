@@ -120,6 +120,11 @@ class DecodeRank:
         """The ring's current watermark ``(round, tail)``."""
         return self._allocator.get_watermark()
 
+    def live_allocations(self) -> tuple[AllocationView, ...]:
+        """The ring's live allocations, oldest first (cheaper than a whole snapshot)."""
+        return tuple(AllocationView(alloc_id=i, offset=o, size=n, round=r)
+                     for i, o, n, r in self._allocator.live())
+
     def snapshot(self) -> DecodeSnapshot:
         """A read-only copy of this rank's ring, rooms and subscribers."""
         a = self._allocator

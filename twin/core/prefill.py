@@ -131,6 +131,10 @@ class PrefillRank:
         """Transfer workers (each owns one staging buffer of ``buffer_bytes``)."""
         return len(self._workers)
 
+    def session_watermarks(self) -> dict[str, tuple[int, int]]:
+        """A copy of the watermark this rank knows per decode session."""
+        return dict(self._watermarks)
+
     def snapshot(self) -> PrefillSnapshot:
         """A read-only copy of this rank's rooms, workers and per-session watermarks."""
         full = self.cfg.full_chunk_pages

@@ -24,7 +24,6 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.sendplan import PlannedSend, plan_sends
-from twin.core.snapshot import DecodeSnapshot
 from twin.core.topology import Topology, build_ranks
 from twin.runtime.runtime import Runtime
 
@@ -248,21 +247,21 @@ class Cluster:
         self.integrity.on_transfer(t.session, t)
 
     def _check(self, node: str) -> None:
-        snap = self.ranks[node].snapshot()
-        if isinstance(snap, DecodeSnapshot):
-            wm = snap.watermark
+        rank = self.ranks[node]
+        if isinstance(rank, DecodeRank):
+            wm = rank.watermark
             prev = self._wm_seen.get(node, (0, 0))
             if wm < prev:
                 raise InvariantViolation(f"{node}: watermark moved backwards {prev} -> {wm}")
             self._wm_seen[node] = wm
             ring = self.cfg.ring_bytes
             live = sorted((a.round * ring + a.offset, a.round * ring + a.offset + a.size,
-                           a.alloc_id) for a in snap.live)
+                           a.alloc_id) for a in rank.live_allocations())
             for (_, end_a, a), (start_b, _, b) in zip(live, live[1:], strict=False):
                 if start_b < end_a:
                     raise InvariantViolation(f"{node}: live allocations {a} and {b} overlap")
         else:
-            for session, wm in snap.watermarks.items():
+            for session, wm in rank.session_watermarks().items():
                 key = f"{node}>{session}"
                 prev = self._wm_seen.get(key, (0, 0))
                 if wm < prev:
