@@ -87,15 +87,24 @@ class Run:
             pids += [int(p) for p in re.findall(r"pid (\d+)\)", self.agent_log(role))]
         return pids
 
-    def wait_chunks(self, n: int, timeout: float = 150) -> None:
-        """Until the decode rank has received ``n`` CHUNK_READY frames (its frame log)."""
+    def wait_chunks(self, proc: subprocess.Popen[str], n: int, timeout: float = 150) -> None:
+        """Until the decode rank has received ``n`` CHUNK_READY frames (its frame log); fails
+        at once, with the coordinator's output, if the coordinator exits first."""
         log = self.tmp / "logs-decode" / "d0g0r0.log"
         deadline = time.monotonic() + timeout
+        seen = 0
         while time.monotonic() < deadline:
-            if log.exists() and log.read_text(errors="replace").count("CHUNK_READY") >= n:
-                return
+            if log.exists():
+                seen = log.read_text(errors="replace").count("CHUNK_READY")
+                if seen >= n:
+                    return
+            if proc.poll() is not None:
+                out, _ = proc.communicate()
+                raise AssertionError(f"the coordinator exited ({proc.returncode}) after {seen} "
+                                     f"chunks:\n{out[-3000:]}")
             time.sleep(0.5)
-        raise AssertionError("no requests flowed")
+        raise AssertionError(f"only {seen} of {n} chunks in {timeout:g} s; agents:\n"
+                             + "\n".join(self.agent_log(r)[-1500:] for r in self.agents))
 
 
 def _alive(pid: int) -> bool:
@@ -203,7 +212,7 @@ def _mid_run(net: TwoNodes, tmp_path: Path, *extra: str) -> tuple[Run, subproces
     proc = run.coordinator(["hw", "--config", SMALL, "--workload",
                             "poisson:n=400,rate=5,input=600,output=4", "--timeout", "150",
                             "--trace-out", "run.jsonl.gz", *extra])
-    run.wait_chunks(100)  # requests flow
+    run.wait_chunks(proc, 100)  # requests flow
     assert proc.poll() is None
     return run, proc
 

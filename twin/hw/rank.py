@@ -14,6 +14,7 @@ scatter completion, metadata) is held until it is the next recorded input.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import os
@@ -359,9 +360,9 @@ class RankProcess:
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Bootstrap metadata and abort notices, in the twin's own frames."""
         if isinstance(event, ev.RoomBootstrapped):
-            t = event.targets[0]
-            target = {"session": t.session, "decode_rank": t.decode_rank,
-                      "total_pages": t.total_pages, "decode_prefix_len": t.decode_prefix_len}
+            # Every field of the target, so the prefill core sees what the recorded one saw
+            # (the port picks the transfer worker).
+            target = dataclasses.asdict(event.targets[0])
             frames = [META, json.dumps({"room": event.room, "target": target}).encode()]
         elif isinstance(event, ev.RoomAborted):
             frames = [ABORT, json.dumps({"room": event.room, "reason": event.reason}).encode()]
