@@ -298,3 +298,34 @@ def test_release_drains_in_flight_scatters_and_frees_them_with_the_room():
     assert [f.alloc_id for f in of(out, ev.Freed)] == [1, sc.alloc_id]  # unscattered first
     assert not d.snapshot().live
     assert d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.1) == []
+
+
+def _scattered_chunk_then_late_req(d):
+    """Chunk 0 of a two-writer room: p0's STAGING_REQ allocates, both writers (p1 has the RSP
+    too) write and report, the scatter completes; then p1's own STAGING_REQ arrives."""
+    init(d, total_pages=8)
+    req(d, src="p0")
+    ready(d, src="p0")
+    (sc,) = of(ready(d, src="p1", rank_id=1), ev.StartScatter)
+    d.handle(ev.ScatterDone(room=1, chunk_idx=0, alloc_id=sc.alloc_id), 0.0)
+    return req(d, src="p1")
+
+
+def test_late_staging_req_after_scatter_allocates_again_as_sglang_does():
+    d = rank()
+    late = _scattered_chunk_then_late_req(d)
+    (alloc,) = of(late, ev.Allocated)
+    assert alloc.chunk_idx == 0 and alloc.alloc_id == 1  # a second, fresh allocation
+    assert sorted(s.dst for s in sent(late, wire.StagingRsp)) == sorted(WRITERS)
+    snap = d.snapshot()
+    assert snap.rooms[1].chunks[0].late
+    assert [a.alloc_id for a in snap.live] == [1]  # live: it pins the watermark
+
+
+def test_drop_late_staging_req_fix_ignores_it():
+    d = DecodeRank(CFG.replace(fixes=("drop-late-staging-req",)), "d0", 0, Defects())
+    late = _scattered_chunk_then_late_req(d)
+    assert not of(late, ev.Allocated) and not sent(late, wire.StagingRsp)
+    (dropped,) = of(late, ev.Dropped)
+    assert "already scattered" in dropped.reason
+    assert 0 not in d.snapshot().rooms[1].chunks

@@ -136,3 +136,26 @@ def test_multi_target_retry_resume_fix_keeps_real_bytes_clean() -> None:
                     options=_options())
     s = result.summary()
     assert s["status"] == "completed" and not s["corruption"], s
+
+
+def test_late_staging_req_wedges_real_ranks_and_the_trace_explains_it(tmp_path: Path) -> None:
+    """Found first on real transfers between two network namespaces: one writer's STAGING_REQs
+    held back (300 ms on its prefetch socket) reach decode after the other writer's request got
+    the allocation and both wrote the chunk; decode allocates it again, as SGLang does, and the
+    allocation nothing will scatter pins the ring. The trace replays to the same outcome."""
+    from twin.replay import replay_sim
+
+    sc = SCENARIOS["radix-grid"]
+    out = tmp_path / "late.jsonl.gz"
+    options = _options()
+    options.wedge_window_s = 8.0
+    result = run_hw(sc.config, sc.workload(), faults=["delay:STAGING_REQ:src=p0g0r1:ms=300"],
+                    params=sc.params, options=options, request_overrides=sc.overrides,
+                    trace_out=str(out))
+    s = result.summary()
+    assert s["status"] == "wedged", s
+    roots = [line for line in result.diagnosis if line.startswith("root: ")]
+    assert any("arrived after they were scattered" in line for line in roots), result.diagnosis
+    replayed = replay_sim(read_trace(out))
+    assert replayed.divergence is None and replayed.same_outcome
+    assert any("arrived after they were scattered" in line for line in replayed.diagnosis)

@@ -12,7 +12,8 @@ from click.testing import CliRunner, Result
 
 from twin.cli import cli
 from twin.core.config import ConfigError, TwinConfig
-from twin.core.fixes import ALL_FIXES, LOST_CONTROL_RECOVERY
+from twin.core.fixes import ALL_FIXES, DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
+from twin.core.wire import StagingReq
 from twin.replay import replay_sim
 from twin.runtime.outcome import EXIT_BAD_INPUT, EXIT_OK, EXIT_WEDGE
 from twin.trace.format import read_trace
@@ -45,3 +46,44 @@ def test_fix_removes_the_lost_watermark_wedge_and_replays(tmp_path: Path) -> Non
     assert trace.config.fixes == (LOST_CONTROL_RECOVERY,)
     result = replay_sim(trace)
     assert result.divergence is None and result.status == "completed"
+
+
+LATE_REQ = "delay:STAGING_REQ:src=p0g0r1:room=0:chunk=0:ms=10"
+
+
+def _arrival_order(trace_path: Path, src: str, dst: str) -> list[int]:
+    """Chunk indices of room 0's STAGING_REQs from ``src`` in the order ``dst`` got them."""
+    return [r.event.msg.chunk_idx for r in read_trace(trace_path).events
+            if r.dir == "in" and r.node == dst and r.type == "MessageArrived"
+            and r.event.src == src and isinstance(r.event.msg, StagingReq)
+            and r.event.msg.room == 0]
+
+
+def test_delay_holds_the_socket_and_reorder_lets_frames_overtake(tmp_path: Path) -> None:
+    """``delay`` stalls the sending socket as one TCP stream would (later frames wait behind);
+    ``reorder`` holds back one frame only."""
+    held, overtaken = tmp_path / "delay.jsonl", tmp_path / "reorder.jsonl"
+    invoke("sim", "--scenario", "radix-grid", "--fault", LATE_REQ, "--trace-out", str(held))
+    invoke("sim", "--scenario", "radix-grid", "--trace-out", str(overtaken), "--fault",
+           LATE_REQ.replace("delay", "reorder"))
+    in_order = _arrival_order(held, "p0g0r1", "d0g0r0")
+    assert len(in_order) > 2 and in_order == sorted(in_order)
+    assert _arrival_order(overtaken, "p0g0r1", "d0g0r0")[-1] == 0
+
+
+def test_late_staging_req_wedges_the_ring_and_the_fix_drops_it(tmp_path: Path) -> None:
+    """One prefill writer's STAGING_REQs held 10 ms: the other writer's request got the
+    allocation, both wrote and decode scattered, then the late request allocates the chunk again
+    (as SGLang does); nothing scatters it, so it pins the watermark and the ring stalls."""
+    r = invoke("sim", "--scenario", "radix-grid", "--fault", LATE_REQ)
+    assert r.exit_code == EXIT_WEDGE, r.output
+    assert "root: d0g0r0: room 0: a STAGING_REQ for chunks 0" in r.output
+    assert "arrived after they were scattered" in r.output
+    out = tmp_path / "fixed.jsonl"
+    r = invoke("sim", "--scenario", "radix-grid", "--fault", LATE_REQ, "--fix",
+               DROP_LATE_STAGING_REQ, "--trace-out", str(out))
+    assert r.exit_code == EXIT_OK, r.output
+    dropped = [rec for rec in read_trace(out).events if rec.type == "Dropped"
+               and "already scattered" in rec.event.reason]
+    assert dropped
+    assert replay_sim(read_trace(out)).status == "completed"

@@ -35,7 +35,7 @@ from twin.core.defects import (
     RAISE_ON_UNALIGNED_PREFIX,
     Defects,
 )
-from twin.core.fixes import LOST_CONTROL_RECOVERY
+from twin.core.fixes import DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
 from twin.core.layout import num_tp_writers
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
@@ -57,6 +57,7 @@ class ChunkAlloc:
     round: int
     end: int
     chunk_pages: int
+    late: bool = False  # allocated by a STAGING_REQ that arrived after the chunk was scattered
 
 
 @dataclass(slots=True)
@@ -76,6 +77,7 @@ class DecodeRoom:
     oversized: set[int] = field(default_factory=set)
     arrivals: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
     scattering: dict[int, int] = field(default_factory=dict)  # alloc_id -> chunk_idx
+    scattered: set[int] = field(default_factory=set)  # chunk indices whose scatter started
     group: tuple[str, ...] = ()  # the other decode ranks whose polls are reduced with ours
     peer_polls: dict[str, str] = field(default_factory=dict)
     shared: str = ""  # the local poll last shared with the group
@@ -132,7 +134,7 @@ class DecodeRank:
             room=r.room, state=r.state, registered=r.registered, prefill_ranks=r.prefill_ranks,
             success_ranks=frozenset(r.success_ranks), fail_reason=r.fail_reason,
             chunks={i: ChunkAllocView(alloc_id=c.alloc_id, offset=c.offset, round=c.round,
-                                      end=c.end, chunk_pages=c.chunk_pages)
+                                      end=c.end, chunk_pages=c.chunk_pages, late=c.late)
                     for i, c in r.chunks.items()},
             arrivals={i: len(v) for i, v in r.arrivals.items()},
             scattering=dict(r.scattering), group=r.group, peer_polls=dict(r.peer_polls),
@@ -243,8 +245,17 @@ class DecodeRank:
             offset, rnd, end = info.offset, info.round, info.end
         elif msg.chunk_idx in room.oversized:
             offset, rnd, end = ALLOC_OVERSIZED, 0, -1
+        elif msg.chunk_idx in room.scattered and self.fixes.on(DROP_LATE_STAGING_REQ):
+            out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
+                                  reason=f"chunk {msg.chunk_idx} was already scattered"))
+            return
         else:
-            offset, rnd, end = self._allocate(room, msg.chunk_idx, msg.chunk_pages, out)
+            # A STAGING_REQ that arrives after its chunk was scattered (it travels on its own
+            # socket, so another writer's CHUNK_READY can overtake it) gets a fresh allocation,
+            # as in SGLang: nothing will ever scatter it, so it pins the watermark until the
+            # waiting timeout fails the room.
+            offset, rnd, end = self._allocate(room, msg.chunk_idx, msg.chunk_pages, out,
+                                              late=msg.chunk_idx in room.scattered)
         rsp = wire.StagingRsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
                               end=end, session_id=msg.session_id)
         for dst in room.prefill_ranks:
@@ -259,7 +270,7 @@ class DecodeRank:
         return self.cfg.region_layout(self.rank, chunk_pages, room.prefill_attn_tp)[2]
 
     def _allocate(self, room: DecodeRoom, chunk_idx: int, chunk_pages: int,
-                  out: list[ev.Effect]) -> tuple[int, int, int]:
+                  out: list[ev.Effect], late: bool = False) -> tuple[int, int, int]:
         required = self.region_bytes(room, chunk_pages)
         got = self._allocator.assign(required)
         if got is None:
@@ -268,7 +279,8 @@ class DecodeRank:
                                   reason=f"oversized: {required} > ring {self._allocator.total_size}"))
             return ALLOC_OVERSIZED, 0, -1
         alloc_id, offset, rnd = got
-        room.chunks[chunk_idx] = ChunkAlloc(alloc_id, offset, rnd, offset + required, chunk_pages)
+        room.chunks[chunk_idx] = ChunkAlloc(alloc_id, offset, rnd, offset + required, chunk_pages,
+                                            late)
         out.append(ev.Allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
                                 offset=offset, round=rnd, size=required))
         return offset, rnd, offset + required
@@ -312,6 +324,7 @@ class DecodeRank:
                                   reason=f"chunk {chunk_idx} has no unscattered allocation"))
             return False
         room.scattering[info.alloc_id] = chunk_idx
+        room.scattered.add(chunk_idx)
         room.events[info.alloc_id] = chunk_idx
         _, writer_bytes, total = self.cfg.region_layout(self.rank, num_pages, room.prefill_attn_tp)
         out.append(ev.StartScatter(

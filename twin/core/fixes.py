@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 MULTI_TARGET_RETRY_RESUME = "multi-target-retry-resume"
 LOST_CONTROL_RECOVERY = "lost-control-recovery"
+DROP_LATE_STAGING_REQ = "drop-late-staging-req"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,17 @@ CATALOG: dict[str, FixInfo] = {
             "its last request (a lost STAGING_RSP or WATERMARK); decode answers a repeated "
             "request with the allocation and re-broadcasts its current watermark",
             "sglang PR #29978 (not merged in 0.5.23)",
+        ),
+        FixInfo(
+            DROP_LATE_STAGING_REQ, "decode",
+            "decode remembers which chunks of a room it has scattered and drops a STAGING_REQ "
+            "for one of them instead of allocating it again. STAGING_REQ travels on the "
+            "prefill's prefetch socket, so with several writers per decode rank one writer's "
+            "request can arrive after the other writers' CHUNK_READY completed the chunk; the "
+            "fresh allocation is never scattered, pins the watermark (stalling every room "
+            "behind it on the ring) and fails the room at the waiting timeout",
+            "the twin's finding (docs/defects.md, 'A late STAGING_REQ reallocates a scattered "
+            "chunk'), first seen on real transfers between two network namespaces",
         ),
     )
 }

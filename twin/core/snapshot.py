@@ -91,6 +91,7 @@ class ChunkAllocView:
     round: int
     end: int
     chunk_pages: int
+    late: bool = False  # allocated after the chunk had already been scattered
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

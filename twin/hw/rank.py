@@ -88,7 +88,9 @@ def _match_key(e: Any) -> Any:
     if t is ev.ScatterDone:
         return ("scatter", e.room, e.chunk_idx, e.alloc_id)
     if t is ev.RoomBootstrapped:
-        return ("boot", e.room, e.targets)
+        # Without the port: traces before format 3 carry none (the recorded event is fed).
+        return ("boot", e.room, tuple((x.session, x.decode_rank, x.total_pages,
+                                       x.decode_prefix_len) for x in e.targets))
     return None
 
 
@@ -141,6 +143,7 @@ class RankProcess:
         self.t0 = 0.0
         self.timers: list[tuple[float, int, Any, tuple[Any, ...]]] = []
         self._timer_seq = 0
+        self._held: dict[tuple[str, str], float] = {}  # (peer, socket) -> stalled until
         self._last_input: Any = None
         self._flushed_at = 0.0
         self.in_flight: dict[int, Any] = {}
@@ -330,7 +333,13 @@ class RankProcess:
         self.send_frames(dst, msg)
 
     def send_frames(self, dst: str, msg: wire.Message, delayed: bool = False) -> None:
-        if self.injector.specs and not delayed:
+        """Send ``msg`` to ``dst`` through the fault injector. A ``delay`` holds the sending
+        socket's stream (later frames on it wait behind), a ``reorder`` only this frame."""
+        if delayed:
+            self._push(dst, msg)
+            return
+        copies, extra, hold = 1, 0.0, 0.0
+        if self.injector.specs:
             fate = self.injector.message(self.spec.node, dst, msg)
             if fate.applied:
                 self.reports.append({"kind": "fault", "node": self.spec.node,
@@ -339,14 +348,22 @@ class RankProcess:
             if fate.send_failed:
                 self.feed(ev.SendFailed(dst=dst, msg=msg))
                 return
-            if fate.extra_s > 0:
-                for _ in range(fate.copies):
-                    self.call_at(self.now() + fate.extra_s, self.send_frames, dst, msg, True)
-                return
-            for _ in range(fate.copies):
+            copies, extra, hold = fate.copies, fate.extra_s, fate.hold_s
+        at = now = self.now()
+        if self._held:
+            link = (dst, wire.socket_of(msg))
+            at = max(now + hold, self._held.get(link, 0.0))
+            if hold:
+                self._held[link] = at
+        elif hold:
+            at = now + hold
+            self._held[(dst, wire.socket_of(msg))] = at
+        at += extra - hold
+        for _ in range(copies):
+            if at > now:
+                self.call_at(at, self.send_frames, dst, msg, True)
+            else:
                 self._push(dst, msg)
-            return
-        self._push(dst, msg)
 
     def _push(self, dst: str, msg: wire.Message) -> None:
         """Send one frame; a peer that cannot take it for a minute is a failed send."""

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from twin.core.allocator import is_watermark_ready
+from twin.core.fixes import DROP_LATE_STAGING_REQ
 from twin.core.snapshot import (
+    DecodeRoomView,
     DecodeSnapshot,
     PrefillSnapshot,
     RankSnapshot,
@@ -92,9 +94,25 @@ class _Graph:
         self._memo[ident] = key
         return key
 
+    def late_root(self, node: str, droom: DecodeRoomView) -> RootKey:
+        """The root for a room's chunks that ``node`` allocated again after scattering them."""
+        chunks = ", ".join(str(i) for i, c in sorted(droom.chunks.items()) if c.late)
+        return self.root(("late-staging-req", node, droom.room),
+                         f"{node}: room {droom.room}: a STAGING_REQ for chunks {chunks} arrived "
+                         f"after they were scattered (it travels on its own socket and was "
+                         f"overtaken) and got a fresh allocation that nothing will scatter; it "
+                         f"pins the watermark until the waiting timeout fails the room "
+                         f"(--fix {DROP_LATE_STAGING_REQ} drops such requests)",
+                         fault_room=droom.room)
+
     def _chunk_root(self, room: int, chunk: int, session: str,
                     seen: frozenset[tuple[int, int, str]]) -> RootKey:
         found = self.chunks.get((room, chunk, session))
+        dec = self.decodes.get(session)
+        droom = dec.rooms.get(room) if dec is not None else None
+        if found is None and droom is not None and (alloc := droom.chunks.get(chunk)) is not None \
+                and alloc.late:
+            return self.late_root(session, droom)
         if found is None:
             return self.root(("no-write", room, chunk, session),
                              f"room {room} chunk {chunk}: no prefill worker holds its write to "
@@ -120,7 +138,6 @@ class _Graph:
                              f"room {room} chunk {chunk}: the chunk is larger than {session}'s "
                              f"ring (allocation oversized)")
         wm = self.prefills[node].watermarks.get(session, (0, 0))
-        dec = self.decodes.get(session)
         if dec is None:
             return self.root(("no-watermark", node, session),
                              f"{node} waits for a watermark from {session}, which is not in this "
@@ -235,6 +252,11 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
                 details.append(f"{node}: room {droom.room} waits for transfer status from "
                                f"{', '.join(missing)}")
                 key = _status_root(g, node, droom.room, missing)
+            elif late := sorted(i for i, c in droom.chunks.items() if c.late):
+                chunks = ", ".join(str(c) for c in late)
+                details.append(f"{node}: room {droom.room} has all-ranks Success but chunks "
+                               f"{chunks} were allocated again after they had been scattered")
+                key = g.late_root(node, droom)
             elif droom.chunks:
                 chunks = ", ".join(str(c) for c in sorted(droom.chunks))
                 details.append(f"{node}: room {droom.room} has all-ranks Success but chunks "

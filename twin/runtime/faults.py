@@ -4,7 +4,9 @@ A spec is ``ACTION:TARGET[:key=value]...``::
 
     drop:WATERMARK:p=0.1          drop each WATERMARK with probability 0.1
     drop:WATERMARK:nth=3          drop the 3rd WATERMARK only
-    delay:CHUNK_READY:ms=20:p=0.5 delay (extra latency); dup:KIND, reorder:KIND (held back ms=1)
+    delay:CHUNK_READY:ms=20:p=0.5 extra latency; frames behind it on its socket wait too
+    reorder:CHUNK_READY:ms=1      hold back this frame only: later frames overtake it
+    dup:CHUNK_READY               deliver twice
     fail-send:CHUNK_READY:nth=1   the sender's socket raises: the frame is not sent
     fail-transfer:p=0.01          a staged WRITE ends in error (node=ID to restrict)
     crash:d0g0r0:at=2.5           the rank stops handling anything at t=2.5 s
@@ -229,10 +231,16 @@ def fault_report(specs: list[FaultSpec], fired: list[int]) -> list[dict[str, Any
 
 @dataclass(slots=True)
 class MessageFate:
-    """What happens to one frame: delivered ``copies`` times after ``extra_s`` more latency."""
+    """What happens to one frame: delivered ``copies`` times after ``extra_s`` more latency.
+
+    ``hold_s`` of that latency comes from ``delay``, which stalls the sending socket's
+    connection (the frames behind it on the same socket wait too, as on one TCP stream);
+    the rest comes from ``reorder``, which holds only this frame, so later frames overtake it.
+    """
 
     copies: int = 1
     extra_s: float = 0.0
+    hold_s: float = 0.0
     send_failed: bool = False
     applied: tuple[str, ...] = ()
 
@@ -279,6 +287,8 @@ class FaultInjector:
                 fate.copies += 1
             elif spec.action in ("delay", "reorder"):
                 fate.extra_s += spec.ms / 1000
+                if spec.action == "delay":
+                    fate.hold_s += spec.ms / 1000
             elif spec.action == "fail-send":
                 fate.send_failed = True
                 fate.copies = 0

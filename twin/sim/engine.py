@@ -148,9 +148,13 @@ class Simulation:
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
         link = (src, dst, wire.socket_of(msg))  # FIFO per sending socket, not per peer
+        copies, extra = (1, 0.0) if fate is None else (fate.copies, fate.extra_s)
+        if fate is not None and fate.hold_s:
+            # A delay stalls the socket: this frame and every later one on it wait.
+            delay += fate.hold_s
+            extra -= fate.hold_s
         t = max(self.env.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        copies, extra = (1, 0.0) if fate is None else (fate.copies, fate.extra_s)
         arrived = ev.MessageArrived(src=src, msg=msg)
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.env.now, self.feed, dst, arrived)

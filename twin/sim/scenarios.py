@@ -152,11 +152,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         params=QUIET, overrides={1: {"prefill_prefix_len": 1024}}, fails_by_design=(1,),
     ),
     Scenario(
-        "teardown-deferred", "the STAGING_RSP of a room's first chunk is late, so that chunk "
-        "is deferred behind the last one; tearing the room down on the last chunk drops it",
+        "teardown-deferred", "the STAGING_RSP of a room's first chunk is overtaken by the later "
+        "ones, so that chunk is deferred behind the last one; tearing the room down on the last "
+        "chunk drops it",
         _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(3, 512, 0.5),
         defects=(TEARDOWN_DROPS_DEFERRED,), symptom="wedge",
-        faults=("delay:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
+        faults=("reorder:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
     ),
     Scenario(
         "unaligned-prefix", "one request arrives with a decode prefix that is not page-aligned; "
@@ -166,12 +167,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         overrides={1: {"decode_prefix_len": 100}}, fails_by_design=(1,),
     ),
     Scenario(
-        "completion-race", "a late STAGING_RSP defers a room's first chunk behind its last; "
+        "completion-race", "an overtaken STAGING_RSP defers a room's first chunk behind its last; "
         "all-ranks Success arrives first and the blind last scatter completes the room before "
         "the first chunk landed",
         _cfg(**TP4_TP2, staging_pool_size_mb=8), _serial(3, 512, 0.5),
         defects=(COMPLETION_BEFORE_LAST_SCATTER,), symptom="corruption",
-        faults=("delay:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
+        faults=("reorder:STAGING_RSP:room=1:chunk=0:ms=50",), params=QUIET,
     ),
     Scenario(
         "multi-target-retry", "finding in today's protocol: prefill DP attention (2 sessions of "
