@@ -197,7 +197,9 @@ def test_scenarios_list_and_defects() -> None:
     rows = json.loads(r.stdout)
     assert {row["name"] for row in rows} >= {"default", "warmup-stall", "radix-grid"}
     r = invoke("defects", "--json")
-    assert len(json.loads(r.stdout)) == 10
+    kinds = [row["kind"] for row in json.loads(r.stdout)]
+    assert kinds.count("defect") == 10 and kinds.count("fix") == 3
+    assert "drop-late-staging-req" in invoke("defects").output
     r = invoke("walkthrough")
     assert "waits forever" in r.output and "may write" in r.output
 

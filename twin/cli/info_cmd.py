@@ -9,17 +9,31 @@ from twin.core.defects import CATALOG
 
 
 @click.command("defects")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON: the defects (--defect, --scenario-defects), then the fixes (--fix), "
+                   "each with its kind.")
 def defects_command(as_json: bool) -> None:
-    """List the upstream defects the twin can switch back on."""
+    """List the upstream defects the twin can switch back on (--defect) and the proposed
+    changes SGLang has not merged that it can switch on (--fix)."""
+    from twin.core.fixes import CATALOG as FIXES
+
     if as_json:
-        emit_json([{"name": d.name, "side": d.side, "summary": d.summary, "fixed_in": d.fixed_in}
-                   for d in CATALOG.values()])
+        emit_json([{"kind": "defect", "name": d.name, "side": d.side, "summary": d.summary,
+                    "fixed_in": d.fixed_in} for d in CATALOG.values()]
+                  + [{"kind": "fix", "name": f.name, "side": f.side, "summary": f.summary,
+                      "source": f.source} for f in FIXES.values()])
         return
+    click.echo("Defects fixed upstream (--defect NAME switches one back on):")
     for d in CATALOG.values():
         click.echo(f"{d.name}  [{d.side}]")
         click.echo(f"    {d.summary}")
         click.echo(f"    fixed upstream: {d.fixed_in}")
+    click.echo("")
+    click.echo("Proposed changes SGLang has not merged (--fix NAME switches one on):")
+    for f in FIXES.values():
+        click.echo(f"{f.name}  [{f.side}]")
+        click.echo(f"    {f.summary}")
+        click.echo(f"    source: {f.source}")
 
 
 @click.command("walkthrough")

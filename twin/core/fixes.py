@@ -55,8 +55,9 @@ CATALOG: dict[str, FixInfo] = {
             "request can arrive after the other writers' CHUNK_READY completed the chunk; the "
             "fresh allocation is never scattered, pins the watermark (stalling every room "
             "behind it on the ring) and fails the room at the waiting timeout",
-            "the twin's finding (docs/defects.md, 'A late STAGING_REQ reallocates a scattered "
-            "chunk'), first seen on real transfers between two network namespaces",
+            "the twin's finding (docs/defects.md, 'A STAGING_REQ after its chunk was scattered "
+            "leaks until the completion timeout'), first seen on real transfers between two "
+            "network namespaces",
         ),
     )
 }
