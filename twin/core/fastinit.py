@@ -23,7 +23,7 @@ def fast_frozen_init(cls: type[T]) -> type[T]:
     if params is None or not params.frozen or "__slots__" not in cls.__dict__ \
             or hasattr(cls, "__post_init__"):
         return cls
-    fields = [f for f in dataclasses.fields(cls)]
+    fields = list(dataclasses.fields(cls))  # type: ignore[arg-type]
     if any(not f.init or not f.kw_only or f.default_factory is not dataclasses.MISSING
            for f in fields):
         return cls
@@ -55,7 +55,7 @@ def fast_frozen_init(cls: type[T]) -> type[T]:
     init.__module__ = cls.__module__
     init.__annotations__ = dict(old.__annotations__)
     init.__doc__ = old.__doc__
-    setattr(cls, "__init__", init)
+    cls.__init__ = init  # type: ignore[method-assign]
     return cls
 
 
