@@ -151,7 +151,7 @@ class Simulation:
 
     # -- driver: clock -------------------------------------------------------------------------
     def time(self) -> float:
-        return self.env.now
+        return self.env._now  # ``env.now`` without the property call (read on every input)
 
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
