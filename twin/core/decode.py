@@ -108,6 +108,7 @@ class DecodeRank:
         self.defects = defects or Defects()
         self.fixes = cfg.fix_set
         self._allocator = StagingAllocator(cfg.ring_bytes, self.defects)
+        self._layouts: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
         self._rooms: dict[int, DecodeRoom] = {}
         self._subscribers: dict[tuple[str, ...], str] = {}
         self._crashed: str | None = None
@@ -267,7 +268,16 @@ class DecodeRank:
 
     def region_bytes(self, room: DecodeRoom, chunk_pages: int) -> int:
         """Bytes of one staging region holding ``chunk_pages`` pages from every writer."""
-        return self.cfg.region_layout(self.rank, chunk_pages, room.prefill_attn_tp)[2]
+        return self._layout(chunk_pages, room.prefill_attn_tp)[2]
+
+    def _layout(self, num_pages: int, prefill_attn_tp: int) -> tuple[int, tuple[int, ...], int]:
+        """``cfg.region_layout`` of this rank, memoised (the config is frozen)."""
+        key = (num_pages, prefill_attn_tp)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self.cfg.region_layout(self.rank, num_pages,
+                                                                 prefill_attn_tp)
+        return layout
 
     def _allocate(self, room: DecodeRoom, chunk_idx: int, chunk_pages: int,
                   out: list[ev.Effect], late: bool = False) -> tuple[int, int, int]:
@@ -326,7 +336,7 @@ class DecodeRank:
         room.scattering[info.alloc_id] = chunk_idx
         room.scattered.add(chunk_idx)
         room.events[info.alloc_id] = chunk_idx
-        _, writer_bytes, total = self.cfg.region_layout(self.rank, num_pages, room.prefill_attn_tp)
+        _, writer_bytes, total = self._layout(num_pages, room.prefill_attn_tp)
         out.append(ev.StartScatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
             nbytes=total, page_start=page_start, num_pages=num_pages, blind=blind,

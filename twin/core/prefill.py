@@ -119,6 +119,11 @@ class PrefillRank:
         self._aborted: set[int] = set()  # failed rooms already torn down here
         self._workers = [Worker() for _ in range(cfg.transfer_queue_size)]
         self.now = 0.0
+        # Derived from the frozen config once (they are read on every chunk).
+        self._grid_tokens = cfg.grid_tokens
+        self._full_pages = cfg.full_chunk_pages
+        self._ring_bytes = cfg.ring_bytes
+        self._layouts: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
         m = cfg.model
         heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
         pages = cfg.prefill_staging_buffer_pages
@@ -251,7 +256,7 @@ class PrefillRank:
         if room is None or room.prefetched:
             return
         room.prefetched = True
-        grid_pages = self.cfg.full_chunk_pages
+        grid_pages = self._full_pages
         for target in room.targets:
             for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
                 key = (e.room, chunk_idx, target.session)
@@ -275,11 +280,11 @@ class PrefillRank:
         if not e.last:
             end -= end % page
             if aligned:
-                end = floor_to_grid(end, room.base, cfg.grid_tokens)
+                end = floor_to_grid(end, room.base, self._grid_tokens)
         if end < start:
             return
         self._on_prefetch(ev.Prefetch(room=e.room), out)
-        segments = (compute_grid_segments(start, end, room.base, cfg.grid_tokens)
+        segments = (compute_grid_segments(start, end, room.base, self._grid_tokens)
                     if aligned else [(start, end)])
         total_pages = max((t.total_pages for t in room.targets), default=0)
         worker = self._worker_of(room)
@@ -291,7 +296,7 @@ class PrefillRank:
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
             self._workers[worker].queue.append(chunk)
             out.append(ev.ChunkQueued(worker=worker, room=e.room,
-                                      chunk_idx=chunk_index(chunk.page_start, cfg.full_chunk_pages),
+                                      chunk_idx=chunk_index(chunk.page_start, self._full_pages),
                                       page_start=chunk.page_start, num_pages=num_pages,
                                       is_last=chunk.is_last))
         room.start_send_idx = end
@@ -355,7 +360,7 @@ class PrefillRank:
         w = self._workers[index]
         cfg = self.cfg
         resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
-        chunk_idx = chunk_index(chunk.page_start, cfg.full_chunk_pages)
+        chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         while True:
             pending = [i for i in range(len(room.targets)) if i not in chunk.written]
             if not pending:
@@ -428,11 +433,15 @@ class PrefillRank:
         cfg = self.cfg
         offset, rnd, end = info
         p_tp, d_tp = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
-        _, writer_bytes, _ = cfg.region_layout(target.decode_rank, chunk.num_pages)
+        key = (target.decode_rank, chunk.num_pages)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = cfg.region_layout(target.decode_rank, chunk.num_pages)
+        writer_bytes = layout[1]
         wi = writer_index(p_tp, d_tp, self.rank)
         nbytes = writer_bytes[wi]
         dst_offset = offset + sum(writer_bytes[:wi])
-        fits = nbytes <= self.buffer_bytes and cfg.ring_bytes - offset >= sum(writer_bytes)
+        fits = nbytes <= self.buffer_bytes and self._ring_bytes - offset >= sum(writer_bytes)
         staged = True
         if not fits:
             if not self.defects.on(SILENT_SLICE_FALLBACK):
@@ -468,7 +477,7 @@ class PrefillRank:
             self._run_worker(e.worker, out)
             return
         target = room.targets[chunk.current]
-        chunk_idx = chunk_index(chunk.page_start, self.cfg.full_chunk_pages)
+        chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         skip_last = chunk.is_last and self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         if chunk.staged and not skip_last:
             out.append(ev.Send(dst=target.session, msg=wire.ChunkReady(

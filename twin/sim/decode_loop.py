@@ -228,14 +228,28 @@ class DecodeLoop:
             steps = min(MAX_RUN, max(1, (self.capacity - self.used) // n),
                         ends[0][0] - self.step if ends else MAX_RUN)
         due = min((q[0][0] for q in self.scatters.values() if q), default=math.inf)
-        times = self._run_times = []
-        t, ctx, step_s = now, self.ctx, self.costs.decode_step_s
-        for _ in range(max(1, steps)):
-            t += step_s(n, ctx)
-            ctx += n
-            times.append(t)
-            if t >= due:
-                break
+        times: list[float] = []
+        self._run_times = times
+        t, ctx = now, self.ctx
+        costs = self.costs
+        if costs.profile is None:
+            # ``ServerCosts.decode_step_s`` inlined (the same float operations, in order).
+            p = costs.params
+            base, per_ctx = p.decode_step_s + n * p.decode_s_per_seq, p.decode_s_per_ctx_token
+            for _ in range(max(1, steps)):
+                t += base + ctx * per_ctx
+                ctx += n
+                times.append(t)
+                if t >= due:
+                    break
+        else:
+            step_s = costs.decode_step_s
+            for _ in range(max(1, steps)):
+                t += step_s(n, ctx)
+                ctx += n
+                times.append(t)
+                if t >= due:
+                    break
         self._schedule(t, self._steps_done, len(times))
 
     def _idle(self, now: float) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from heapq import heappush
 from typing import Any
 
 import simpy
@@ -35,6 +36,32 @@ from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
 from twin.workloads import Request, Workload
+
+_PREFETCH, _CONTROL = wire.PREFETCH_SOCKET, wire.CONTROL_SOCKET
+_STAGING_REQ = wire.StagingReq
+_ARRIVED = ev.MessageArrived
+_NORMAL = 1  # simpy.events.NORMAL: the priority of a Timeout
+
+
+class _Call:
+    """A plain callback scheduled on SimPy's queue: the part of an event ``Environment.step``
+    reads (``callbacks``, ``_ok``), without a Timeout's construction and a closure per call.
+    It takes one event id, like the Timeout it replaces, so the order of events is the same."""
+
+    __slots__ = ("callbacks", "fn", "args")
+    _ok = True
+
+    def __init__(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+        self.callbacks: tuple[Callable[[_Call], None], ...] | None = _RUN
+
+
+def _run(call: _Call) -> None:
+    call.fn(*call.args)
+
+
+_RUN = (_run,)
 
 
 class Simulation:
@@ -67,7 +94,12 @@ class Simulation:
                                })
         self.feed = self.runtime.feed
         """Hand an input to a node's core now and carry out its effects."""
+        self._fire = self.runtime.fire
         self.rng_net = random.Random(f"{seed}:net")
+        p = self.params
+        self._zmq_latency_s = p.zmq_latency_s
+        self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
+        self._expovariate = self.rng_net.expovariate
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self.integrity = IntegrityModel(cfg.ring_bytes)
@@ -119,15 +151,21 @@ class Simulation:
 
     # -- driver: clock -------------------------------------------------------------------------
     def time(self) -> float:
-        return self.env.now
+        return self.env._now  # ``env.now`` without the property call (read on every input)
 
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
-        """Call ``fn(*args)`` ``delay`` seconds from now."""
-        t = self.env.timeout(max(0.0, delay))
-        t.callbacks.append(lambda _e: fn(*args))
+        """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
+        with that callback would, one SimPy event)."""
+        env = self.env
+        heappush(env._queue, (env._now + (delay if delay > 0.0 else 0.0), _NORMAL,
+                              next(env._eid), _Call(fn, args)))
 
     def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
-        self.at(at - self.env.now, self.runtime.fire, node, event, token)
+        env = self.env
+        now = env._now
+        delay = at - now
+        heappush(env._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(env._eid),
+                              _Call(self._fire, (node, event, token))))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
@@ -135,6 +173,25 @@ class Simulation:
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
+        if self.injector.specs:
+            self._transmit_faulty(src, dst, msg)
+            return
+        # No faults: one copy, no extra delay (the same arithmetic as ``_transmit_faulty``).
+        env = self.env
+        now = env._now
+        jitter = self._jitter_rate
+        delay = self._zmq_latency_s + (self._expovariate(jitter) if jitter else 0.0)
+        link = (src, dst, _PREFETCH if msg.__class__ is _STAGING_REQ else _CONTROL)
+        t = now + delay
+        last = self.link_last.get(link, 0.0)
+        if last > t:
+            t = last
+        self.link_last[link] = t
+        delay = t - now
+        heappush(env._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(env._eid),
+                              _Call(self.feed, (dst, _ARRIVED(src=src, msg=msg)))))
+
+    def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
         fate = self.injector.message(src, dst, msg) if self.injector.specs else None
         if fate is not None and fate.applied:
