@@ -186,7 +186,7 @@ def test_outputs_in_a_missing_folder(tmp_path_factory: pytest.TempPathFactory, n
     ("sim", "--scenario", "warmup-stal"),
     ("sim", "--scenario-defects"),
     ("hw", "--fault", "crash:d0g0r0:at=1"),
-    ("hw", "--fault", "fail-transfer:p=0.5"),
+    ("hw", "--fault", "restart:d0g0r0:at=1:down=1"),
     ("hw", "--prefill-gpus", "0,x"),
     ("sim", "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=1", "--prefill-args",
      "--chunked-prefill-size 8192"),

@@ -159,3 +159,18 @@ def test_late_staging_req_wedges_real_ranks_and_the_trace_explains_it(tmp_path: 
     replayed = replay_sim(read_trace(out))
     assert replayed.divergence is None and replayed.same_outcome
     assert any("arrived after they were scattered" in line for line in replayed.diagnosis)
+
+
+def test_an_injected_transfer_failure_fails_its_request_only() -> None:
+    """``fail-transfer:nth=1`` on hardware: the first WRITE of one prefill rank ends in error,
+    its request fails on every side (status failed, exit 5), and every other request completes
+    byte-verified."""
+    cfg = TwinConfig(model=TINY, chunked_prefill_size=64, prefill=ServerSide(tp_size=2),
+                     decode=ServerSide(tp_size=1))
+    work = fixed([(0.05 * i, 160, 4, 0) for i in range(4)])
+    result = run_hw(cfg, work, faults=["fail-transfer:node=p0g0r1:nth=1"], options=_options())
+    s = result.summary()
+    assert (s["failed"], s["completed"], s["verified"]) == (1, 3, 3), s
+    assert s["status"] == "failed" and result.exit_code == 5, s
+    assert s["fault_report"] == [{"fault": "fail-transfer:node=p0g0r1:nth=1", "fired": 1}]
+    assert s["failures"] == {"prefill p0g0r1 failed": 1}

@@ -137,7 +137,10 @@ class LocalExecutor:
         if self._futures:  # stopped early: end the points still running in our workers
             for proc in list(getattr(self._pool, "_processes", {}).values()):
                 proc.terminate()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Wait for the pool's manager thread (the workers are idle or terminated, so this is
+        # quick): left running, it can hit closed pipes at interpreter exit ("Bad file
+        # descriptor" from threading after the answer was printed).
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._futures.clear()
 
 

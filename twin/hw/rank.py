@@ -418,6 +418,14 @@ class RankProcess:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         peer, region = self.rings[e.session]
+        failed = self.injector.transfer_fails(node) if self.injector.specs else None
+        if failed is not None:
+            # An injected error, as NIXL reports a WRITE that ended in ERR: settled, not posted.
+            self.reports.append({"kind": "fault", "node": node, "fault": failed,
+                                 "detail": f"WRITE room {e.room} chunk {e.chunk_idx} -> "
+                                           f"{e.session}"})
+            self.in_flight[e.worker] = ("error", f"injected transfer failure ({failed})")
+            return
         try:
             handle = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes)
         except TransferError as exc:

@@ -41,7 +41,7 @@ from twin.runtime.runtime import PROGRESS_EFFECTS
 from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.workloads import Workload
 
-UNSUPPORTED_FAULTS = ("crash", "restart", "fail-transfer")
+UNSUPPORTED_FAULTS = ("crash", "restart")
 #: The wedge window on hardware is wall-clock time: at least this long, since a loaded host can
 #: stall a rank for seconds without anything being stuck.
 HW_MIN_WEDGE_WINDOW_S = 15.0
