@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from twin.core import events as ev
-from twin.core.integrity import IntegrityModel, Ring
+from twin.core.integrity import IntegrityModel, Ring, RoomSet
 
 RING = 1000
 
@@ -180,3 +180,26 @@ def test_violations_deduplicated_per_kind_room_node():
     m.on_transfer("d0", write(2, 0, 0, 50))
     m.on_transfer("d0", write(3, 0, 50, 50))
     assert kinds(m) == [("overwrite", 1)]
+
+
+def test_room_set_keeps_only_rooms_above_its_floor() -> None:
+    rooms = RoomSet()
+    for r in (1, 2, 0, 5, -3):
+        rooms.add(r)
+    assert rooms.floor == 3 and rooms.above == {5, -3}
+    assert all(r in rooms for r in (0, 1, 2, 5, -3)) and 3 not in rooms and 4 not in rooms
+
+
+def test_memory_stays_bounded_by_the_rooms_in_flight() -> None:
+    """10,000 rooms written, scattered and ended in order leave no per-room state behind,
+    and a late write of any of them is still dead data."""
+    m = IntegrityModel(RING)
+    for room in range(10_000):
+        m.on_transfer("d0", write(room, 0, 0, 100))
+        m.on_scatter("d0", scatter(room, 0, 0, 100), [100])
+        m.on_concluded("d0", room, "Success", total_pages=1)
+    assert not m.pages and not m._scattered
+    assert m._ended["d0"].floor == 10_000 and not m._ended["d0"].above
+    m.on_transfer("d0", write(10_000, 0, 0, 100))
+    m.on_transfer("d0", write(17, 0, 0, 100))  # a late write of an ended room ...
+    assert kinds(m) == [("overwrite", 10_000)]  # ... clobbers live data but is itself dead

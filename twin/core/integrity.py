@@ -65,6 +65,27 @@ class Ring:
                 self.spans[i] = (s, e, t, False)
 
 
+@dataclass(slots=True)
+class RoomSet:
+    """A set of room ids kept small for ids that end roughly in order: every id below
+    ``floor`` is a member, ``above`` holds the members from ``floor`` up."""
+
+    floor: int = 0
+    above: set[int] = field(default_factory=set)
+
+    def add(self, room: int) -> None:
+        if 0 <= room < self.floor:
+            return
+        above = self.above
+        above.add(room)
+        while self.floor in above:
+            above.remove(self.floor)
+            self.floor += 1
+
+    def __contains__(self, room: object) -> bool:
+        return isinstance(room, int) and (0 <= room < self.floor or room in self.above)
+
+
 @dataclass(frozen=True, slots=True)
 class Violation:
     kind: str  # "overwrite" | "overrun" | "misplaced" | "incomplete"
@@ -87,8 +108,10 @@ class IntegrityModel:
         self.pages: dict[tuple[str, int], list[tuple[int, int, bool]]] = {}
         self.violations: list[Violation] = []
         self._seen: set[tuple[str, int, str]] = set()
-        self._ended: set[tuple[str, int]] = set()
-        self._scattered: set[tuple[str, int, int]] = set()  # (node, room, page_start)
+        # Bounded by the rooms in flight, not the run's length: ended rooms as a RoomSet per
+        # node, scattered chunks only until their room ends there.
+        self._ended: dict[str, RoomSet] = {}
+        self._scattered: dict[tuple[str, int], set[int]] = {}  # (node, room) -> page starts
 
     def _flag(self, kind: str, node: str, room: int, detail: str) -> None:
         key = (kind, room, node)
@@ -126,14 +149,15 @@ class IntegrityModel:
         # A write for a room that already ended on ``node``, or a repeat write of a chunk that
         # was already scattered there, is garbage nobody scatters: it may clobber live data
         # (flagged above) but is itself free to be overwritten.
-        dead = ((node, t.room) in self._ended
-                or (node, t.room, t.page_start) in self._scattered)
+        ended = self._ended.get(node)
+        dead = ((ended is not None and t.room in ended)
+                or t.page_start in self._scattered.get((node, t.room), ()))
         ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer), live=not dead)
 
     def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
         """A scatter reads the region and writes pages of ``s.room``."""
         ring = self.rings.setdefault(node, Ring())
-        self._scattered.add((node, s.room, s.page_start))
+        self._scattered.setdefault((node, s.room), set()).add(s.page_start)
         pos = s.offset
         ok = True
         for w, nb in enumerate(writer_bytes):
@@ -161,7 +185,8 @@ class IntegrityModel:
     def on_concluded(self, node: str, room: int, status: str, total_pages: int) -> None:
         """A decode room ended; on Success every page must hold the right data."""
         ranges = self.pages.pop((node, room), [])
-        self._ended.add((node, room))
+        self._scattered.pop((node, room), None)
+        self._ended.setdefault(node, RoomSet()).add(room)
         self.rings.setdefault(node, Ring()).retire(room)
         if status != "Success":
             return
