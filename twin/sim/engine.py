@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from heapq import heappush
+from functools import partial
+from heapq import heappop, heappush
+from operator import attrgetter
 from typing import Any
 
 import simpy
+from simpy.core import EmptySchedule, StopSimulation
 
 from twin.core import events as ev
 from twin.core import wire
@@ -64,6 +67,33 @@ def _run(call: _Call) -> None:
 _RUN = (_run,)
 
 
+def _run_until(env: simpy.Environment, stop: simpy.Event) -> None:
+    """``env.run(until=stop)``, with the ``_Call`` events run in place instead of through
+    ``Environment.step`` (the same order and clock; any other event goes through ``step``).
+    Raises ``RuntimeError`` as SimPy does when the queue empties before ``stop``."""
+    if stop.callbacks is None:
+        return
+    stop.callbacks.append(StopSimulation.callback)
+    queue = env._queue
+    step = env.step
+    try:
+        while True:
+            if queue:
+                item = queue[0]
+                call = item[3]
+                if call.__class__ is _Call:
+                    heappop(queue)
+                    env._now = item[0]
+                    call.fn(*call.args)
+                    continue
+            step()
+    except StopSimulation:
+        return
+    except EmptySchedule:
+        raise RuntimeError(f'No scheduled events left but "until" event was not triggered: '
+                           f"{stop}") from None
+
+
 class Simulation:
     """One simulated run: ``run()`` returns when every request ended, a wedge is found, or
     ``until`` is reached. It is the runtime's driver: SimPy's clock, modelled links and NICs."""
@@ -91,7 +121,8 @@ class Simulation:
                                    ev.Deferred: self._on_deferred,
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
-                               })
+                               },
+                               clock=partial(attrgetter("_now"), self.env))
         self.feed = self.runtime.feed
         """Hand an input to a node's core now and carry out its effects."""
         self._fire = self.runtime.fire
@@ -164,8 +195,11 @@ class Simulation:
         env = self.env
         now = env._now
         delay = at - now
+        # An input without a poll token is always wanted: feed it without ``fire``'s check.
+        call = _Call(self._fire, (node, event, token)) if token else _Call(self.feed,
+                                                                            (node, event))
         heappush(env._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(env._eid),
-                              _Call(self._fire, (node, event, token))))
+                              call))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
@@ -454,7 +488,7 @@ class Simulation:
         env.process(self._monitor(self.params.wedge_window_s))
         stop = self.done if until is None else (self.done | env.timeout(until))
         try:
-            env.run(until=stop)
+            _run_until(env, stop)
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
                 raise
