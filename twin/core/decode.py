@@ -117,6 +117,9 @@ class DecodeRank:
         self._deadlines: list[tuple[float, int]] = []
         self._generation = 0
         self._early_polls: dict[int, dict[str, str]] = {}
+        # Read on every chunk or poll (the config, defect and fix sets are frozen).
+        self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+        self._decode_tp = cfg.decode.attn_tp_size
 
     @property
     def watermark(self) -> tuple[int, int]:
@@ -319,7 +322,7 @@ class DecodeRank:
         self._dirty.add(room.room)
         arrivals = room.arrivals.setdefault(msg.chunk_idx, [])
         arrivals.append((msg.page_start, msg.num_pages, msg.writer_id))
-        if len(arrivals) >= self._num_writers(room):
+        if len(arrivals) >= num_tp_writers(room.prefill_attn_tp, self._decode_tp):
             self._submit_scatter(room, msg.chunk_idx, msg.page_start, msg.num_pages, out)
             del room.arrivals[msg.chunk_idx]
 
@@ -396,7 +399,7 @@ class DecodeRank:
             room.state = decode_next(room.state, _T.ALL_RANKS_SUCCESS)
             room.success_at = self.now
             self._arm(room, self.now, out)
-            if self.defects.on(COMPLETION_BEFORE_LAST_SCATTER) and room.chunks:
+            if self._blind_last and room.chunks:
                 last = max(room.chunks)
                 info = room.chunks[last]
                 self._submit_scatter(room, last, last * self.cfg.full_chunk_pages,
@@ -419,7 +422,7 @@ class DecodeRank:
     def _local_poll(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         timeout = self.cfg.waiting_timeout_s
         if room.state is _S.ALL_SUCCESS:
-            pending = room.chunks and not self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+            pending = room.chunks and not self._blind_last
             if not room.scattering and not pending:
                 room.state = decode_next(room.state, _T.COMPLETE)
             elif self.now - room.success_at > timeout:
@@ -444,10 +447,13 @@ class DecodeRank:
     def _reduce(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """The MIN of the group's polls: Failed anywhere fails the room here; Success
         everywhere concludes it; a held room is released once every rank may release it."""
-        peers = [room.peer_polls.get(p, "") for p in room.group]
-        failed = next((p for p in room.group if room.peer_polls.get(p) in _FAILED_POLLS), None)
-        if failed is not None and room.state is not _S.FAILED:
-            self._fail(room, f"decode rank {failed} of the group failed the room", out)
+        peer_polls = room.peer_polls
+        peers = [peer_polls.get(p, "") for p in room.group]
+        if room.state is not _S.FAILED:
+            for p in room.group:  # the first peer whose poll failed
+                if peer_polls.get(p) in _FAILED_POLLS:
+                    self._fail(room, f"decode rank {p} of the group failed the room", out)
+                    break
         if room.state is _S.DONE and all(p == POLL_SUCCESS for p in peers):
             room.state = decode_next(room.state, _T.GROUP_SUCCESS)
             room.concluded = True

@@ -21,7 +21,7 @@ from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.core.allocator import is_watermark_ready
+from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
 from twin.core.config import TwinConfig
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
@@ -123,7 +123,15 @@ class PrefillRank:
         self._grid_tokens = cfg.grid_tokens
         self._full_pages = cfg.full_chunk_pages
         self._ring_bytes = cfg.ring_bytes
-        self._layouts: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
+        # (decode rank, pages) -> (this writer's bytes, its offset in the region, region bytes)
+        self._writes: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._writer = writer_index(cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size,
+                                    attn_tp_rank)
+        # Switches read on every chunk (the defect and fix sets are frozen).
+        self._aligned = not self.defects.on(NO_GRID_ALIGNMENT)
+        self._resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
+        self._recovery = self.fixes.on(LOST_CONTROL_RECOVERY)
+        self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         m = cfg.model
         heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
         pages = cfg.prefill_staging_buffer_pages
@@ -255,17 +263,22 @@ class PrefillRank:
         room = self._rooms.get(e.room)
         if room is None or room.prefetched:
             return
+        self._prefetch(room, out)
+
+    def _prefetch(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
+        """``prefetch_staging_reqs``: one STAGING_REQ per grid chunk and target, once."""
         room.prefetched = True
+        room_id = room.room
         grid_pages = self._full_pages
         for target in room.targets:
             for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
-                key = (e.room, chunk_idx, target.session)
+                key = (room_id, chunk_idx, target.session)
                 if key in self._prefetch_requested:
                     continue
                 self._prefetch_requested.add(key)
                 self._requested_at[key] = self.now
                 out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
-                    room=e.room, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
+                    room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session)))
 
     def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
@@ -273,9 +286,8 @@ class PrefillRank:
         if room is None or room.state is _S.FAILED:
             out.append(ev.Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
             return
-        cfg = self.cfg
-        page = cfg.page_size
-        aligned = not self.defects.on(NO_GRID_ALIGNMENT)
+        page = self.cfg.page_size
+        aligned = self._aligned
         start, end = room.start_send_idx, e.end_idx
         if not e.last:
             end -= end % page
@@ -283,7 +295,8 @@ class PrefillRank:
                 end = floor_to_grid(end, room.base, self._grid_tokens)
         if end < start:
             return
-        self._on_prefetch(ev.Prefetch(room=e.room), out)
+        if not room.prefetched:
+            self._prefetch(room, out)
         segments = (compute_grid_segments(start, end, room.base, self._grid_tokens)
                     if aligned else [(start, end)])
         total_pages = max((t.total_pages for t in room.targets), default=0)
@@ -359,7 +372,7 @@ class PrefillRank:
         a retry visits only the targets not written yet."""
         w = self._workers[index]
         cfg = self.cfg
-        resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
+        resume = self._resume
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         while True:
             pending = [i for i in range(len(room.targets)) if i not in chunk.written]
@@ -372,16 +385,17 @@ class PrefillRank:
             for i in pending if resume else pending[:1]:
                 target = room.targets[i]
                 info = target.staging.get(chunk_idx)
-                if info is not None and info.oversized:
+                # ``info.oversized`` and ``info.pending``, without their property calls.
+                if info is not None and info.offset == ALLOC_OVERSIZED:
                     self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds "
                                      "the ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
                     return False
                 wm = self._watermarks.get(target.session, (0, 0))
-                if info is None or info.pending or not is_watermark_ready(wm, info.round,
-                                                                          info.end):
-                    reason = "allocation pending" if info is None or info.pending else (
+                if info is None or info.offset < 0 or not is_watermark_ready(wm, info.round,
+                                                                             info.end):
+                    reason = "allocation pending" if info is None or info.offset < 0 else (
                         f"watermark {wm} behind round {info.round} end {info.end}")
-                    if self.fixes.on(LOST_CONTROL_RECOVERY):
+                    if self._recovery:
                         self._re_request(room, target, chunk_idx, out)
                     blocked = blocked or (target, reason)
                     continue
@@ -403,7 +417,7 @@ class PrefillRank:
             all_blocked = w.blocked_streak >= len(w.queue)
             w.waiting = True
             retry = None if all_blocked else self.now + cfg.deferral_wait_s
-            if retry is None and self.fixes.on(LOST_CONTROL_RECOVERY):
+            if retry is None and self._recovery:
                 retry = self.now + cfg.control_retry_s
             w.sleeping = retry is None
             out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
@@ -430,18 +444,18 @@ class PrefillRank:
               chunk_idx: int, info: StagingInfo,
               out: list[ev.Effect]) -> ev.StartTransfer | None:
         """The write for one target, or None after failing the room (chunk cannot fit)."""
-        cfg = self.cfg
         offset, rnd, end = info
-        p_tp, d_tp = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
         key = (target.decode_rank, chunk.num_pages)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = cfg.region_layout(target.decode_rank, chunk.num_pages)
-        writer_bytes = layout[1]
-        wi = writer_index(p_tp, d_tp, self.rank)
-        nbytes = writer_bytes[wi]
-        dst_offset = offset + sum(writer_bytes[:wi])
-        fits = nbytes <= self.buffer_bytes and self._ring_bytes - offset >= sum(writer_bytes)
+        write = self._writes.get(key)
+        if write is None:
+            writer_bytes = self.cfg.region_layout(target.decode_rank, chunk.num_pages)[1]
+            wi = self._writer
+            write = self._writes[key] = (writer_bytes[wi], sum(writer_bytes[:wi]),
+                                         sum(writer_bytes))
+        nbytes, before, region = write
+        wi = self._writer
+        dst_offset = offset + before
+        fits = nbytes <= self.buffer_bytes and self._ring_bytes - offset >= region
         staged = True
         if not fits:
             if not self.defects.on(SILENT_SLICE_FALLBACK):
@@ -478,7 +492,7 @@ class PrefillRank:
             return
         target = room.targets[chunk.current]
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
-        skip_last = chunk.is_last and self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+        skip_last = chunk.is_last and self._blind_last
         if chunk.staged and not skip_last:
             out.append(ev.Send(dst=target.session, msg=wire.ChunkReady(
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
