@@ -299,7 +299,8 @@ class PrefillRank:
             self._prefetch(room, out)
         segments = (compute_grid_segments(start, end, room.base, self._grid_tokens)
                     if aligned else [(start, end)])
-        total_pages = max((t.total_pages for t in room.targets), default=0)
+        targets = room.targets
+        total_pages = max([t.total_pages for t in targets]) if targets else 0
         worker = self._worker_of(room)
         for seg_start, seg_end in segments:
             num_pages = pages_for_tokens(seg_end - seg_start, page)
@@ -324,7 +325,7 @@ class PrefillRank:
         destinations always use the same worker (and its staging buffer). Targets from traces
         before format 3 carry no port; those shard by the decode ranks' indices."""
         ports = [t.dst_port for t in room.targets]
-        if ports and all(p >= 0 for p in ports):
+        if ports and min(ports) >= 0:
             return sum(ports) % len(self._workers)
         return sum(t.decode_rank for t in room.targets) % len(self._workers)
 

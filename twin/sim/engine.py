@@ -11,6 +11,7 @@ streams seeded from one root seed, so a seed reproduces a run exactly.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from functools import partial
@@ -44,6 +45,17 @@ _PREFETCH, _CONTROL = wire.PREFETCH_SOCKET, wire.CONTROL_SOCKET
 _STAGING_REQ = wire.StagingReq
 _ARRIVED = ev.MessageArrived
 _NORMAL = 1  # simpy.events.NORMAL: the priority of a Timeout
+_log = math.log
+
+
+def _expovariate_inlinable() -> bool:
+    """Whether ``Random.expovariate(rate)`` is ``-log(1 - random()) / rate`` here (it is in
+    every CPython 3.x so far): then the frame path draws jitter without the method call."""
+    a, b = random.Random(1), random.Random(1)
+    return all(a.expovariate(r) == -_log(1.0 - b.random()) / r for r in (0.5, 2.0, 1e4, 7.3))
+
+
+_INLINE_EXPOVARIATE = _expovariate_inlinable()
 
 
 class _Call:
@@ -131,6 +143,7 @@ class Simulation:
         self._zmq_latency_s = p.zmq_latency_s
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
+        self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self.integrity = IntegrityModel(cfg.ring_bytes)
@@ -178,11 +191,11 @@ class Simulation:
 
     def mark_progress(self) -> None:
         """Something moved forward now (the wedge monitor's clock)."""
-        self.runtime.last_progress = self.env.now
+        self.runtime.last_progress = self.env._now
 
     # -- driver: clock -------------------------------------------------------------------------
     def time(self) -> float:
-        return self.env._now  # ``env.now`` without the property call (read on every input)
+        return self.env._now  # ``env._now`` without the property call (read on every input)
 
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
@@ -203,7 +216,7 @@ class Simulation:
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
-            self.recorder.write_sys(self.env.now, node, record)
+            self.recorder.write_sys(self.env._now, node, record)
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
@@ -214,7 +227,12 @@ class Simulation:
         env = self.env
         now = env._now
         jitter = self._jitter_rate
-        delay = self._zmq_latency_s + (self._expovariate(jitter) if jitter else 0.0)
+        if not jitter:
+            delay = self._zmq_latency_s + 0.0
+        elif self._net_random is not None:  # ``expovariate(jitter)``, inlined
+            delay = self._zmq_latency_s + -_log(1.0 - self._net_random()) / jitter
+        else:
+            delay = self._zmq_latency_s + self._expovariate(jitter)
         link = (src, dst, _PREFETCH if msg.__class__ is _STAGING_REQ else _CONTROL)
         t = now + delay
         last = self.link_last.get(link, 0.0)
@@ -244,36 +262,36 @@ class Simulation:
             # A delay stalls the socket: this frame and every later one on it wait.
             delay += fate.hold_s
             extra -= fate.hold_s
-        t = max(self.env.now + delay, self.link_last.get(link, 0.0))
+        t = max(self.env._now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         arrived = ev.MessageArrived(src=src, msg=msg)
         for i in range(copies):
-            self.at(t + extra + i * 1e-6 - self.env.now, self.feed, dst, arrived)
+            self.at(t + extra + i * 1e-6 - self.env._now, self.feed, dst, arrived)
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
         link = (src, dst, wire.CONTROL_SOCKET)
-        t = max(self.env.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
+        t = max(self.env._now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        self.at(t - self.env.now, self.feed, dst, event)
+        self.at(t - self.env._now, self.feed, dst, event)
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         p = self.params
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
-            req.first_transfer_s = self.env.now
+            req.first_transfer_s = self.env._now
         gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
         nic = self.metrics.nic_of(node, p.ranks_per_nic)
-        start = max(self.env.now + gather, self.nic_free.get(nic, 0.0))
+        start = max(self.env._now + gather, self.nic_free.get(nic, 0.0))
         wire_s = e.nbytes / p.nic_bandwidth_Bps
         self.nic_free[nic] = start + wire_s
         self.metrics.nic_busy(nic, wire_s, e.nbytes)
         done = start + wire_s + p.rdma_latency_s
         if p.transfer_jitter_s > 0:
             done += self.rng_data.expovariate(1 / p.transfer_jitter_s)
-        self.at(done - self.env.now, self._transfer_done, node, e, self.env.now)
+        self.at(done - self.env._now, self._transfer_done, node, e, self.env._now)
 
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
@@ -286,16 +304,16 @@ class Simulation:
         self.integrity.on_transfer(e.session, e)
         req = self.requests.get(e.room)
         if req is not None:
-            req.last_transfer_s = self.env.now
-        self.metrics.transfer(self.env.now - t0, e.nbytes)
+            req.last_transfer_s = self.env._now
+        self.metrics.transfer(self.env._now - t0, e.nbytes)
         self.feed(node, ev.TransferDone(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self.params
-        start = max(self.env.now, self.stream_free.get(node, 0.0))
+        start = max(self.env._now, self.stream_free.get(node, 0.0))
         finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
         self.stream_free[node] = finish
-        self.at(start - self.env.now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
+        self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
             node, finish, ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
@@ -320,7 +338,7 @@ class Simulation:
                                         self.topo.decode_groups[req.decode_group]))
         group = len(self.topo.prefill_groups[req.prefill_group].nodes)
         if req.note_targets(node, len(e.sessions), want, group):
-            req.bootstrap_done_s = self.env.now
+            req.bootstrap_done_s = self.env._now
             self.schedulers[req.prefill_group].admit(req)
 
     def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
@@ -340,22 +358,22 @@ class Simulation:
 
     def _on_allocated(self, node: str, e: ev.Allocated) -> None:
         self.alloc_span[(node, e.alloc_id)] = (e.offset, e.size)
-        self.metrics.occupancy(node, self.env.now, e.size)
+        self.metrics.occupancy(node, self.env._now, e.size)
 
     def _on_freed(self, node: str, e: ev.Freed) -> None:
         span = self.alloc_span.pop((node, e.alloc_id), None)
         if span is not None:
             self.integrity.on_freed(node, span[0], span[1])
-            self.metrics.occupancy(node, self.env.now, -span[1])
+            self.metrics.occupancy(node, self.env._now, -span[1])
 
     def _on_watermark(self, node: str, e: ev.WatermarkMoved) -> None:
-        self.metrics.watermark_lag(node, self.env.now, e.lag_bytes)
+        self.metrics.watermark_lag(node, self.env._now, e.lag_bytes)
 
     # -- requests ----------------------------------------------------------------------------
     def _arrive(self, r: Request) -> None:
         self.arrived += 1
         self.mark_progress()
-        req = self.placement.place(r, self.env.now)
+        req = self.placement.place(r, self.env._now)
         self.requests[req.room] = req
         self.sys("driver", self.placement.arrival_record(req))
         self.at(self.params.decode_prealloc_s, self._decode_arrive, req)
@@ -406,16 +424,16 @@ class Simulation:
         The decode loop picks it up at its next poll."""
         req.status = status
         req.reason = reason
-        req.kv_done_s = self.env.now
+        req.kv_done_s = self.env._now
         self.mark_progress()
         self.decode_loops[req.decode_group].room_concluded(req)
 
     def first_token(self, req: RequestState) -> None:
-        req.first_token_s = self.env.now
+        req.first_token_s = self.env._now
 
     def request_ended(self, req: RequestState) -> None:
         """The request's last token streamed, or it failed: the client has its answer."""
-        req.end_s = self.env.now
+        req.end_s = self.env._now
         self.unfinished -= 1
         self.mark_progress()
         self.metrics.request_done(req)
@@ -453,8 +471,8 @@ class Simulation:
     def _arrivals(self):  # type: ignore[no-untyped-def]
         env = self.env
         for r in self.workload.requests:
-            if r.arrival_s > env.now:
-                yield env.timeout(r.arrival_s - env.now)
+            if r.arrival_s > env._now:
+                yield env.timeout(r.arrival_s - env._now)
             if self.slots is not None:
                 slot = self.slots.request()
                 yield slot
@@ -467,9 +485,9 @@ class Simulation:
         while not self.done.triggered:
             yield env.timeout(step)
             if self.progress_cb is not None:
-                self.progress_cb(env.now)
+                self.progress_cb(env._now)
             in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
-            idle = env.now - self.runtime.last_progress
+            idle = env._now - self.runtime.last_progress
             if in_flight > 0 and idle >= window:
                 self.stop_reason = "wedge"
                 if not self.done.triggered:
