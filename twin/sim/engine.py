@@ -43,7 +43,7 @@ from twin.workloads import Request, Workload
 
 _PREFETCH, _CONTROL = wire.PREFETCH_SOCKET, wire.CONTROL_SOCKET
 _STAGING_REQ = wire.StagingReq
-_ARRIVED = ev.MessageArrived
+_ARRIVED = ev.new_message_arrived
 _NORMAL = 1  # simpy.events.NORMAL: the priority of a Timeout
 _log = math.log
 
@@ -264,7 +264,7 @@ class Simulation:
             extra -= fate.hold_s
         t = max(self.env._now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        arrived = ev.MessageArrived(src=src, msg=msg)
+        arrived = ev.new_message_arrived(src=src, msg=msg)
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.env._now, self.feed, dst, arrived)
 
@@ -299,14 +299,14 @@ class Simulation:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self.sys(node, {"type": "FaultInjected", "fault": failed, "detail": detail})
             self._note_fault(e.room, f"{failed} ({detail})")
-            self.feed(node, ev.TransferDone(worker=e.worker, ok=False, error=failed))
+            self.feed(node, ev.new_transfer_done(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
         req = self.requests.get(e.room)
         if req is not None:
             req.last_transfer_s = self.env._now
         self.metrics.transfer(self.env._now - t0, e.nbytes)
-        self.feed(node, ev.TransferDone(worker=e.worker))
+        self.feed(node, ev.new_transfer_done(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self.params
@@ -316,7 +316,7 @@ class Simulation:
         self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
-            node, finish, ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            node, finish, ev.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _note_fault(self, room: int, note: str) -> None:
         notes = self.fault_notes.setdefault(room, [])
