@@ -410,14 +410,16 @@ class DecodeRank:
         (the local poll), then the group's reduction, which concludes, holds or releases."""
         dirty = sorted(self._dirty)
         self._dirty.clear()
+        rooms = self._rooms
+        local_poll, share, reduce = self._local_poll, self._share, self._reduce
         for room_id in dirty:
-            room = self._rooms.get(room_id)
+            room = rooms.get(room_id)
             if room is None:
                 continue
-            self._local_poll(room, out)
-            self._share(room, out)
-            self._reduce(room, out)
-            self._share(room, out)
+            local_poll(room, out)
+            share(room, out)
+            reduce(room, out)
+            share(room, out)
 
     def _local_poll(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         timeout = self.cfg.waiting_timeout_s
@@ -439,8 +441,10 @@ class DecodeRank:
         return POLL_SUCCESS if room.state in (_S.DONE, _S.SUCCESS) else ""
 
     def _share(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        if not room.group:  # a rank that concludes alone shares nothing
+            return
         poll = self._poll_value(room)
-        if room.group and poll and poll != room.shared and room.room in self._rooms:
+        if poll and poll != room.shared and room.room in self._rooms:
             room.shared = poll
             out.append(ev.new_group_poll(room=room.room, poll=poll, peers=room.group))
 

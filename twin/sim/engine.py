@@ -171,6 +171,9 @@ class Simulation:
         # arrival time or when one of the ``max_concurrency`` slots frees, whichever is later.
         self.slots = simpy.Resource(self.env, max_concurrency) if max_concurrency else None
         self._slot_req: dict[int, Any] = {}
+        self._want: dict[tuple[str, int], int] = {}
+        self._room_init: dict[tuple[int, int],
+                              list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = {}
 
     # -- what the runtime reads ----------------------------------------------------------------
     @property
@@ -334,8 +337,11 @@ class Simulation:
         req = self.requests.get(e.room)
         if req is None or req.finished:
             return
-        want = len(self.topo.targets_of(self.topo.nodes[node],
-                                        self.topo.decode_groups[req.decode_group]))
+        key = (node, req.decode_group)
+        want = self._want.get(key)
+        if want is None:  # the topology is fixed: count each pair's targets once
+            want = self._want[key] = len(self.topo.targets_of(
+                self.topo.nodes[node], self.topo.decode_groups[req.decode_group]))
         group = len(self.topo.prefill_groups[req.prefill_group].nodes)
         if req.note_targets(node, len(e.sessions), want, group):
             req.bootstrap_done_s = self.env._now
@@ -386,15 +392,19 @@ class Simulation:
     def decode_admitted(self, req: RequestState) -> None:
         """The decode loop pre-allocated the request's KV: register the room on every decode
         rank of its group (each sends its metadata to prefill)."""
-        pg = self.topo.prefill_groups[req.prefill_group]
-        dg = self.topo.decode_groups[req.decode_group]
+        key = (req.prefill_group, req.decode_group)
+        ranks = self._room_init.get(key)
+        if ranks is None:  # the topology is fixed: each decode rank's writers and group, once
+            pg = self.topo.prefill_groups[req.prefill_group]
+            ranks = self._room_init[key] = [
+                (d.id, self.topo.writers_of(d, pg), self.topo.decode_group_of(d))
+                for d in self.topo.decode_groups[req.decode_group].nodes]
         init_pages = self.placement.total_pages(req)
-        for d in dg.nodes:
-            self.feed(d.id, ev.DecodeRoomInit(
-                room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
-                prefill_attn_tp=self.cfg.prefill.attn_tp_size,
-                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages,
-                group=self.topo.decode_group_of(d)))
+        attn_tp = self.cfg.prefill.attn_tp_size
+        for node, writers, group in ranks:
+            self.feed(node, ev.DecodeRoomInit(
+                room=req.room, prefill_ranks=writers, prefill_attn_tp=attn_tp,
+                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages, group=group))
 
     def _bootstrap_deadline(self, req: RequestState) -> None:
         """SGLang's bootstrap timeout fails only the prefill sender (its own poll); decode
