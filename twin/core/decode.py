@@ -117,6 +117,9 @@ class DecodeRank:
         self._deadlines: list[tuple[float, int]] = []
         self._generation = 0
         self._early_polls: dict[int, dict[str, str]] = {}
+        # Read on every chunk or poll (the config, defect and fix sets are frozen).
+        self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+        self._decode_tp = cfg.decode.attn_tp_size
 
     @property
     def watermark(self) -> tuple[int, int]:
@@ -172,7 +175,7 @@ class DecodeRank:
              after_s: float | None = None) -> None:
         at = start + (self.cfg.waiting_timeout_s if after_s is None else after_s) + 1e-6
         heapq.heappush(self._deadlines, (at, room.room))
-        out.append(ev.SetTimer(at=at))
+        out.append(ev.new_set_timer(at=at))
 
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
@@ -257,10 +260,10 @@ class DecodeRank:
             # waiting timeout fails the room.
             offset, rnd, end = self._allocate(room, msg.chunk_idx, msg.chunk_pages, out,
                                               late=msg.chunk_idx in room.scattered)
-        rsp = wire.StagingRsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
+        rsp = wire.new_staging_rsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
                               end=end, session_id=msg.session_id)
         for dst in room.prefill_ranks:
-            out.append(ev.Send(dst=dst, msg=rsp))
+            out.append(ev.new_send(dst=dst, msg=rsp))
         self._subscribe(room.prefill_ranks, msg.session_id, out)
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
             # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
@@ -291,7 +294,7 @@ class DecodeRank:
         alloc_id, offset, rnd = got
         room.chunks[chunk_idx] = ChunkAlloc(alloc_id, offset, rnd, offset + required, chunk_pages,
                                             late)
-        out.append(ev.Allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
+        out.append(ev.new_allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
                                 offset=offset, round=rnd, size=required))
         return offset, rnd, offset + required
 
@@ -306,9 +309,9 @@ class DecodeRank:
 
     def _send_watermark(self, key: tuple[str, ...], session_id: str, out: list[ev.Effect]) -> None:
         wm_round, wm_tail = self._allocator.get_watermark()
-        msg = wire.Watermark(round=wm_round, tail=wm_tail, session_id=session_id)
+        msg = wire.new_watermark(round=wm_round, tail=wm_tail, session_id=session_id)
         for dst in key:
-            out.append(ev.Send(dst=dst, msg=msg))
+            out.append(ev.new_send(dst=dst, msg=msg))
 
     # -- CHUNK_READY and scatter -------------------------------------------------------------
     def _on_chunk_ready(self, msg: wire.ChunkReady, out: list[ev.Effect]) -> None:
@@ -319,7 +322,7 @@ class DecodeRank:
         self._dirty.add(room.room)
         arrivals = room.arrivals.setdefault(msg.chunk_idx, [])
         arrivals.append((msg.page_start, msg.num_pages, msg.writer_id))
-        if len(arrivals) >= self._num_writers(room):
+        if len(arrivals) >= num_tp_writers(room.prefill_attn_tp, self._decode_tp):
             self._submit_scatter(room, msg.chunk_idx, msg.page_start, msg.num_pages, out)
             del room.arrivals[msg.chunk_idx]
 
@@ -337,7 +340,7 @@ class DecodeRank:
         room.scattered.add(chunk_idx)
         room.events[info.alloc_id] = chunk_idx
         _, writer_bytes, total = self._layout(num_pages, room.prefill_attn_tp)
-        out.append(ev.StartScatter(
+        out.append(ev.new_start_scatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
             nbytes=total, page_start=page_start, num_pages=num_pages, blind=blind,
             prefill_attn_tp=room.prefill_attn_tp, writer_bytes=writer_bytes,
@@ -364,11 +367,11 @@ class DecodeRank:
         a = self._allocator
         before = a.get_watermark()
         a.free(alloc_id)
-        out.append(ev.Freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
+        out.append(ev.new_freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
         after = a.get_watermark()
         if after != before:
             lag = (a.round - after[0]) * a.total_size + a.head - after[1]
-            out.append(ev.WatermarkMoved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
+            out.append(ev.new_watermark_moved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
         for key, session_id in self._subscribers.items():
             self._send_watermark(key, session_id, out)
 
@@ -396,7 +399,7 @@ class DecodeRank:
             room.state = decode_next(room.state, _T.ALL_RANKS_SUCCESS)
             room.success_at = self.now
             self._arm(room, self.now, out)
-            if self.defects.on(COMPLETION_BEFORE_LAST_SCATTER) and room.chunks:
+            if self._blind_last and room.chunks:
                 last = max(room.chunks)
                 info = room.chunks[last]
                 self._submit_scatter(room, last, last * self.cfg.full_chunk_pages,
@@ -407,19 +410,21 @@ class DecodeRank:
         (the local poll), then the group's reduction, which concludes, holds or releases."""
         dirty = sorted(self._dirty)
         self._dirty.clear()
+        rooms = self._rooms
+        local_poll, share, reduce = self._local_poll, self._share, self._reduce
         for room_id in dirty:
-            room = self._rooms.get(room_id)
+            room = rooms.get(room_id)
             if room is None:
                 continue
-            self._local_poll(room, out)
-            self._share(room, out)
-            self._reduce(room, out)
-            self._share(room, out)
+            local_poll(room, out)
+            share(room, out)
+            reduce(room, out)
+            share(room, out)
 
     def _local_poll(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         timeout = self.cfg.waiting_timeout_s
         if room.state is _S.ALL_SUCCESS:
-            pending = room.chunks and not self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+            pending = room.chunks and not self._blind_last
             if not room.scattering and not pending:
                 room.state = decode_next(room.state, _T.COMPLETE)
             elif self.now - room.success_at > timeout:
@@ -436,29 +441,34 @@ class DecodeRank:
         return POLL_SUCCESS if room.state in (_S.DONE, _S.SUCCESS) else ""
 
     def _share(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
+        if not room.group:  # a rank that concludes alone shares nothing
+            return
         poll = self._poll_value(room)
-        if room.group and poll and poll != room.shared and room.room in self._rooms:
+        if poll and poll != room.shared and room.room in self._rooms:
             room.shared = poll
-            out.append(ev.GroupPoll(room=room.room, poll=poll, peers=room.group))
+            out.append(ev.new_group_poll(room=room.room, poll=poll, peers=room.group))
 
     def _reduce(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """The MIN of the group's polls: Failed anywhere fails the room here; Success
         everywhere concludes it; a held room is released once every rank may release it."""
-        peers = [room.peer_polls.get(p, "") for p in room.group]
-        failed = next((p for p in room.group if room.peer_polls.get(p) in _FAILED_POLLS), None)
-        if failed is not None and room.state is not _S.FAILED:
-            self._fail(room, f"decode rank {failed} of the group failed the room", out)
+        peer_polls = room.peer_polls
+        peers = [peer_polls.get(p, "") for p in room.group]
+        if room.state is not _S.FAILED:
+            for p in room.group:  # the first peer whose poll failed
+                if peer_polls.get(p) in _FAILED_POLLS:
+                    self._fail(room, f"decode rank {p} of the group failed the room", out)
+                    break
         if room.state is _S.DONE and all(p == POLL_SUCCESS for p in peers):
             room.state = decode_next(room.state, _T.GROUP_SUCCESS)
             room.concluded = True
-            out.append(ev.RoomConcluded(room=room.room, status=room.state.value))
+            out.append(ev.new_room_concluded(room=room.room, status=room.state.value))
             self._unregister(room, out)
             return
         if room.state is not _S.FAILED:
             return
         if not room.concluded:
             room.concluded = True
-            out.append(ev.RoomConcluded(room=room.room, status=room.state.value,
+            out.append(ev.new_room_concluded(room=room.room, status=room.state.value,
                                         reason=room.fail_reason))
             if not self.cfg.deferred_decode_kv_release:
                 self._unregister(room, out)
@@ -494,7 +504,7 @@ class DecodeRank:
         msg = wire.Abort(room=room.room, decode_ip=self.session, decode_port=self.port,
                          generation=room.generation)
         for dst in room.prefill_ranks:
-            out.append(ev.Send(dst=dst, msg=msg))
+            out.append(ev.new_send(dst=dst, msg=msg))
 
     def _on_abort_ack(self, msg: wire.AbortAck, out: list[ev.Effect]) -> None:
         room = self._rooms.get(msg.room)

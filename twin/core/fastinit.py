@@ -12,21 +12,24 @@ factories, positional or init-less fields, no slots) are left alone.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def fast_frozen_init(cls: type[T]) -> type[T]:
-    """Give ``cls`` (a frozen, slotted, keyword-only dataclass) a faster ``__init__``."""
+def _plan(cls: type) -> tuple[list[str], list[Any], list[str], list[str]] | None:
+    """For a class these helpers handle: the closure's names and values (each field's slot
+    setter ``_sI``, its default ``_dI``), the parameters and the body lines setting each
+    field on ``self``; None for any other class."""
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__ \
             or hasattr(cls, "__post_init__"):
-        return cls
-    fields = list(dataclasses.fields(cls))  # type: ignore[arg-type]
+        return None
+    fields = list(dataclasses.fields(cls))
     if any(not f.init or not f.kw_only or f.default_factory is not dataclasses.MISSING
            for f in fields):
-        return cls
+        return None
     names: list[str] = []
     values: list[Any] = []
     args: list[str] = []
@@ -42,14 +45,27 @@ def fast_frozen_init(cls: type[T]) -> type[T]:
             values.append(f.default)
             args.append(f"{f.name}=_d{i}")
         body.append(f"        _s{i}(self, {f.name})\n")
+    return names, values, args, body
+
+
+def _compile(src: str, values: list[Any]) -> Any:
+    namespace: dict[str, Any] = {}
+    exec(src, namespace)  # noqa: S102 - generated from the dataclass's own field names
+    return namespace["_make"](*values)
+
+
+def fast_frozen_init(cls: type[T]) -> type[T]:
+    """Give ``cls`` (a frozen, slotted, keyword-only dataclass) a faster ``__init__``."""
+    plan = _plan(cls)
+    if plan is None:
+        return cls
+    names, values, args, body = plan
     signature = "self, *, " + ", ".join(args) if args else "self"
     src = (f"def _make({', '.join(names)}):\n"
            f"    def __init__({signature}) -> None:\n"
            + ("".join(body) or "        pass\n")
            + "    return __init__\n")
-    namespace: dict[str, Any] = {}
-    exec(src, namespace)  # noqa: S102 - generated from the dataclass's own field names
-    init = namespace["_make"](*values)
+    init = _compile(src, values)
     old = cls.__dict__["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
@@ -57,6 +73,29 @@ def fast_frozen_init(cls: type[T]) -> type[T]:
     init.__doc__ = old.__doc__
     cls.__init__ = init  # type: ignore[method-assign]
     return cls
+
+
+def fast_new(cls: type[T]) -> Callable[..., T]:
+    """A function building ``cls(**fields)`` without calling the class. Calling a class with
+    keywords packs them into a dict for ``__init__``; calling a function does not (about a
+    third cheaper for a two-field event). The instance is the same: same type, fields,
+    equality and hash. For a class ``fast_frozen_init`` cannot handle, the class itself."""
+    plan = _plan(cls)
+    if plan is None:
+        return cls
+    names, values, args, body = plan
+    signature = "*, " + ", ".join(args) if args else ""
+    src = (f"def _make(_new, _cls, {', '.join(names)}):\n"
+           f"    def new({signature}):\n"
+           "        self = _new(_cls)\n"
+           + "".join(body)
+           + "        return self\n"
+           + "    return new\n")
+    new: Callable[..., T] = _compile(src, [object.__new__, cls, *values])
+    new.__name__ = new.__qualname__ = f"new_{cls.__name__}"
+    new.__module__ = cls.__module__
+    new.__doc__ = f"``{cls.__name__}(**fields)``, built without the class call."
+    return new
 
 
 def speed_up_module(namespace: dict[str, Any]) -> None:

@@ -25,32 +25,40 @@ class Ring:
     spans: list[tuple[int, int, Tag, bool]] = field(default_factory=list)  # start, end, tag, live
 
     def overlapping(self, a: int, b: int) -> list[int]:
+        """Indices of the spans that overlap ``[a, b)``, in order."""
+        spans = self.spans
         i = bisect.bisect_right(self.starts, a) - 1
-        i = max(i, 0)
+        if i < 0:
+            i = 0
+        n = len(spans)
         hits = []
-        while i < len(self.spans) and self.spans[i][0] < b:
-            if self.spans[i][1] > a:
+        while i < n:
+            span = spans[i]
+            if span[0] >= b:
+                break
+            if span[1] > a:
                 hits.append(i)
             i += 1
         return hits
 
     def put(self, a: int, b: int, tag: Tag, live: bool = True) -> None:
         hits = self.overlapping(a, b)
+        spans, starts = self.spans, self.starts
         pieces: list[tuple[int, int, Tag, bool]] = []
         for i in hits:
-            s, e, t, was_live = self.spans[i]
+            s, e, t, was_live = spans[i]
             if s < a:
                 pieces.append((s, a, t, was_live))
             if e > b:
                 pieces.append((b, e, t, was_live))
         for i in reversed(hits):
-            del self.spans[i]
-            del self.starts[i]
+            del spans[i]
+            del starts[i]
         pieces.append((a, b, tag, live))
         for p in pieces:
-            j = bisect.bisect_left(self.starts, p[0])
-            self.starts.insert(j, p[0])
-            self.spans.insert(j, p)
+            j = bisect.bisect_left(starts, p[0])
+            starts.insert(j, p[0])
+            spans.insert(j, p)
 
     def consume(self, a: int, b: int) -> None:
         """Mark ``[a, b)`` scattered: its bytes may be overwritten from now on."""

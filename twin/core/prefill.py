@@ -21,7 +21,7 @@ from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.core.allocator import is_watermark_ready
+from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
 from twin.core.config import TwinConfig
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
@@ -123,7 +123,15 @@ class PrefillRank:
         self._grid_tokens = cfg.grid_tokens
         self._full_pages = cfg.full_chunk_pages
         self._ring_bytes = cfg.ring_bytes
-        self._layouts: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
+        # (decode rank, pages) -> (this writer's bytes, its offset in the region, region bytes)
+        self._writes: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._writer = writer_index(cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size,
+                                    attn_tp_rank)
+        # Switches read on every chunk (the defect and fix sets are frozen).
+        self._aligned = not self.defects.on(NO_GRID_ALIGNMENT)
+        self._resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
+        self._recovery = self.fixes.on(LOST_CONTROL_RECOVERY)
+        self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         m = cfg.model
         heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
         pages = cfg.prefill_staging_buffer_pages
@@ -248,24 +256,29 @@ class PrefillRank:
         else:
             known = {t.session for t in room.targets}
             room.targets.extend(t for t in targets if t.session not in known)
-        out.append(ev.TargetsKnown(room=e.room,
+        out.append(ev.new_targets_known(room=e.room,
                                    sessions=tuple(t.session for t in room.targets)))
 
     def _on_prefetch(self, e: ev.Prefetch, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
         if room is None or room.prefetched:
             return
+        self._prefetch(room, out)
+
+    def _prefetch(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
+        """``prefetch_staging_reqs``: one STAGING_REQ per grid chunk and target, once."""
         room.prefetched = True
+        room_id = room.room
         grid_pages = self._full_pages
         for target in room.targets:
             for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
-                key = (e.room, chunk_idx, target.session)
+                key = (room_id, chunk_idx, target.session)
                 if key in self._prefetch_requested:
                     continue
                 self._prefetch_requested.add(key)
                 self._requested_at[key] = self.now
-                out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
-                    room=e.room, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
+                out.append(ev.new_send(dst=target.session, msg=wire.new_staging_req(
+                    room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session)))
 
     def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
@@ -273,9 +286,8 @@ class PrefillRank:
         if room is None or room.state is _S.FAILED:
             out.append(ev.Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
             return
-        cfg = self.cfg
-        page = cfg.page_size
-        aligned = not self.defects.on(NO_GRID_ALIGNMENT)
+        page = self.cfg.page_size
+        aligned = self._aligned
         start, end = room.start_send_idx, e.end_idx
         if not e.last:
             end -= end % page
@@ -283,10 +295,12 @@ class PrefillRank:
                 end = floor_to_grid(end, room.base, self._grid_tokens)
         if end < start:
             return
-        self._on_prefetch(ev.Prefetch(room=e.room), out)
+        if not room.prefetched:
+            self._prefetch(room, out)
         segments = (compute_grid_segments(start, end, room.base, self._grid_tokens)
                     if aligned else [(start, end)])
-        total_pages = max((t.total_pages for t in room.targets), default=0)
+        targets = room.targets
+        total_pages = max([t.total_pages for t in targets]) if targets else 0
         worker = self._worker_of(room)
         for seg_start, seg_end in segments:
             num_pages = pages_for_tokens(seg_end - seg_start, page)
@@ -295,7 +309,7 @@ class PrefillRank:
             room.sent_pages += num_pages
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
             self._workers[worker].queue.append(chunk)
-            out.append(ev.ChunkQueued(worker=worker, room=e.room,
+            out.append(ev.new_chunk_queued(worker=worker, room=e.room,
                                       chunk_idx=chunk_index(chunk.page_start, self._full_pages),
                                       page_start=chunk.page_start, num_pages=num_pages,
                                       is_last=chunk.is_last))
@@ -311,7 +325,7 @@ class PrefillRank:
         destinations always use the same worker (and its staging buffer). Targets from traces
         before format 3 carry no port; those shard by the decode ranks' indices."""
         ports = [t.dst_port for t in room.targets]
-        if ports and all(p >= 0 for p in ports):
+        if ports and min(ports) >= 0:
             return sum(ports) % len(self._workers)
         return sum(t.decode_rank for t in room.targets) % len(self._workers)
 
@@ -347,7 +361,7 @@ class PrefillRank:
             room.state = prefill_next(room.state, _T.DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
-        out.append(ev.WorkerIdle(worker=index))
+        out.append(ev.new_worker_idle(worker=index))
 
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
@@ -359,7 +373,7 @@ class PrefillRank:
         a retry visits only the targets not written yet."""
         w = self._workers[index]
         cfg = self.cfg
-        resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
+        resume = self._resume
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         while True:
             pending = [i for i in range(len(room.targets)) if i not in chunk.written]
@@ -372,16 +386,17 @@ class PrefillRank:
             for i in pending if resume else pending[:1]:
                 target = room.targets[i]
                 info = target.staging.get(chunk_idx)
-                if info is not None and info.oversized:
+                # ``info.oversized`` and ``info.pending``, without their property calls.
+                if info is not None and info.offset == ALLOC_OVERSIZED:
                     self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds "
                                      "the ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
                     return False
                 wm = self._watermarks.get(target.session, (0, 0))
-                if info is None or info.pending or not is_watermark_ready(wm, info.round,
-                                                                          info.end):
-                    reason = "allocation pending" if info is None or info.pending else (
+                if info is None or info.offset < 0 or not is_watermark_ready(wm, info.round,
+                                                                             info.end):
+                    reason = "allocation pending" if info is None or info.offset < 0 else (
                         f"watermark {wm} behind round {info.round} end {info.end}")
-                    if self.fixes.on(LOST_CONTROL_RECOVERY):
+                    if self._recovery:
                         self._re_request(room, target, chunk_idx, out)
                     blocked = blocked or (target, reason)
                     continue
@@ -403,7 +418,7 @@ class PrefillRank:
             all_blocked = w.blocked_streak >= len(w.queue)
             w.waiting = True
             retry = None if all_blocked else self.now + cfg.deferral_wait_s
-            if retry is None and self.fixes.on(LOST_CONTROL_RECOVERY):
+            if retry is None and self._recovery:
                 retry = self.now + cfg.control_retry_s
             w.sleeping = retry is None
             out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
@@ -423,25 +438,25 @@ class PrefillRank:
         self._requested_at[key] = self.now
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
-        out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
+        out.append(ev.new_send(dst=target.session, msg=wire.new_staging_req(
             room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session)))
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
               chunk_idx: int, info: StagingInfo,
               out: list[ev.Effect]) -> ev.StartTransfer | None:
         """The write for one target, or None after failing the room (chunk cannot fit)."""
-        cfg = self.cfg
         offset, rnd, end = info
-        p_tp, d_tp = cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size
         key = (target.decode_rank, chunk.num_pages)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = cfg.region_layout(target.decode_rank, chunk.num_pages)
-        writer_bytes = layout[1]
-        wi = writer_index(p_tp, d_tp, self.rank)
-        nbytes = writer_bytes[wi]
-        dst_offset = offset + sum(writer_bytes[:wi])
-        fits = nbytes <= self.buffer_bytes and self._ring_bytes - offset >= sum(writer_bytes)
+        write = self._writes.get(key)
+        if write is None:
+            writer_bytes = self.cfg.region_layout(target.decode_rank, chunk.num_pages)[1]
+            wi = self._writer
+            write = self._writes[key] = (writer_bytes[wi], sum(writer_bytes[:wi]),
+                                         sum(writer_bytes))
+        nbytes, before, region = write
+        wi = self._writer
+        dst_offset = offset + before
+        fits = nbytes <= self.buffer_bytes and self._ring_bytes - offset >= region
         staged = True
         if not fits:
             if not self.defects.on(SILENT_SLICE_FALLBACK):
@@ -449,7 +464,7 @@ class PrefillRank:
                                  f"({chunk.num_pages} pages, {nbytes} bytes)", out)
                 return None
             staged = False
-        return ev.StartTransfer(
+        return ev.new_start_transfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
             region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd,
@@ -478,9 +493,9 @@ class PrefillRank:
             return
         target = room.targets[chunk.current]
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
-        skip_last = chunk.is_last and self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+        skip_last = chunk.is_last and self._blind_last
         if chunk.staged and not skip_last:
-            out.append(ev.Send(dst=target.session, msg=wire.ChunkReady(
+            out.append(ev.new_send(dst=target.session, msg=wire.new_chunk_ready(
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
                 num_pages=chunk.num_pages, writer_id=target.session,
                 prefill_rank=self.unique_rank)))
@@ -513,7 +528,7 @@ class PrefillRank:
         self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
         if room.state is _S.FAILED:
             self._aborted.add(room.room)
-        out.append(ev.RoomTornDown(room=room.room))
+        out.append(ev.new_room_torn_down(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
                     out: list[ev.Effect], notify: bool = True) -> None:
@@ -536,14 +551,14 @@ class PrefillRank:
                                   _T.LAST_CHUNK_DONE if status == "Success" else _T.FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
-        out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
+        out.append(ev.new_room_concluded(room=room.room, status=status, reason=reason))
         if notify:
             self._send_status(room, poll, reason, out)
 
     def _send_status(self, room: PrefillRoom, poll: wire.KVPoll, reason: str,
                      out: list[ev.Effect]) -> None:
         for target in room.targets:
-            out.append(ev.Send(dst=target.session, msg=wire.TransferStatus(
+            out.append(ev.new_send(dst=target.session, msg=wire.new_transfer_status(
                 room=room.room, status=poll, prefill_rank=self.unique_rank,
                 failure_reason=reason)))
 
@@ -584,7 +599,7 @@ class PrefillRank:
     def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T.FAIL)
         room.fail_reason = reason
-        out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
+        out.append(ev.new_room_concluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
             self._tear_down(room, out)
         self._news(out)  # its queued chunks are skipped at the next pass
@@ -599,7 +614,7 @@ class PrefillRank:
         if not targets or room_id in self._poisoned:
             return
         for (ip, _port), generation in sorted(targets.items()):
-            out.append(ev.Send(dst=ip, msg=wire.AbortAck(
+            out.append(ev.new_send(dst=ip, msg=wire.AbortAck(
                 room=room_id, prefill_rank=self.unique_rank, generation=generation)))
 
     def _queued(self, room: int) -> bool:

@@ -11,11 +11,18 @@ from __future__ import annotations
 from enum import Enum
 
 
+class _Member(Enum):
+    """An enum hashed by identity (its members are singletons and compare by identity):
+    ``Enum.__hash__`` is a Python function, called twice per transition-table lookup."""
+
+    __hash__ = object.__hash__
+
+
 class ProtocolError(RuntimeError):
     """The core was asked for a transition its table does not allow (a bug, not bad input)."""
 
 
-class PrefillRoomState(Enum):
+class PrefillRoomState(_Member):
     """A prefill room (SGLang's ``KVPoll`` on the sender)."""
 
     BOOTSTRAPPING = "Bootstrapping"  # metadata known, no chunk dequeued yet
@@ -24,13 +31,13 @@ class PrefillRoomState(Enum):
     FAILED = "Failed"                # failed or aborted; absorbing
 
 
-class PrefillTrigger(Enum):
+class PrefillTrigger(_Member):
     DEQUEUE = "a worker dequeued one of the room's chunks"
     LAST_CHUNK_DONE = "the last chunk finished on every target"
     FAIL = "a chunk failed, a send failed or the room was aborted"
 
 
-class DecodeRoomState(Enum):
+class DecodeRoomState(_Member):
     """A decode room (``DecodeStagingHandler``'s view of one request).
 
     Whether the room is registered is kept beside the state: registration is its own step only
@@ -46,7 +53,7 @@ class DecodeRoomState(Enum):
     #                                every prefill rank acknowledged the abort, or the deadline
 
 
-class DecodeTrigger(Enum):
+class DecodeTrigger(_Member):
     ALL_RANKS_SUCCESS = "the last prefill rank reported Success"
     COMPLETE = "every allocation was scattered and every scatter finished"
     GROUP_SUCCESS = "every rank of the group is done (the MIN of the group's polls is Success)"

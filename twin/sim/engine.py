@@ -11,12 +11,16 @@ streams seeded from one root seed, so a seed reproduces a run exactly.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
-from heapq import heappush
+from functools import partial
+from heapq import heappop, heappush
+from operator import attrgetter
 from typing import Any
 
 import simpy
+from simpy.core import EmptySchedule, StopSimulation
 
 from twin.core import events as ev
 from twin.core import wire
@@ -39,8 +43,19 @@ from twin.workloads import Request, Workload
 
 _PREFETCH, _CONTROL = wire.PREFETCH_SOCKET, wire.CONTROL_SOCKET
 _STAGING_REQ = wire.StagingReq
-_ARRIVED = ev.MessageArrived
+_ARRIVED = ev.new_message_arrived
 _NORMAL = 1  # simpy.events.NORMAL: the priority of a Timeout
+_log = math.log
+
+
+def _expovariate_inlinable() -> bool:
+    """Whether ``Random.expovariate(rate)`` is ``-log(1 - random()) / rate`` here (it is in
+    every CPython 3.x so far): then the frame path draws jitter without the method call."""
+    a, b = random.Random(1), random.Random(1)
+    return all(a.expovariate(r) == -_log(1.0 - b.random()) / r for r in (0.5, 2.0, 1e4, 7.3))
+
+
+_INLINE_EXPOVARIATE = _expovariate_inlinable()
 
 
 class _Call:
@@ -62,6 +77,33 @@ def _run(call: _Call) -> None:
 
 
 _RUN = (_run,)
+
+
+def _run_until(env: simpy.Environment, stop: simpy.Event) -> None:
+    """``env.run(until=stop)``, with the ``_Call`` events run in place instead of through
+    ``Environment.step`` (the same order and clock; any other event goes through ``step``).
+    Raises ``RuntimeError`` as SimPy does when the queue empties before ``stop``."""
+    if stop.callbacks is None:
+        return
+    stop.callbacks.append(StopSimulation.callback)
+    queue = env._queue
+    step = env.step
+    try:
+        while True:
+            if queue:
+                item = queue[0]
+                call = item[3]
+                if call.__class__ is _Call:
+                    heappop(queue)
+                    env._now = item[0]
+                    call.fn(*call.args)
+                    continue
+            step()
+    except StopSimulation:
+        return
+    except EmptySchedule:
+        raise RuntimeError(f'No scheduled events left but "until" event was not triggered: '
+                           f"{stop}") from None
 
 
 class Simulation:
@@ -91,7 +133,8 @@ class Simulation:
                                    ev.Deferred: self._on_deferred,
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
-                               })
+                               },
+                               clock=partial(attrgetter("_now"), self.env))
         self.feed = self.runtime.feed
         """Hand an input to a node's core now and carry out its effects."""
         self._fire = self.runtime.fire
@@ -100,6 +143,7 @@ class Simulation:
         self._zmq_latency_s = p.zmq_latency_s
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
+        self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self.integrity = IntegrityModel(cfg.ring_bytes)
@@ -127,6 +171,9 @@ class Simulation:
         # arrival time or when one of the ``max_concurrency`` slots frees, whichever is later.
         self.slots = simpy.Resource(self.env, max_concurrency) if max_concurrency else None
         self._slot_req: dict[int, Any] = {}
+        self._want: dict[tuple[str, int], int] = {}
+        self._room_init: dict[tuple[int, int],
+                              list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = {}
 
     # -- what the runtime reads ----------------------------------------------------------------
     @property
@@ -147,11 +194,11 @@ class Simulation:
 
     def mark_progress(self) -> None:
         """Something moved forward now (the wedge monitor's clock)."""
-        self.runtime.last_progress = self.env.now
+        self.runtime.last_progress = self.env._now
 
     # -- driver: clock -------------------------------------------------------------------------
     def time(self) -> float:
-        return self.env._now  # ``env.now`` without the property call (read on every input)
+        return self.env._now  # ``env._now`` without the property call (read on every input)
 
     def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
@@ -164,12 +211,15 @@ class Simulation:
         env = self.env
         now = env._now
         delay = at - now
+        # An input without a poll token is always wanted: feed it without ``fire``'s check.
+        call = _Call(self._fire, (node, event, token)) if token else _Call(self.feed,
+                                                                            (node, event))
         heappush(env._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(env._eid),
-                              _Call(self._fire, (node, event, token))))
+                              call))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
-            self.recorder.write_sys(self.env.now, node, record)
+            self.recorder.write_sys(self.env._now, node, record)
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
@@ -180,7 +230,12 @@ class Simulation:
         env = self.env
         now = env._now
         jitter = self._jitter_rate
-        delay = self._zmq_latency_s + (self._expovariate(jitter) if jitter else 0.0)
+        if not jitter:
+            delay = self._zmq_latency_s + 0.0
+        elif self._net_random is not None:  # ``expovariate(jitter)``, inlined
+            delay = self._zmq_latency_s + -_log(1.0 - self._net_random()) / jitter
+        else:
+            delay = self._zmq_latency_s + self._expovariate(jitter)
         link = (src, dst, _PREFETCH if msg.__class__ is _STAGING_REQ else _CONTROL)
         t = now + delay
         last = self.link_last.get(link, 0.0)
@@ -210,36 +265,36 @@ class Simulation:
             # A delay stalls the socket: this frame and every later one on it wait.
             delay += fate.hold_s
             extra -= fate.hold_s
-        t = max(self.env.now + delay, self.link_last.get(link, 0.0))
+        t = max(self.env._now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        arrived = ev.MessageArrived(src=src, msg=msg)
+        arrived = ev.new_message_arrived(src=src, msg=msg)
         for i in range(copies):
-            self.at(t + extra + i * 1e-6 - self.env.now, self.feed, dst, arrived)
+            self.at(t + extra + i * 1e-6 - self.env._now, self.feed, dst, arrived)
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
         link = (src, dst, wire.CONTROL_SOCKET)
-        t = max(self.env.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
+        t = max(self.env._now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        self.at(t - self.env.now, self.feed, dst, event)
+        self.at(t - self.env._now, self.feed, dst, event)
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         p = self.params
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
-            req.first_transfer_s = self.env.now
+            req.first_transfer_s = self.env._now
         gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
         nic = self.metrics.nic_of(node, p.ranks_per_nic)
-        start = max(self.env.now + gather, self.nic_free.get(nic, 0.0))
+        start = max(self.env._now + gather, self.nic_free.get(nic, 0.0))
         wire_s = e.nbytes / p.nic_bandwidth_Bps
         self.nic_free[nic] = start + wire_s
         self.metrics.nic_busy(nic, wire_s, e.nbytes)
         done = start + wire_s + p.rdma_latency_s
         if p.transfer_jitter_s > 0:
             done += self.rng_data.expovariate(1 / p.transfer_jitter_s)
-        self.at(done - self.env.now, self._transfer_done, node, e, self.env.now)
+        self.at(done - self.env._now, self._transfer_done, node, e, self.env._now)
 
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
@@ -247,24 +302,24 @@ class Simulation:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self.sys(node, {"type": "FaultInjected", "fault": failed, "detail": detail})
             self._note_fault(e.room, f"{failed} ({detail})")
-            self.feed(node, ev.TransferDone(worker=e.worker, ok=False, error=failed))
+            self.feed(node, ev.new_transfer_done(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
         req = self.requests.get(e.room)
         if req is not None:
-            req.last_transfer_s = self.env.now
-        self.metrics.transfer(self.env.now - t0, e.nbytes)
-        self.feed(node, ev.TransferDone(worker=e.worker))
+            req.last_transfer_s = self.env._now
+        self.metrics.transfer(self.env._now - t0, e.nbytes)
+        self.feed(node, ev.new_transfer_done(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self.params
-        start = max(self.env.now, self.stream_free.get(node, 0.0))
+        start = max(self.env._now, self.stream_free.get(node, 0.0))
         finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
         self.stream_free[node] = finish
-        self.at(start - self.env.now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
+        self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
-            node, finish, ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            node, finish, ev.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _note_fault(self, room: int, note: str) -> None:
         notes = self.fault_notes.setdefault(room, [])
@@ -282,11 +337,14 @@ class Simulation:
         req = self.requests.get(e.room)
         if req is None or req.finished:
             return
-        want = len(self.topo.targets_of(self.topo.nodes[node],
-                                        self.topo.decode_groups[req.decode_group]))
+        key = (node, req.decode_group)
+        want = self._want.get(key)
+        if want is None:  # the topology is fixed: count each pair's targets once
+            want = self._want[key] = len(self.topo.targets_of(
+                self.topo.nodes[node], self.topo.decode_groups[req.decode_group]))
         group = len(self.topo.prefill_groups[req.prefill_group].nodes)
         if req.note_targets(node, len(e.sessions), want, group):
-            req.bootstrap_done_s = self.env.now
+            req.bootstrap_done_s = self.env._now
             self.schedulers[req.prefill_group].admit(req)
 
     def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
@@ -306,22 +364,22 @@ class Simulation:
 
     def _on_allocated(self, node: str, e: ev.Allocated) -> None:
         self.alloc_span[(node, e.alloc_id)] = (e.offset, e.size)
-        self.metrics.occupancy(node, self.env.now, e.size)
+        self.metrics.occupancy(node, self.env._now, e.size)
 
     def _on_freed(self, node: str, e: ev.Freed) -> None:
         span = self.alloc_span.pop((node, e.alloc_id), None)
         if span is not None:
             self.integrity.on_freed(node, span[0], span[1])
-            self.metrics.occupancy(node, self.env.now, -span[1])
+            self.metrics.occupancy(node, self.env._now, -span[1])
 
     def _on_watermark(self, node: str, e: ev.WatermarkMoved) -> None:
-        self.metrics.watermark_lag(node, self.env.now, e.lag_bytes)
+        self.metrics.watermark_lag(node, self.env._now, e.lag_bytes)
 
     # -- requests ----------------------------------------------------------------------------
     def _arrive(self, r: Request) -> None:
         self.arrived += 1
         self.mark_progress()
-        req = self.placement.place(r, self.env.now)
+        req = self.placement.place(r, self.env._now)
         self.requests[req.room] = req
         self.sys("driver", self.placement.arrival_record(req))
         self.at(self.params.decode_prealloc_s, self._decode_arrive, req)
@@ -334,15 +392,19 @@ class Simulation:
     def decode_admitted(self, req: RequestState) -> None:
         """The decode loop pre-allocated the request's KV: register the room on every decode
         rank of its group (each sends its metadata to prefill)."""
-        pg = self.topo.prefill_groups[req.prefill_group]
-        dg = self.topo.decode_groups[req.decode_group]
+        key = (req.prefill_group, req.decode_group)
+        ranks = self._room_init.get(key)
+        if ranks is None:  # the topology is fixed: each decode rank's writers and group, once
+            pg = self.topo.prefill_groups[req.prefill_group]
+            ranks = self._room_init[key] = [
+                (d.id, self.topo.writers_of(d, pg), self.topo.decode_group_of(d))
+                for d in self.topo.decode_groups[req.decode_group].nodes]
         init_pages = self.placement.total_pages(req)
-        for d in dg.nodes:
-            self.feed(d.id, ev.DecodeRoomInit(
-                room=req.room, prefill_ranks=self.topo.writers_of(d, pg),
-                prefill_attn_tp=self.cfg.prefill.attn_tp_size,
-                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages,
-                group=self.topo.decode_group_of(d)))
+        attn_tp = self.cfg.prefill.attn_tp_size
+        for node, writers, group in ranks:
+            self.feed(node, ev.DecodeRoomInit(
+                room=req.room, prefill_ranks=writers, prefill_attn_tp=attn_tp,
+                decode_prefix_len=req.decode_prefix_len, total_pages=init_pages, group=group))
 
     def _bootstrap_deadline(self, req: RequestState) -> None:
         """SGLang's bootstrap timeout fails only the prefill sender (its own poll); decode
@@ -372,16 +434,16 @@ class Simulation:
         The decode loop picks it up at its next poll."""
         req.status = status
         req.reason = reason
-        req.kv_done_s = self.env.now
+        req.kv_done_s = self.env._now
         self.mark_progress()
         self.decode_loops[req.decode_group].room_concluded(req)
 
     def first_token(self, req: RequestState) -> None:
-        req.first_token_s = self.env.now
+        req.first_token_s = self.env._now
 
     def request_ended(self, req: RequestState) -> None:
         """The request's last token streamed, or it failed: the client has its answer."""
-        req.end_s = self.env.now
+        req.end_s = self.env._now
         self.unfinished -= 1
         self.mark_progress()
         self.metrics.request_done(req)
@@ -419,8 +481,8 @@ class Simulation:
     def _arrivals(self):  # type: ignore[no-untyped-def]
         env = self.env
         for r in self.workload.requests:
-            if r.arrival_s > env.now:
-                yield env.timeout(r.arrival_s - env.now)
+            if r.arrival_s > env._now:
+                yield env.timeout(r.arrival_s - env._now)
             if self.slots is not None:
                 slot = self.slots.request()
                 yield slot
@@ -433,9 +495,9 @@ class Simulation:
         while not self.done.triggered:
             yield env.timeout(step)
             if self.progress_cb is not None:
-                self.progress_cb(env.now)
+                self.progress_cb(env._now)
             in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
-            idle = env.now - self.runtime.last_progress
+            idle = env._now - self.runtime.last_progress
             if in_flight > 0 and idle >= window:
                 self.stop_reason = "wedge"
                 if not self.done.triggered:
@@ -454,7 +516,7 @@ class Simulation:
         env.process(self._monitor(self.params.wedge_window_s))
         stop = self.done if until is None else (self.done | env.timeout(until))
         try:
-            env.run(until=stop)
+            _run_until(env, stop)
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
                 raise
