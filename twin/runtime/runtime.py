@@ -95,23 +95,7 @@ class Runtime:
     def feed(self, node: str, event: ev.Input) -> list[ev.Effect]:
         """Hand ``event`` to ``node``'s core now and carry out its effects (none if crashed);
         then the group polls this produced for other ranks held here."""
-        # ``_feed`` inlined: this runs once per input (one Python call less each).
-        if node in self.crashed:
-            effects: list[ev.Effect] = []
-        else:
-            rank = self.ranks[node]
-            now = self._time()
-            if now < rank.now:  # a wall clock read twice can step back by rounding
-                now = rank.now
-            self.inputs += 1
-            self._now = now
-            effects = rank.handle(event, now)
-            if self.recorder is not None:
-                self.recorder.write_input(now, node, event)
-                self.recorder.write_effects(now, node, effects)
-            table = self._table
-            for e in effects:
-                table[type(e)](node, e)
+        effects = self._feed(node, event)
         if self._local and not self._draining:
             self._draining = True
             try:
@@ -161,8 +145,8 @@ class Runtime:
 
     def fire(self, node: str, event: ev.Input, token: int) -> None:
         """A scheduled input's time came: feed it unless a newer poll replaced it."""
-        if token == 0 or self._poll_tokens.get((node, event.worker)) == token:  # type: ignore[union-attr]
-            self.feed(node, event)  # ``is_current``, inlined
+        if self.is_current(node, event, token):
+            self.feed(node, event)
 
     def restart(self, node: str, rank: Rank) -> None:
         """Replace ``node``'s core with a fresh one (a restarted rank) and let it run again."""
