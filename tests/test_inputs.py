@@ -121,7 +121,7 @@ def _capture(monkeypatch: pytest.MonkeyPatch, module: str, name: str, store: dic
 
     monkeypatch.setattr(mod, name, fake)
     # The hardware mode checks the ranks' memory against the host's; that is not under test.
-    monkeypatch.setattr("twin.hw.launcher._available_host_bytes", lambda: 1 << 50)
+    monkeypatch.setattr("twin.hw.launcher.available_host_bytes", lambda: 1 << 50)
 
 
 @pytest.mark.parametrize("flags", [

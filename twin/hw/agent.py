@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twin.hw.control import ControlError, ControlSocket
+from twin.hw.hostmem import available_host_bytes
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
 from twin.hw.netutil import (
     format_port_range,
@@ -87,17 +88,6 @@ def _tail(path: str, lines: int = 3) -> str:
         return ""
     kept = [x.rstrip() for x in text.splitlines() if x.strip()]
     return "\n".join(kept[-lines:])
-
-
-def _host_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _cuda_info() -> tuple[int, list[int]]:
@@ -187,7 +177,7 @@ class Agent:
         info = {"name": self.name, "endpoint": self.sock.endpoint, "address": self.address,
                 "hostname": socket.gethostname(), "pid": os.getpid(), "role": self.role,
                 "gpus": self.gpus, "cuda_devices": cuda, "gpu_free": free,
-                "mem_available": _host_memory(), "log_dir": self.log_dir,
+                "mem_available": available_host_bytes(), "log_dir": self.log_dir,
                 "control_ports": format_port_range(self.control_ports),
                 "data_ports": format_port_range(self.data_ports),
                 "ucx": effective_ucx(self.ucx)}

@@ -37,6 +37,7 @@ from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology
 from twin.hw.control import ControlError, ControlSocket
+from twin.hw.hostmem import RANK_OVERHEAD_BYTES, available_host_bytes, fits, host_need
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
 from twin.hw.netutil import has_rdma_devices
 from twin.hw.nodes import AgentHub, NodesError, PlacementEntry, RemoteRank
@@ -125,17 +126,6 @@ def page_bytes(cfg: TwinConfig, role: str) -> int:
     return 2 * m.num_layers * cfg.page_size * heads * m.head_dim * m.dtype_bytes
 
 
-def _available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _check_gpu_memory(topo: Topology, per_rank: dict[str, int], options: HwOptions, pages: int,
                       longest: int) -> None:
     """Every GPU's ranks must fit in its free memory."""
@@ -203,13 +193,15 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
     if options.device == "cuda":
         _check_gpu_memory(topo, per_rank, options, pages, longest)
     else:
-        avail = _available_host_bytes()
-        total = sum(per_rank.values())
-        if avail is not None and total > 0.9 * avail:
+        avail = available_host_bytes()
+        total = host_need(per_rank.values())
+        if not fits(total, avail):
+            assert avail is not None
             raise PoolError(
-                f"the ranks would allocate {total / (1 << 30):.1f} GiB of host memory (KV pools "
-                f"of {pages} pages, staging buffers, {cfg.ring_bytes / (1 << 20):g} MiB rings) "
-                f"but {avail / (1 << 30):.1f} GiB is available; lower --max-concurrency or "
+                f"the ranks would take {total / (1 << 30):.1f} GiB of host memory (KV pools "
+                f"of {pages} pages, staging buffers, {cfg.ring_bytes / (1 << 20):g} MiB rings, "
+                f"{RANK_OVERHEAD_BYTES >> 20} MiB per rank process) but "
+                f"{avail / (1 << 30):.1f} GiB is available; lower --max-concurrency or "
                 f"--kv-pool-pages (at least {longest}), cut the workload (--first-n), or use a "
                 f"smaller model or ring in --config")
     return plan

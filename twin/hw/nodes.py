@@ -41,6 +41,7 @@ import zmq
 
 from twin.core.topology import Topology
 from twin.hw.control import ControlError, ControlSocket
+from twin.hw.hostmem import RANK_OVERHEAD_BYTES, fits, host_need
 from twin.hw.netutil import format_port_range, is_unspecified
 
 # Coordinator <-> agent frames.
@@ -280,10 +281,13 @@ def _device(agent: AgentInfo, device: str, gpus: Sequence[int] | None, k: int) -
 def check_memory(agents: Sequence[AgentInfo], rank_bytes: Mapping[str, int]) -> None:
     """Every agent's ranks fit its host memory (CPU) or each GPU's free memory."""
     for a in agents:
-        host = sum(rank_bytes.get(r, 0) for r, d in a.ranks.items() if d == "cpu")
-        if host and a.mem_available is not None and host > 0.9 * a.mem_available:
-            raise NodesError(f"agent {a.name}: its ranks would allocate "
-                             f"{host / (1 << 30):.1f} GiB but {a.mem_available / (1 << 30):.1f}"
+        cpu = [rank_bytes.get(r, 0) for r, d in a.ranks.items() if d == "cpu"]
+        host = host_need(cpu)
+        if cpu and not fits(host, a.mem_available):
+            assert a.mem_available is not None
+            raise NodesError(f"agent {a.name}: its ranks would take "
+                             f"{host / (1 << 30):.1f} GiB (with {RANK_OVERHEAD_BYTES >> 20} MiB "
+                             f"per rank process) but {a.mem_available / (1 << 30):.1f}"
                              f" GiB is available on {a.hostname}; lower --max-concurrency or "
                              f"--kv-pool-pages, or spread the ranks over more agents")
         per_gpu: dict[int, int] = {}
