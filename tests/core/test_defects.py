@@ -44,11 +44,14 @@ def cluster(cfg: TwinConfig, *defects: str) -> Cluster:
 
 
 def settle(c: Cluster, pick=None, max_steps: int = 20_000) -> None:
-    """Take actions (oldest first, or ``pick(choices)``) until none is pending; no timeouts."""
+    """Take actions (oldest first, or ``pick(choices)``) until none is pending, the clock moving
+    on to scheduled polls and registrations; no timeouts."""
     for _ in range(max_steps):
         cs = c.choices()
         if not cs:
-            return
+            if c.advance(timeouts=False) is None:
+                return
+            continue
         c.step(cs[0] if pick is None else pick(cs))
     raise AssertionError("still busy after max_steps")
 

@@ -152,7 +152,9 @@ def _run(c: Cluster, blocked, max_steps: int = 10_000) -> None:
     for _ in range(max_steps):
         ok = [i for i in c.choices() if not blocked(c.pending[i])]
         if not ok:
-            return
+            if c.advance(timeouts=False) is None:
+                return
+            continue
         c.step(ok[0])
     raise AssertionError("no quiescence")
 

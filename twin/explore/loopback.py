@@ -9,10 +9,20 @@ decode's bootstrap metadata shares its control socket), everything else is free.
 takes one. Property tests and the wedge explorer drive it; it checks the core's invariants
 after every step. The decode group's poll reduction happens within a step (the runtime hands a
 ``GroupPoll`` to the peers it holds at once), as SGLang's lockstep all-reduce does.
+
+Logical time: every step takes ``step_s``. An input the core scheduled for a later time (a
+worker's re-poll at ``Deferred.retry_at`` or ``WakeWorkers.at``, a registration at
+``register_at``, a timeout's ``Tick`` at ``SetTimer.at``) waits in ``timers`` and becomes a
+pending action only once the clock reaches it, either by steps or, when nothing is pending, by
+``advance()`` jumping to the earliest one. So a worker re-polling a chunk that cannot move
+costs logical time, and the timeouts that settle such a state do come.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from twin.core import events as ev
@@ -30,12 +40,13 @@ from twin.runtime.runtime import Runtime
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    kind: str  # msg | meta | xfer | scatter | poll | send | register | control
+    kind: str  # msg | meta | xfer | scatter | poll | send | register | control | tick
     node: str
     event: ev.Input
     src: str = ""
     seq: int = 0
     token: int = 0  # a poll's token: taken after a newer poll of its worker, it is a no-op
+    at: float = 0.0  # a scheduled input's time (poll, register, tick); 0 for the others
 
 
 @dataclass(slots=True)
@@ -56,12 +67,19 @@ class InvariantViolation(AssertionError):
     """A safety property of the protocol failed; the message names it."""
 
 
+class Livelock(AssertionError):
+    """The cluster stayed busy past a run's step budget; the message names what kept it busy.
+
+    A protocol that keeps re-polling or re-requesting without progress fails a run this way
+    instead of running without bound."""
+
+
 class Cluster:
     """Prefill and decode ranks of ``cfg`` wired through a pending-action list.
 
-    It is the runtime's driver in logical time: every send, transfer, scatter, poll and
-    registration becomes a pending action; timeouts (``Tick``) fire only when nothing else can
-    happen (``fire_timers``).
+    It is the runtime's driver in logical time: every send, transfer and scatter becomes a
+    pending action at once; a poll, registration or timeout (``Tick``) scheduled for a later
+    time waits in ``timers`` (a heap of ``(at, seq, action)``) until the clock reaches it.
     """
 
     def __init__(self, cfg: TwinConfig, defects: Defects | None = None,
@@ -76,7 +94,7 @@ class Cluster:
         self.rooms: dict[int, RoomPlan] = {}
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
-        self.timers: list[tuple[float, str]] = []
+        self.timers: list[tuple[float, int, Action]] = []
         self.crashed: list[str] = []
         self.now = 0.0
         self.step_s = step_s
@@ -135,8 +153,15 @@ class Cluster:
         return None
 
     def step(self, index: int) -> Action:
+        """Take ``pending[index]``: the clock moves on by ``step_s`` (scheduled inputs due by
+        then become pending), then the action's input is fed."""
         action = self.pending.pop(index)
         self.now += self.step_s
+        self._release_due()
+        self._take(action)
+        return action
+
+    def _take(self, action: Action) -> None:
         if action.kind == "send":
             plan = self.rooms[action.event.room]  # type: ignore[union-attr]
             plan.next_send += 1
@@ -148,30 +173,84 @@ class Cluster:
             self._feed(action.node, action.event)
         elif self.runtime.is_current(action.node, action.event, action.token):
             self._feed(action.node, action.event, src=action.src)
-        return action
 
-    def run(self, max_steps: int = 1_000_000, pick=None) -> int:
-        """Take actions (first choice, or ``pick(choices)``) until none is left."""
+    def run(self, max_steps: int = 200_000, pick=None) -> int:
+        """Take actions (first choice, or ``pick(choices)``) until none is pending or scheduled;
+        when none is pending the clock jumps to the next scheduled input (``advance``).
+        Returns the steps taken; raises ``Livelock`` after ``max_steps``."""
         steps = 0
-        while steps < max_steps:
+        while True:
             cs = self.choices()
             if not cs:
-                if not self.fire_timers():
-                    break
+                if self.advance() is None:
+                    return steps
                 continue
+            if steps >= max_steps:
+                raise Livelock(f"still busy after {max_steps} steps: {self.busy_report()}")
             self.step(cs[0] if pick is None else pick(cs))
             steps += 1
-        return steps
+
+    def advance(self, timeouts: bool = True) -> Action | None:
+        """Move the clock to the earliest scheduled input (not counting timeouts when
+        ``timeouts`` is False) and make every input due by then pending; return that input's
+        action, or None when none is scheduled. Polls replaced by newer ones are dropped."""
+        self._drop_stale()
+        due = [t for t in self.timers if timeouts or t[2].kind != "tick"]
+        if not due:
+            return None
+        at, _, action = min(due)
+        self.now = max(self.now, at)
+        self._release_due()
+        return action
 
     def fire_timers(self) -> bool:
-        """Advance time to the earliest armed timeout and tick that rank; False if none."""
-        if not self.timers:
+        """Fire the earliest timeout: the clock moves to it (scheduled inputs due by then become
+        pending) and its rank ticks at once. A timeout already due fires first. False if no
+        timeout is armed."""
+        for i, a in enumerate(self.pending):
+            if a.kind == "tick":
+                self.pending.pop(i)
+                self._take(a)
+                return True
+        ticks = [t for t in self.timers if t[2].kind == "tick"]
+        if not ticks:
             return False
-        self.timers.sort()
-        at, node = self.timers.pop(0)
-        self.now = max(self.now, at)
-        self._feed(node, ev.Tick())
+        entry = min(ticks)
+        self.timers.remove(entry)
+        heapq.heapify(self.timers)
+        self.now = max(self.now, entry[0])
+        self._release_due()
+        self._take(entry[2])
         return True
+
+    def _release_due(self) -> None:
+        """Scheduled inputs whose time has come become pending (earliest first)."""
+        timers = self.timers
+        while timers and timers[0][0] <= self.now:
+            action = heapq.heappop(timers)[2]
+            if self.runtime.is_current(action.node, action.event, action.token):
+                self.pending.append(action)
+
+    def _drop_stale(self) -> None:
+        """Forget scheduled polls that a newer poll of the same worker replaced."""
+        keep = [t for t in self.timers
+                if self.runtime.is_current(t[2].node, t[2].event, t[2].token)]
+        if len(keep) < len(self.timers):
+            heapq.heapify(keep)
+            self.timers = keep
+
+    def busy_report(self, recent: int = 2000) -> str:
+        """What keeps the cluster busy: pending and scheduled actions by kind, rank and input
+        (a frame by its message), and the inputs fed most often lately."""
+        def top(c: Counter[str]) -> str:
+            return ", ".join(f"{k} x{n}" for k, n in c.most_common(6)) or "none"
+
+        def count(actions: Iterable[Action]) -> str:
+            return top(Counter(f"{a.kind} {a.node} {_name(a.event)}" for a in actions))
+        fed = Counter(f"{node} {_name(e)}" for _, node, e in self.log[-recent:])
+        return (f"t={self.now:.3f}s, unfinished rooms {self.unfinished()}; pending: "
+                f"{count(self.pending)}; scheduled: {count(t[2] for t in self.timers)}; "
+                f"last {min(recent, len(self.log))} inputs: {top(fed)}")
 
     # -- the runtime's driver ----------------------------------------------------------------
     def _feed(self, node: str, event: ev.Input, src: str = "") -> None:
@@ -191,12 +270,15 @@ class Cluster:
         self.pending.append(Action(kind, node, event, src, self._seq, token))
 
     def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
-        if type(event) is ev.Tick:
-            self.timers.append((at, node))
-        elif type(event) is ev.WorkerPoll:
-            self._push("poll", node, event, token=token)
+        """Schedule ``event`` for ``at``: pending at once when due, else a timer."""
+        kind = ("tick" if type(event) is ev.Tick else
+                "poll" if type(event) is ev.WorkerPoll else "register")
+        self._seq += 1
+        action = Action(kind, node, event, seq=self._seq, token=token, at=at)
+        if at <= self.now:
+            self.pending.append(action)
         else:
-            self._push("register", node, event)
+            heapq.heappush(self.timers, (at, self._seq, action))
 
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
         self._push("msg", dst, ev.MessageArrived(src=src, msg=msg), src=src)
@@ -284,3 +366,10 @@ class Cluster:
                 self.topo.decode_groups[self.rooms[room].decode_group].nodes):
             return "pending"
         return "Success" if st == {"Success"} else "Failed"
+
+
+def _name(event: ev.Input) -> str:
+    """An input's name for reports: a frame's message type, else the input's type."""
+    if type(event) is ev.MessageArrived:
+        return type(event.msg).__name__
+    return type(event).__name__
