@@ -7,8 +7,9 @@ differently. ``docs/defects.md`` describes each switch and how to add one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
+
+from twin.core.switches import SwitchSet
 
 STALE_EMPTY_RING_WATERMARK = "stale-empty-ring-watermark"
 NO_SUBSCRIBER_SNAPSHOT = "no-subscriber-snapshot"
@@ -102,29 +103,12 @@ CATALOG: dict[str, DefectInfo] = {
 ALL_DEFECTS: tuple[str, ...] = tuple(CATALOG)
 
 
-@dataclass(frozen=True, slots=True)
-class Defects:
+class Defects(SwitchSet):
     """An immutable set of switched-on defects; unknown names are rejected."""
 
-    names: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.names) - set(CATALOG))
-        if unknown:
-            raise ValueError(
-                f"unknown defect {unknown[0]!r}; known: {', '.join(ALL_DEFECTS)}"
-            )
-
-    @classmethod
-    def of(cls, names: Iterable[str] = ()) -> Defects:
-        return cls(frozenset(names))
-
-    def on(self, name: str) -> bool:
-        assert name in CATALOG, name
-        return name in self.names
-
-    def sorted(self) -> list[str]:
-        return sorted(self.names)
+    __slots__ = ()
+    KIND = "defect"
+    KNOWN = CATALOG
 
 
 NONE = Defects()

@@ -9,8 +9,9 @@ config (``TwinConfig.fixes``), so traces, hardware ranks and replays carry them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
+
+from twin.core.switches import SwitchSet
 
 MULTI_TARGET_RETRY_RESUME = "multi-target-retry-resume"
 LOST_CONTROL_RECOVERY = "lost-control-recovery"
@@ -65,27 +66,12 @@ CATALOG: dict[str, FixInfo] = {
 ALL_FIXES: tuple[str, ...] = tuple(CATALOG)
 
 
-@dataclass(frozen=True, slots=True)
-class Fixes:
-    """An immutable set of switched-on fixes; unknown names are rejected."""
+class Fixes(SwitchSet):
+    """An immutable set of switched-on fixs; unknown names are rejected."""
 
-    names: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.names) - set(CATALOG))
-        if unknown:
-            raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(ALL_FIXES)}")
-
-    @classmethod
-    def of(cls, names: Iterable[str] = ()) -> Fixes:
-        return cls(frozenset(names))
-
-    def on(self, name: str) -> bool:
-        assert name in CATALOG, name
-        return name in self.names
-
-    def sorted(self) -> list[str]:
-        return sorted(self.names)
+    __slots__ = ()
+    KIND = "fix"
+    KNOWN = CATALOG
 
 
 NONE = Fixes()
