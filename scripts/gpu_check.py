@@ -155,9 +155,13 @@ def _steps(args: argparse.Namespace, work: Path, site: Path, wheels: list[Path])
     workload = ("poisson:n=24,rate=40,input=1500,output=4,seed=5" if cuda
                 else "poisson:n=8,rate=40,input=600,output=4,seed=5")
     gpus = ["--prefill-gpus", "0,0", "--decode-gpus", "0"] if cuda else []
+    # The check is about the data path. A writer's STAGING_REQ that trails its chunk (its own
+    # socket, overtaken on a loaded host) wedges the ring as it would in SGLang; the fix keeps
+    # that protocol race out of the verdict (docs/defects.md).
+    hw_args = [*gpus, "--fix", "drop-late-staging-req"]
     trace = args.out / "hw-run.jsonl.gz"
     steps.append(Step("twin-hw", [py, "-m", "twin", "hw", "--config", HW_CONFIG, "--device",
-                                  args.device, *gpus, "--workload", workload, "--timeout", "90",
+                                  args.device, *hw_args, "--workload", workload, "--timeout", "90",
                                   "--json", "--trace-out", str(trace)],
                       150, kind="hw", needs=("environment",)))
     steps.append(Step("replay", [py, "-m", "twin", "replay", str(trace), "--json"], 60,
@@ -187,7 +191,7 @@ def _steps(args: argparse.Namespace, work: Path, site: Path, wheels: list[Path])
     trace_b = args.out / "hw-run-b.jsonl.gz"
     costs = args.out / "costs.toml"
     steps.append(Step("twin-hw-b", [py, "-m", "twin", "hw", "--config", HW_CONFIG, "--device",
-                                    args.device, *gpus, "--workload", workload_b, "--timeout",
+                                    args.device, *hw_args, "--workload", workload_b, "--timeout",
                                     "90", "--json", "--trace-out", str(trace_b)],
                       150, kind="hw", needs=("environment",)))
     steps.append(Step("calibrate", [py, "-m", "twin", "calibrate", str(trace), "-o", str(costs),

@@ -125,7 +125,8 @@ def test_ranks_die_with_a_killed_coordinator(tmp_path: Path) -> None:
 def test_abort_fault_fails_its_room_and_is_reported() -> None:
     cfg = TwinConfig(prefill=ServerSide(tp_size=2), decode=ServerSide(tp_size=1),
                      model=ModelShape(num_layers=2, num_kv_heads=4, head_dim=32),
-                     chunked_prefill_size=64, page_size=16, staging_pool_size_mb=2)
+                     chunked_prefill_size=64, page_size=16, staging_pool_size_mb=2,
+                     fixes=("drop-late-staging-req",))  # two writers: see test_hw_mode.py
     # Room 0 needs 200 forwards of 64 tokens; it is aborted halfway.
     workload = fixed([(0.0, 12800, 4, 0), (0.05, 300, 4, 0), (0.1, 300, 4, 0)])
     result = run_hw(cfg, workload, faults=["abort:room=0:at=0.2", "abort:room=2:at=500"],

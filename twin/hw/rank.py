@@ -51,6 +51,7 @@ HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
     b"TWIN_HELLO", b"TWIN_DIR", b"TWIN_START", b"TWIN_CMD", b"TWIN_REC", b"TWIN_REPORT",
     b"TWIN_STATE", b"TWIN_STOP")
 META, ABORT, PEER = b"TWIN_META", b"TWIN_ABORT", b"TWIN_PEER"
+WARM = b"TWIN_WARM"  # opens a prefill rank's prefetch connection to a decode rank at start-up
 IDLE_WAIT_MS = 20
 FLUSH_IDLE_S = 0.05
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
@@ -196,6 +197,15 @@ class RankProcess:
             if entry["ring"] is not None and isinstance(self.core, PrefillRank):
                 peer = self.nixl.add_peer(metas[i])
                 self.rings[entry["node"]] = (peer, RegionDesc.from_dict(entry["ring"]))
+        if isinstance(self.core, PrefillRank):
+            # SGLang opens a prefetch socket (in a context of its own) at the first STAGING_REQ
+            # to a decode endpoint. Opening it here instead keeps a loaded host's slow first
+            # connect from letting the first request trail the chunk it asks for (which would
+            # wedge the ring; docs/defects.md). The socket stays separate: frames on it may still
+            # be overtaken. A send blocks until the connection is up (ZMQ_IMMEDIATE).
+            for node, endpoint in self.endpoints.items():
+                if node in self.rings:
+                    self.sock.send(endpoint, [WARM], socket=wire.PREFETCH_SOCKET)
         self.sock.send(self.coordinator, [b"TWIN_READY", self.spec.node.encode()])
         early: list[list[bytes]] = []  # peers that started first may already be talking
         while True:
@@ -250,6 +260,8 @@ class RankProcess:
                 self.input(ev.PeerPolled(room=d["room"], peer=d["peer"], poll=d["poll"]))
             elif tag == STOP:
                 self.stopping = True
+            elif tag == WARM:
+                pass
             else:
                 msg = wire.decode(frames)
                 src = ""
