@@ -119,6 +119,7 @@ def test_early_stop_only_stops_points_the_full_run_fails() -> None:
             stopped += 1
             assert b["outcome"] in ("over-budget", "failed", "wedged", "corrupted")
             assert not judge(a, budgets)[0] and not judge(b, budgets)[0]
+            assert b["sim_s"] < a["sim_s"]  # stopped as soon as certain, not at the end
         else:
             assert {k: v for k, v in a.items() if k not in (*VOLATILE, "point_id", "sweep")} == \
                 {k: v for k, v in b.items() if k not in (*VOLATILE, "point_id", "sweep")}

@@ -145,32 +145,67 @@ def failure_details(sim: Any) -> dict[str, int] | None:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def early_verdict(partial: Any, es: EarlyStop, requests: int,
-                  at: float) -> tuple[tuple[str, str] | None, int]:
-    """``(outcome, note)`` when a run stopped at checkpoint ``at`` has already failed for
-    certain (see :class:`EarlyStop`), else None; and how many requests are already late."""
-    s = partial.summary()
-    where = f"stopped at the checkpoint ({at:.1f} s simulated)"
-    outcome = classify(s)
-    if outcome in ("wedged", "corrupted"):
-        return (outcome, f"{outcome} before the checkpoint ({at:.1f} s simulated)"), 0
-    if s.get("failed", 0):
-        return ("failed", f"{where}: {s['failed']} request(s) had already failed"), 0
-    try:
-        late = sum(1 for r in partial.sim.metrics.done
-                   if r.status == "Success" and r.ttft_s > es.ttft_s)
-        late += sum(1 for r in partial.sim.requests.values()
-                    if not r.finished and r.arrival_s < at - es.ttft_s)
-    except Exception:  # the engine's bookkeeping changed: no early verdict
-        return None, 0
-    # numpy's interpolated percentile of n values exceeds the budget once more than
-    # (1 - q) * (n - 1) + 1 of them do; n <= requests, so this bound is safe.
-    allowed = (1 - es.percentile / 100) * (requests - 1) + 1
-    if late >= allowed:
-        return ("over-budget", f"stopped at {at:.1f} s: {late} request(s) already over the "
-                               f"{es.ttft_s:g} s TTFT budget (p{es.percentile} of {requests} "
-                               f"allows < {math.ceil(allowed)})"), late
-    return None, late
+class LateWatch:
+    """The stop check of a run with a TTFT budget (:class:`EarlyStop`), asked as the run goes.
+
+    It answers a stop reason once the run's verdict is certain: corruption found, a request
+    failed, or so many requests past the budget (finished over it, or still without their KV
+    longer than it) that the ``percentile`` cannot meet it whatever happens later; ``verdict``
+    then holds ``(outcome, note)``. Counting is incremental (each finished request once; the
+    requests older than the budget whose KV had not landed when last asked), so a check costs
+    little next to the run. Late counts only grow, so a stopped run is one the full run fails.
+    """
+
+    def __init__(self, es: EarlyStop, requests: int) -> None:
+        self.es = es
+        self.requests = requests
+        # numpy's interpolated percentile of n values exceeds the budget once more than
+        # (1 - q) * (n - 1) + 1 of them do; n <= requests, so this bound is safe.
+        self.allowed = (1 - es.percentile / 100) * (requests - 1) + 1
+        self.verdict: tuple[str, str] | None = None
+        self._counted = 0  # entries of ``metrics.done`` looked at
+        self._late_done = 0
+        self._order: list[Any] = []  # request states in the order they arrived
+        self._next = 0  # the first of ``_order`` not yet known to be older than the budget
+        self._waiting: list[Any] = []  # older than the budget, KV not landed when last asked
+
+    def late(self, sim: Any) -> int:
+        """Requests of ``sim`` already past the budget (a lower bound of the final count)."""
+        done = sim.metrics.done
+        budget = self.es.ttft_s
+        for r in done[self._counted:]:
+            if r.status == "Success" and r.ttft_s > budget:
+                self._late_done += 1
+        self._counted = len(done)
+        if len(self._order) < len(sim.requests):
+            self._order = list(sim.requests.values())
+        order, k, before = self._order, self._next, sim.env.now - budget
+        while k < len(order) and order[k].arrival_s < before:
+            self._waiting.append(order[k])
+            k += 1
+        self._next = k
+        self._waiting = [r for r in self._waiting if r.status == "pending"]
+        return self._late_done + len(self._waiting)
+
+    def __call__(self, sim: Any) -> str:
+        at = sim.env.now
+        if sim.integrity.violations:
+            self.verdict = ("corrupted", f"corrupted before {at:.1f} s simulated")
+            return "early stop: corrupted"
+        failed = sum(1 for r in sim.metrics.done[self._counted:] if r.status == "Failed")
+        if failed:
+            self.verdict = ("failed", f"stopped at {at:.1f} s: {failed} request(s) had "
+                                      "already failed")
+            return "early stop: failed"
+        late = self.late(sim)
+        if late >= self.allowed:
+            es = self.es
+            self.verdict = ("over-budget", f"stopped at {at:.1f} s: {late} request(s) already "
+                                           f"over the {es.ttft_s:g} s TTFT budget "
+                                           f"(p{es.percentile} of {self.requests} allows < "
+                                           f"{math.ceil(self.allowed)})")
+            return "early stop: over the TTFT budget"
+        return ""
 
 
 def empty_row() -> dict[str, Any]:
@@ -236,35 +271,15 @@ def run_point(base: Base, workload: Workload, point: Point, fingerprint: str) ->
         if base.horizon_s is not None and wl.requests:
             until = wl.requests[-1].arrival_s + base.horizon_s
 
-        def simulate(stop_at: float | None) -> Any:
-            return run_sim(cfg, wl, defects=base.defects, faults=list(base.faults),
-                           seed=point.seed, params=params, until=stop_at,
-                           request_overrides=base.request_overrides,
-                           max_concurrency=base.max_concurrency)
-
-        result = None
         es = base.early_stop
-        if es is not None and len(wl.requests) > 1:
-            last = -1.0
-            for fraction in es.at_fractions:
-                check_at = wl.requests[0].arrival_s + max(wl.duration_s * fraction,
-                                                          4 * es.ttft_s)
-                if (until is not None and check_at >= until) or check_at <= last:
-                    continue
-                last = check_at
-                partial = simulate(check_at)
-                early, late = early_verdict(partial, es, len(wl.requests), check_at)
-                if early is not None:
-                    result = partial
-                    override, row["note"] = early
-                    break
-                if partial.sim.unfinished == 0:
-                    result = partial  # everything ended before the checkpoint
-                    break
-                if late == 0:
-                    break  # nothing late yet: run to the end
-        if result is None:
-            result = simulate(until)
+        watch = LateWatch(es, len(wl.requests)) if es is not None and len(wl.requests) > 1 \
+            else None
+        result = run_sim(cfg, wl, defects=base.defects, faults=list(base.faults),
+                         seed=point.seed, params=params, until=until,
+                         request_overrides=base.request_overrides,
+                         max_concurrency=base.max_concurrency, stop_check=watch)
+        if watch is not None and watch.verdict is not None:
+            override, row["note"] = watch.verdict
         s = result.summary()
     except Exception as exc:
         row.update(outcome="error", error=f"{type(exc).__name__}: {exc}",

@@ -89,7 +89,7 @@ def failure_text(row: dict[str, Any]) -> str:
                             for k, n in list(failures.items())[:3])
         return f"{row.get('failed')} request(s) failed" + (f" ({reasons})" if reasons else "")
     if outcome == "over-budget":
-        return str(row.get("note") or "over the TTFT budget at the checkpoint")
+        return str(row.get("note") or "over the TTFT budget before the end")
     if outcome == "unfinished":
         return f"{row.get('unfinished')} request(s) unfinished at the horizon"
     if outcome in ("invalid", "error"):
@@ -621,7 +621,7 @@ def advise(job: Job, executor: Executor, cps_candidates: Sequence[int], *,
     ``ring`` (the smallest recommended ring wins; ties go to the lower TTFT) or ``capacity``
     (the largest sustained rate scale wins; implies capacity searches for all).
     Give ``job`` an :class:`~twin.advise.space.EarlyStop` (see :func:`early_stop_for`) to stop
-    runs that have failed for certain at a checkpoint; it must be no stricter than ``budgets``.
+    runs as soon as they have failed for certain; it must be no stricter than ``budgets``.
     """
     from twin.advise.sweep import progress_bar
 

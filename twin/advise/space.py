@@ -254,17 +254,15 @@ def grid(axes: Sequence[Axis], seeds: Sequence[int]) -> list[Point]:
 
 @dataclass(frozen=True)
 class EarlyStop:
-    """Checkpoints for a run with a TTFT budget: at each fraction of the workload's arrival
-    span (at least four budgets after the first arrival) the run's prefix is simulated, and the
-    run stops there when its verdict is already certain: a wedge, corruption or failed request,
-    or so many requests past the budget (finished over it, or waiting longer than it) that the
-    ``percentile`` cannot meet it whatever happens later. A checkpoint run is the full run's
-    exact prefix, so a stopped point is one the full run would fail too. When no request is
-    late yet, the run goes straight to the end (a healthy point pays for one eighth more)."""
+    """Stop a run with a TTFT budget as soon as its verdict is certain: corruption, a failed
+    request, or so many requests past the budget (finished over it, or waiting longer than it)
+    that the ``percentile`` cannot meet it whatever happens later (checked as the run goes,
+    every quarter wedge window of simulated time: ``twin.advise.evaluate.LateWatch``). The
+    stopped run is the full run's exact prefix, so a stopped point is one the full run would
+    fail too; a healthy run pays only the checks. A wedge stops a run anyway."""
 
     ttft_s: float
     percentile: int = 99
-    at_fractions: tuple[float, ...] = (0.125, 0.5)
 
 
 @dataclass(frozen=True)

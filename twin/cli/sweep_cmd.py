@@ -239,8 +239,8 @@ def _int_list(text: str, what: str) -> list[int]:
               help="Stop each run this long after the last arrival (default: 10x the TTFT "
                    "budget, at least 30 s; 120 s without one).")
 @click.option("--no-early-stop", is_flag=True,
-              help="Run every probe to the end, even when a checkpoint at 1/8 of the workload "
-                   "already shows it over the TTFT budget or failed.")
+              help="Run every probe to the end, even once it is certain to miss the TTFT "
+                   "budget (enough requests already late) or has failed a request.")
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None,
               help="Write every probe to this result file (and reuse the probes it holds).")
 @executor_options

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,8 +139,11 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
             recorder: Recorder | None = None, progress: bool = False,
             request_overrides: dict[int, dict[str, int]] | None = None,
             max_concurrency: int | None = None,
-            trace_out: str | Path | None = None) -> SimResult:
-    """Build and run a simulation; the trace streams to ``trace_out`` (or ``recorder``)."""
+            trace_out: str | Path | None = None,
+            stop_check: Callable[[Simulation], str] | None = None) -> SimResult:
+    """Build and run a simulation; the trace streams to ``trace_out`` (or ``recorder``).
+    ``stop_check(sim)``, asked every quarter wedge window of simulated time, stops the run
+    where it answers a non-empty stop reason."""
     if trace_out is not None:
         from twin.trace.format import TraceWriter
 
@@ -151,12 +155,14 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
             result = run_sim(cfg, workload, defects=defects, faults=faults, seed=seed,
                              params=params, until=until, recorder=writer, progress=progress,
                              request_overrides=request_overrides,
-                             max_concurrency=max_concurrency)
+                             max_concurrency=max_concurrency, stop_check=stop_check)
             writer.close(outcome_record(result))
         return result
     sim = Simulation(cfg, workload, defects=defects, faults=faults, seed=seed, params=params,
                      recorder=recorder, request_overrides=request_overrides,
                      max_concurrency=max_concurrency)
+    if stop_check is not None:
+        sim.stop_check = lambda: stop_check(sim)
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
