@@ -146,7 +146,8 @@ def failure_details(sim: Any) -> dict[str, int] | None:
 
 
 class LateWatch:
-    """The stop check of a run with a TTFT budget (:class:`EarlyStop`), asked as the run goes.
+    """The stop check of a run with a TTFT budget (:class:`EarlyStop`), asked every half budget
+    of simulated time (``every``).
 
     It answers a stop reason once the run's verdict is certain: corruption found, a request
     failed, or so many requests past the budget (finished over it, or still without their KV
@@ -163,6 +164,7 @@ class LateWatch:
         # (1 - q) * (n - 1) + 1 of them do; n <= requests, so this bound is safe.
         self.allowed = (1 - es.percentile / 100) * (requests - 1) + 1
         self.verdict: tuple[str, str] | None = None
+        self.every = es.ttft_s / 2  # how often the run asks, in simulated seconds
         self._counted = 0  # entries of ``metrics.done`` looked at
         self._late_done = 0
         self._order: list[Any] = []  # request states in the order they arrived

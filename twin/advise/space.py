@@ -257,7 +257,7 @@ class EarlyStop:
     """Stop a run with a TTFT budget as soon as its verdict is certain: corruption, a failed
     request, or so many requests past the budget (finished over it, or waiting longer than it)
     that the ``percentile`` cannot meet it whatever happens later (checked as the run goes,
-    every quarter wedge window of simulated time: ``twin.advise.evaluate.LateWatch``). The
+    every half budget of simulated time: ``twin.advise.evaluate.LateWatch``). The
     stopped run is the full run's exact prefix, so a stopped point is one the full run would
     fail too; a healthy run pays only the checks. A wedge stops a run anyway."""
 

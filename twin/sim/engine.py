@@ -167,9 +167,6 @@ class Simulation:
         self.done = self.env.event()
         self.stop_reason = ""
         self.progress_cb: Callable[[float], None] | None = None
-        # Asked at every monitor tick (a quarter of the wedge window): a non-empty answer stops
-        # the run there with that stop reason (the run is then the full run's exact prefix).
-        self.stop_check: Callable[[], str] | None = None
         # Closed-loop clients (like a benchmark's --max-concurrency): a request is sent at its
         # arrival time or when one of the ``max_concurrency`` slots frees, whichever is later.
         self.slots = simpy.Resource(self.env, max_concurrency) if max_concurrency else None
@@ -492,6 +489,22 @@ class Simulation:
                 self._slot_req[r.rid] = slot
             self._arrive(r)
 
+    def watch(self, check: Callable[[], str], every: float) -> None:
+        """Ask ``check()`` every ``every`` simulated seconds while the run goes (call before
+        ``run``): a non-empty answer stops the run there with that stop reason, so the stopped
+        run is the full run's exact prefix."""
+        self.env.process(self._watch(check, max(every, 1e-3)))
+
+    def _watch(self, check: Callable[[], str], every: float):  # type: ignore[no-untyped-def]
+        env = self.env
+        while not self.done.triggered:
+            yield env.timeout(every)
+            reason = check()
+            if reason and not self.done.triggered:
+                self.stop_reason = reason
+                self.done.succeed()
+                return
+
     def _monitor(self, window: float):  # type: ignore[no-untyped-def]
         env = self.env
         step = max(window / 4, 1e-3)
@@ -499,13 +512,6 @@ class Simulation:
             yield env.timeout(step)
             if self.progress_cb is not None:
                 self.progress_cb(env._now)
-            if self.stop_check is not None:
-                reason = self.stop_check()
-                if reason:
-                    self.stop_reason = reason
-                    if not self.done.triggered:
-                        self.done.succeed()
-                    return
             in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
             idle = env._now - self.runtime.last_progress
             if in_flight > 0 and idle >= window:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from twin.core.config import TwinConfig
 from twin.core.defects import Defects
@@ -20,6 +19,14 @@ from twin.runtime.params import SimParams
 from twin.runtime.runtime import Recorder
 from twin.sim.engine import Simulation
 from twin.workloads import Workload
+
+
+class StopCheck(Protocol):
+    """Asked every ``every`` simulated seconds: a non-empty stop reason ends the run there."""
+
+    every: float
+
+    def __call__(self, sim: Simulation) -> str: ...
 
 
 @dataclass
@@ -140,9 +147,9 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
             request_overrides: dict[int, dict[str, int]] | None = None,
             max_concurrency: int | None = None,
             trace_out: str | Path | None = None,
-            stop_check: Callable[[Simulation], str] | None = None) -> SimResult:
+            stop_check: StopCheck | None = None) -> SimResult:
     """Build and run a simulation; the trace streams to ``trace_out`` (or ``recorder``).
-    ``stop_check(sim)``, asked every quarter wedge window of simulated time, stops the run
+    ``stop_check(sim)``, asked every ``stop_check.every`` simulated seconds, stops the run
     where it answers a non-empty stop reason."""
     if trace_out is not None:
         from twin.trace.format import TraceWriter
@@ -162,7 +169,7 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
                      recorder=recorder, request_overrides=request_overrides,
                      max_concurrency=max_concurrency)
     if stop_check is not None:
-        sim.stop_check = lambda: stop_check(sim)
+        sim.watch(lambda: stop_check(sim), stop_check.every)
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
