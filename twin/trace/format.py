@@ -890,9 +890,13 @@ class TraceReader:
             for lines, ended in self._it:
                 base = lineno  # lines[i] is line base + 1 + i
                 it = iter(lines)
+                ahead = None  # the envelope match of the line after effect lines passed over
                 for raw in it:
                     lineno += 1
-                    m = match(raw)
+                    if ahead is None:
+                        m = match(raw)
+                    else:
+                        m, ahead = ahead, None
                     if m is None or not ended or done:
                         if done:
                             if not ended and not raw.strip():
@@ -947,9 +951,11 @@ class TraceReader:
                                                None, lineno, raw, m.start(3) + body_from_key,
                                                self)
                         if effects is not None:  # RecordStream.skip_effects
-                            skip = direction == "in" and _written_next(
+                            ahead = _written_next(
                                 lines, lineno - base, effects, lineno - 1,
-                                f'"t":{last_t!r},"node":"{node}","dir":"out",')
+                                f'"t":{last_t!r},"node":"{node}","dir":"out",'
+                            ) if direction == "in" else None
+                            skip = ahead is not None
                             if skip:
                                 n = len(effects)
                                 next(itertools.islice(it, n - 1, n))
@@ -1012,23 +1018,26 @@ _EFFECT_LINE = {cls: LINE_TEXT[cls] for cls in ev.EFFECT_TYPES}
 
 
 def _written_next(lines: list[bytes], start: int, effects: Sequence[Any], seq: int,
-                  head: str) -> bool:
+                  head: str) -> re.Match[bytes] | None:
     """Whether ``lines[start:]`` are, byte for byte, the lines a ``TraceWriter`` writes for
     ``effects`` (one or more core effects; seq from ``seq``, ``head`` the envelope after seq:
     ``'"t":0.5,"node":"p0g0r0","dir":"out",'``) followed by a line, in ``lines``, whose
-    envelope says it is no effect line. Such lines need no further check: the writer's text of
-    an effect is valid, and seq, time and node are those of the input they follow."""
+    envelope says it is no effect line: that line's ``_ENV_RE`` match when so, else None.
+    Such lines need no further check: the writer's text of an effect is valid, and seq, time
+    and node are those of the input they follow."""
     end = start + len(effects)
     if end == start or end >= len(lines):
-        return False
-    after = _ENV_RE.match(lines[end])
-    if after is None or b'"dir":"out"' in after[3]:
-        return False
+        return None
     try:
         text = "".join([_EFFECT_LINE[type(e)](e, seq + k, head) for k, e in enumerate(effects)])
     except KeyError:  # not an effect: the reader's usual checks decide
-        return False
-    return text.encode() == b"\n".join(lines[start:end]) + b"\n"
+        return None
+    if text.encode() != b"\n".join(lines[start:end]) + b"\n":
+        return None
+    after = _ENV_RE.match(lines[end])
+    if after is None or b'"dir":"out"' in after[3]:
+        return None
+    return after
 
 
 class RecordStream:
