@@ -4,7 +4,8 @@ The replayer rebuilds every rank from the trace header (config, defects) and fee
 its recorded inputs in the recorded order, each with its recorded time (the cores take time only
 as an argument, so no event loop is needed). After every input it compares the effects the core
 returns with the effects recorded after that input (as text first: the line encoder writes an
-effect exactly as it was recorded). The first difference stops the replay (``Divergence``); the
+effect exactly as it was recorded, so recorded lines equal byte for byte to the fresh effects'
+lines need no parsing, ``RecordStream.skip_effects``). The first difference stops the replay (``Divergence``); the
 rest of the trace is still read for its driver records and its ``Outcome``. The trace streams:
 memory holds the cores and what is in flight, whatever the trace's length. At the end it recomputes the outcome (completed rooms, wedge diagnosis from the
 cores' state, integrity violations) and compares it with the recorded ``Outcome``.
@@ -28,7 +29,14 @@ from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_co
 from twin.runtime.params import SimParams
 from twin.trace.codec import BODY_TEXT, event_to_json
 from twin.trace.compat import comparable
-from twin.trace.format import FORMAT_VERSION, Record, Trace, TraceSource, open_trace
+from twin.trace.format import (
+    FORMAT_VERSION,
+    Record,
+    RecordStream,
+    Trace,
+    TraceSource,
+    open_trace,
+)
 
 
 @dataclass
@@ -94,9 +102,9 @@ def _line(d: dict[str, Any]) -> str:
 class Replayer:
     """Feeds a trace's inputs to fresh cores and checks their effects.
 
-    The trace is read once, in order: each input is handed to its rank as soon as its
-    recorded effects (the lines after it) have been read, so memory holds the cores, the rooms
-    and what is in flight, never the trace.
+    The trace is read once, in order: each input is handed to its rank as soon as it is read,
+    and its effects are checked against the lines after it before the next input, so memory
+    holds the cores, the rooms and what is in flight, never the trace.
     """
 
     def __init__(self, trace: TraceSource) -> None:
@@ -135,38 +143,51 @@ class Replayer:
             self.crashed[node] = f"crashed by fault {rec.data['fault']}"
 
     def run(self) -> ReplayResult:
-        pending: Record | None = None
+        records = RecordStream(self.trace)
+        skip_effects = records.skip_effects
+        pending: tuple[Record, list[ev.Effect]] | None = None  # fed; its effect lines follow
         recorded: list[Record] = []
         feeding = True
-        for rec in self.trace:
+        for rec in records:
             d = rec.dir
             if d == "out":
-                if pending is not None and rec.node == pending.node:
+                if pending is not None and rec.node == pending[0].node:
                     recorded.append(rec)
                 continue
-            if pending is not None and feeding:
-                feeding = self._feed(pending, recorded)
+            if pending is not None:
+                feeding = self._check(*pending, recorded)
             pending = None
             if d == "in":
                 if feeding:
-                    pending, recorded = rec, []
+                    effects = self._feed(rec)
+                    if effects is None:
+                        pass
+                    elif effects and skip_effects(effects):  # recorded exactly so: checked
+                        self._observe_all(rec.node, effects)
+                    else:
+                        pending, recorded = (rec, effects), []
             else:
                 self._sys(rec)
-        if pending is not None and feeding:
-            self._feed(pending, recorded)
+        if pending is not None:
+            self._check(*pending, recorded)
         return self._result()
 
-    def _feed(self, rec: Record, recorded: list[Record]) -> bool:
+    def _feed(self, rec: Record) -> list[ev.Effect] | None:
+        """Hand input ``rec`` to its rank; its effects (None: the rank is not replayed)."""
         rank = self.ranks.get(rec.node)
         if rank is None:
-            return True
+            return None
         self.inputs += 1
         event = rec.event
         if type(event) is ev.TransferDone and event.ok:
             t = self.in_flight.pop((rec.node, event.worker), None)
             if t is not None:
                 self.integrity.on_transfer(t.session, t)
-        effects = rank.handle(event, rec.t)
+        return rank.handle(event, rec.t)
+
+    def _check(self, rec: Record, effects: list[ev.Effect], recorded: list[Record]) -> bool:
+        """Compare the effects of input ``rec`` with its recorded effect lines; on a difference
+        note the ``Divergence`` and return False, else observe the effects."""
         same = len(effects) == len(recorded)
         if same:
             for e, r in zip(effects, recorded):  # noqa: B905 - equal lengths
@@ -187,11 +208,16 @@ class Replayer:
                     line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
                     got[i] if i < len(got) else "(no further effect)")
                 return False
+        self._observe_all(rec.node, effects)
+        return True
+
+    def _observe_all(self, node: str, effects: list[ev.Effect]) -> None:
+        """Note what the replay tracks (transfers, scatters, conclusions, crashes) of the
+        checked ``effects`` of ``node``."""
         observers = self._observers
         for e in effects:
             if type(e) in observers:
-                self._observe(rec.node, e)
-        return True
+                self._observe(node, e)
 
     def _observe(self, node: str, e: ev.Effect) -> None:
         t = type(e)

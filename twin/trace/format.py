@@ -31,11 +31,11 @@ import platform
 import re
 import sys
 from collections import Counter
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from twin.core import events as ev
 from twin.core.config import ConfigError, TwinConfig
@@ -45,6 +45,7 @@ from twin.trace.codec import (
     EFFECT_NAMES,
     FAST_LINE_DECODERS,
     INPUT_NAMES,
+    LINE_TEXT,
     MESSAGE_KINDS,
     TraceError,
     event_from_json,
@@ -75,6 +76,7 @@ __all__ = [
     "OUTCOME_STATUSES",
     "SYS_TYPES",
     "Record",
+    "RecordStream",
     "Trace",
     "TraceError",
     "TraceReader",
@@ -513,6 +515,11 @@ class TraceWriter:
 # ---------------------------------------------------------------------------------------------
 # Reader
 # ---------------------------------------------------------------------------------------------
+_PAYLOAD_EVENTS = 4096
+"""How many decoded payloads a lazy reader keeps (``TraceReader.payload_events``): a frame
+sent to several ranks, a timer and a transfer completion repeat within a few hundred lines."""
+
+
 class Record:
     """One event line: the envelope, the payload dict (``type`` + fields) and, for ``in`` and
     ``out`` lines, the decoded core event (``None`` for ``sys`` records).
@@ -559,26 +566,45 @@ class Record:
     @property
     def event(self) -> Any:
         if self._event is None and self.dir != "sys":
-            event = None
-            if self._data is None:  # straight from the line, when it is complete and typed
-                try:
-                    d = _fast_loads(self.raw)
-                except ValueError:
-                    d = None
-                dec = FAST_LINE_DECODERS.get(self.type)
-                if type(d) is dict and dec is not None:
-                    event = dec(d)
             src = self._src
-            if event is None:
-                event = event_from_json(self.data, where=f"{src.name if src else '?'}:"
-                                                         f"{self.line}")
-            if src is not None and not src.partial:
+            if src is None:
+                self._event = self._decode()
+                return self._event
+            if self._body_at:  # the same payload decodes the same: look it up
+                cache = src.payload_events
+                key = self.raw[self._body_at:]  # type: ignore[index]
+                known = cache.get(key)
+                if known is None:
+                    event = self._decode()
+                    known = event, _room_of(event)
+                    if len(cache) >= _PAYLOAD_EVENTS:
+                        cache.clear()
+                    cache[key] = known
+                event, room = known
+            else:
+                event = self._decode()
                 room = _room_of(event)
-                if room is not None and room not in src.rooms:
-                    raise TraceError(f"{src.name}:{self.line}", f"room {room} was never "
-                                     "introduced by a RequestArrived record", "room")
+            if room is not None and room not in src.rooms and not src.partial:
+                raise TraceError(f"{src.name}:{self.line}", f"room {room} was never "
+                                 "introduced by a RequestArrived record", "room")
             self._event = event
         return self._event
+
+    def _decode(self) -> Any:
+        """The core event of this in/out line, checked as the strict reader checks it."""
+        event = None
+        if self._data is None:  # straight from the line, when it is complete and typed
+            try:
+                d = _fast_loads(self.raw)
+            except ValueError:
+                d = None
+            dec = FAST_LINE_DECODERS.get(self.type)
+            if type(d) is dict and dec is not None:
+                event = dec(d)
+        if event is None:
+            src = self._src
+            event = event_from_json(self.data, where=f"{src.name if src else '?'}:{self.line}")
+        return event
 
     @property
     def body(self) -> bytes:
@@ -707,6 +733,9 @@ class TraceReader:
         self.outcome: dict[str, Any] | None = None
         self.truncated = False
         self.rooms: set[int] = set()
+        self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
+        """Recently decoded events and the rooms they name, by their lines' payload text
+        (``Record.event``)."""
         self.partial = span is not None
         self._span = span
         try:
@@ -843,7 +872,10 @@ class TraceReader:
             self.warnings.append(f"{self.name}: no Outcome record: trace is incomplete")
 
     # -- lazy --------------------------------------------------------------------------------
-    def _records_lazy(self) -> Iterator[Record]:
+    def _records_lazy(self) -> Generator[Any, Sequence[Any] | None, None]:
+        """The lazy records. Sent core effects right after yielding an input record (see
+        ``RecordStream``), the generator first yields whether it passed over those effects'
+        lines, then goes on with the next record."""
         name = self.name
         match = _ENV_RE.match
         keys: dict[bytes, tuple[str, str, str, int, bool]] = {}
@@ -856,9 +888,15 @@ class TraceReader:
         done = False  # the Outcome was read
         try:
             for lines, ended in self._it:
-                for raw in lines:
+                base = lineno  # lines[i] is line base + 1 + i
+                it = iter(lines)
+                ahead = None  # the envelope match of the line after effect lines passed over
+                for raw in it:
                     lineno += 1
-                    m = match(raw)
+                    if ahead is None:
+                        m = match(raw)
+                    else:
+                        m, ahead = ahead, None
                     if m is None or not ended or done:
                         if done:
                             if not ended and not raw.strip():
@@ -873,8 +911,9 @@ class TraceReader:
                         k = (rec.node, rec.dir, rec.type)
                         counts[k] = counts.get(k, 0) + 1
                         done = self.outcome is not None
-                        if select is None or rec.dir == "sys" or rec.type in select:
-                            yield rec
+                        if (select is None or rec.dir == "sys" or rec.type in select) and (
+                                (yield rec) is not None):  # skip_effects: not after a strict line
+                            yield False
                         continue
                     seq_b, t_b, key = m.groups()
                     if int(seq_b) != lineno - 2:
@@ -905,10 +944,26 @@ class TraceReader:
                         counts[(node, direction, rec.type)] = counts.get(
                             (node, direction, rec.type), 0) + 1
                         done = self.outcome is not None
-                        yield rec
+                        if (yield rec) is not None:  # skip_effects: not after a sys record
+                            yield False
                     elif wanted:
-                        yield Record(lineno - 2, last_t, node, direction, rtype, None, None, lineno,
-                                     raw, m.start(3) + body_from_key, self)
+                        effects = yield Record(lineno - 2, last_t, node, direction, rtype, None,
+                                               None, lineno, raw, m.start(3) + body_from_key,
+                                               self)
+                        if effects is not None:  # RecordStream.skip_effects
+                            ahead = _written_next(
+                                lines, lineno - base, effects, lineno - 1,
+                                f'"t":{last_t!r},"node":"{node}","dir":"out",'
+                            ) if direction == "in" else None
+                            skip = ahead is not None
+                            if skip:
+                                n = len(effects)
+                                next(itertools.islice(it, n - 1, n))
+                                lineno = last_ok = lineno + n
+                                for e in effects:
+                                    k = (node, "out", type(e).__name__)
+                                    counts[k] = counts.get(k, 0) + 1
+                            yield skip
         finally:
             for key, n in by_key.items():
                 if n:
@@ -957,6 +1012,62 @@ class TraceReader:
         events = list(self)
         return Trace(self.name, self.header, self.config, self.nodes, events, self.outcome,
                      self.truncated, self.warnings)
+
+
+_EFFECT_LINE = {cls: LINE_TEXT[cls] for cls in ev.EFFECT_TYPES}
+
+
+def _written_next(lines: list[bytes], start: int, effects: Sequence[Any], seq: int,
+                  head: str) -> re.Match[bytes] | None:
+    """Whether ``lines[start:]`` are, byte for byte, the lines a ``TraceWriter`` writes for
+    ``effects`` (one or more core effects; seq from ``seq``, ``head`` the envelope after seq:
+    ``'"t":0.5,"node":"p0g0r0","dir":"out",'``) followed by a line, in ``lines``, whose
+    envelope says it is no effect line: that line's ``_ENV_RE`` match when so, else None.
+    Such lines need no further check: the writer's text of an effect is valid, and seq, time
+    and node are those of the input they follow."""
+    end = start + len(effects)
+    if end == start or end >= len(lines):
+        return None
+    try:
+        text = "".join([_EFFECT_LINE[type(e)](e, seq + k, head) for k, e in enumerate(effects)])
+    except KeyError:  # not an effect: the reader's usual checks decide
+        return None
+    if text.encode() != b"\n".join(lines[start:end]) + b"\n":
+        return None
+    after = _ENV_RE.match(lines[end])
+    if after is None or b'"dir":"out"' in after[3]:
+        return None
+    return after
+
+
+class RecordStream:
+    """A trace's records, read once in order (as iterating the trace yields them), and a way
+    to pass over the effect lines of an input without reading them as records.
+
+    After the iteration yielded an input record, ``skip_effects(effects)`` says whether the
+    lines that follow it are exactly the lines a writer writes for ``effects`` (same time and
+    node as the input, no further effect line after them). If so they are counted and passed
+    over: iteration goes on after them. If not (or the source cannot tell: an in-memory trace,
+    a strict reader, lines beyond the decompressed chunk at hand), nothing is skipped and the
+    lines are yielded as records, checked as usual.
+    """
+
+    __slots__ = ("_records", "skip_effects")
+
+    def __init__(self, source: Trace | TraceReader) -> None:
+        self._records: Iterator[Record] = iter(source)
+        self.skip_effects: Callable[[Sequence[Any]], bool] = _skips_nothing
+        """After an input record: pass over its effect lines if they are ``effects`` as
+        written (see the class docstring); True when they were passed over."""
+        if isinstance(source, TraceReader) and source.lazy:
+            self.skip_effects = cast(Generator[Any, Any, None], self._records).send
+
+    def __iter__(self) -> Iterator[Record]:
+        return self._records
+
+
+def _skips_nothing(effects: Sequence[Any]) -> bool:
+    return False
 
 
 _EXEMPT_ROOM_CHECK = (ev.Dropped, ev.MessageArrived, ev.SendFailed)
