@@ -48,24 +48,31 @@ def _plan(cls: type) -> tuple[list[str], list[Any], list[str], list[str]] | None
     return names, values, args, body
 
 
-def _compile(src: str, values: list[Any]) -> Any:
+def _generate(cls: type, name: str, first: str, head: str, tail: str,
+              extra: list[Any]) -> Any:
+    """Compile ``def name(first, *, fields...)`` for ``cls`` (``_plan``): ``head``, the line
+    setting each field on ``self``, then ``tail``; ``extra`` are bound to the closure's first
+    names. None for a class ``_plan`` does not handle."""
+    plan = _plan(cls)
+    if plan is None:
+        return None
+    names, values, args, body = plan
+    signature = ", ".join([*([first] if first else []), *(["*", *args] if args else [])])
+    outer = ", ".join([*(f"_x{i}" for i in range(len(extra))), *names])
+    src = (f"def _make({outer}):\n"
+           f"    def {name}({signature}):\n"
+           + head + "".join(body) + tail
+           + f"    return {name}\n")
     namespace: dict[str, Any] = {}
     exec(src, namespace)  # noqa: S102 - generated from the dataclass's own field names
-    return namespace["_make"](*values)
+    return namespace["_make"](*extra, *values)
 
 
 def fast_frozen_init(cls: type[T]) -> type[T]:
     """Give ``cls`` (a frozen, slotted, keyword-only dataclass) a faster ``__init__``."""
-    plan = _plan(cls)
-    if plan is None:
+    init = _generate(cls, "__init__", "self", "", "        pass\n", [])
+    if init is None:
         return cls
-    names, values, args, body = plan
-    signature = "self, *, " + ", ".join(args) if args else "self"
-    src = (f"def _make({', '.join(names)}):\n"
-           f"    def __init__({signature}) -> None:\n"
-           + ("".join(body) or "        pass\n")
-           + "    return __init__\n")
-    init = _compile(src, values)
     old = cls.__dict__["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
@@ -80,18 +87,10 @@ def fast_new(cls: type[T]) -> Callable[..., T]:
     keywords packs them into a dict for ``__init__``; calling a function does not (about a
     third cheaper for a two-field event). The instance is the same: same type, fields,
     equality and hash. For a class ``fast_frozen_init`` cannot handle, the class itself."""
-    plan = _plan(cls)
-    if plan is None:
+    new: Callable[..., T] | None = _generate(
+        cls, "new", "", "        self = _x0(_x1)\n", "        return self\n", [object.__new__, cls])
+    if new is None:
         return cls
-    names, values, args, body = plan
-    signature = "*, " + ", ".join(args) if args else ""
-    src = (f"def _make(_new, _cls, {', '.join(names)}):\n"
-           f"    def new({signature}):\n"
-           "        self = _new(_cls)\n"
-           + "".join(body)
-           + "        return self\n"
-           + "    return new\n")
-    new: Callable[..., T] = _compile(src, [object.__new__, cls, *values])
     new.__name__ = new.__qualname__ = f"new_{cls.__name__}"
     new.__module__ = cls.__module__
     new.__doc__ = f"``{cls.__name__}(**fields)``, built without the class call."

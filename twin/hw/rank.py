@@ -362,14 +362,11 @@ class RankProcess:
                 return
             copies, extra, hold = fate.copies, fate.extra_s, fate.hold_s
         at = now = self.now()
-        if self._held:
+        if hold or self._held:  # a stalled socket holds this frame too
             link = (dst, wire.socket_of(msg))
             at = max(now + hold, self._held.get(link, 0.0))
             if hold:
                 self._held[link] = at
-        elif hold:
-            at = now + hold
-            self._held[(dst, wire.socket_of(msg))] = at
         at += extra - hold
         for _ in range(copies):
             if at > now:

@@ -82,8 +82,14 @@ class ServerCosts:
         """One decode step of ``batch`` requests holding ``ctx_tokens`` KV tokens in all."""
         if self.profile is not None:
             return self.profile.decode_s(batch, ctx_tokens)
+        base, per_ctx = self.analytic_decode_terms(batch)
+        return base + ctx_tokens * per_ctx
+
+    def analytic_decode_terms(self, batch: int) -> tuple[float, float]:
+        """The analytic decode step of ``batch`` requests as ``(base, per KV token)``: a step
+        holding ``ctx`` tokens costs ``base + ctx * per_token`` (without a profile)."""
         p = self.params
-        return p.decode_step_s + batch * p.decode_s_per_seq + ctx_tokens * p.decode_s_per_ctx_token
+        return p.decode_step_s + batch * p.decode_s_per_seq, p.decode_s_per_ctx_token
 
 
 @dataclass(frozen=True)

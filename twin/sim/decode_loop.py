@@ -233,9 +233,8 @@ class DecodeLoop:
         t, ctx = now, self.ctx
         costs = self.costs
         if costs.profile is None:
-            # ``ServerCosts.decode_step_s`` inlined (the same float operations, in order).
-            p = costs.params
-            base, per_ctx = p.decode_step_s + n * p.decode_s_per_seq, p.decode_s_per_ctx_token
+            # ``ServerCosts.decode_step_s`` without a call per step (the same float operations)
+            base, per_ctx = costs.analytic_decode_terms(n)
             for _ in range(max(1, steps)):
                 t += base + ctx * per_ctx
                 ctx += n

@@ -248,8 +248,8 @@ class Simulation:
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
-        fate = self.injector.message(src, dst, msg) if self.injector.specs else None
-        if fate is not None and fate.applied:
+        fate = self.injector.message(src, dst, msg)
+        if fate.applied:
             detail = f"{msg.TAG.decode()} {src}->{dst}"
             self.sys(src, {"type": "FaultInjected", "fault": ";".join(fate.applied),
                            "detail": detail})
@@ -260,8 +260,8 @@ class Simulation:
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
         link = (src, dst, wire.socket_of(msg))  # FIFO per sending socket, not per peer
-        copies, extra = (1, 0.0) if fate is None else (fate.copies, fate.extra_s)
-        if fate is not None and fate.hold_s:
+        copies, extra = fate.copies, fate.extra_s
+        if fate.hold_s:
             # A delay stalls the socket: this frame and every later one on it wait.
             delay += fate.hold_s
             extra -= fate.hold_s
@@ -490,9 +490,9 @@ class Simulation:
             self._arrive(r)
 
     def watch(self, check: Callable[[], str], every: float) -> None:
-        """Ask ``check()`` every ``every`` simulated seconds while the run goes (call before
-        ``run``): a non-empty answer stops the run there with that stop reason, so the stopped
-        run is the full run's exact prefix."""
+        """Ask ``check()`` every ``every`` simulated seconds (at least 1 ms) until the run is
+        done: a non-empty answer is the run's stop reason and stops it there, so a stopped run
+        is the full run's exact prefix. Call before ``run`` (which adds the wedge monitor)."""
         self.env.process(self._watch(check, max(every, 1e-3)))
 
     def _watch(self, check: Callable[[], str], every: float):  # type: ignore[no-untyped-def]
@@ -500,25 +500,25 @@ class Simulation:
         while not self.done.triggered:
             yield env.timeout(every)
             reason = check()
-            if reason and not self.done.triggered:
+            if reason:
                 self.stop_reason = reason
-                self.done.succeed()
-                return
-
-    def _monitor(self, window: float):  # type: ignore[no-untyped-def]
-        env = self.env
-        step = max(window / 4, 1e-3)
-        while not self.done.triggered:
-            yield env.timeout(step)
-            if self.progress_cb is not None:
-                self.progress_cb(env._now)
-            in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
-            idle = env._now - self.runtime.last_progress
-            if in_flight > 0 and idle >= window:
-                self.stop_reason = "wedge"
                 if not self.done.triggered:
                     self.done.succeed()
                 return
+
+    def _monitor(self, window: float):  # type: ignore[no-untyped-def]
+        """The wedge monitor's process: ``_wedge_check`` every quarter ``window``."""
+        return self._watch(lambda: self._wedge_check(window), max(window / 4, 1e-3))
+
+    def _wedge_check(self, window: float) -> str:
+        """Requests in flight and no progress for ``window`` is a wedge. Also reports progress
+        to ``progress_cb``."""
+        now = self.env._now
+        if self.progress_cb is not None:
+            self.progress_cb(now)
+        in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
+        idle = now - self.runtime.last_progress
+        return "wedge" if in_flight > 0 and idle >= window else ""
 
     def run(self, until: float | None = None) -> str:
         """Run to the end; returns the stop reason: ``all requests ended``, ``wedge``,
