@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import click
 
-from twin import __version__
+from twin import __version__, compiled
 from twin.cli.common import BadInput
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="twin")
+@click.version_option(__version__, prog_name="twin",
+                      message=f"%(prog)s %(version)s (core: {compiled.state().line()})")
 def cli() -> None:
     """staging-twin: a digital twin of SGLang's staging-buffer KV transfer.
 
@@ -31,6 +32,7 @@ def _register() -> None:
     from twin.cli import (
         agent_cmd,
         calibrate_cmd,
+        compile_cmd,
         hw_cmd,
         info_cmd,
         models_cmd,
@@ -40,7 +42,7 @@ def _register() -> None:
     )
 
     for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, agent_cmd, models_cmd, calibrate_cmd,
-                   sweep_cmd):
+                   sweep_cmd, compile_cmd):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -7,6 +7,7 @@ the request fits the buffer; overlap safety is the prefill's job, via the waterm
 from __future__ import annotations
 
 from collections import deque
+from typing import ClassVar
 
 from twin.core.defects import NONE, STALE_EMPTY_RING_WATERMARK, Defects
 
@@ -22,7 +23,7 @@ class StagingAllocator:
     before it is safe to overwrite.
     """
 
-    ALLOC_OVERSIZED = ALLOC_OVERSIZED
+    ALLOC_OVERSIZED: ClassVar[int] = ALLOC_OVERSIZED
 
     def __init__(self, total_size_bytes: int, defects: Defects = NONE) -> None:
         if total_size_bytes <= 0:

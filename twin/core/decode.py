@@ -160,7 +160,7 @@ class DecodeRank:
         if self._crashed is not None:
             return [ev.Dropped(what=type(event).__name__, room=-1, reason="rank crashed")]
         out: list[ev.Effect] = []
-        handler = self._DISPATCH.get(type(event))
+        handler = _DECODE_HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"decode rank cannot handle {type(event).__name__}")
         handler(self, event, out)
@@ -559,12 +559,15 @@ class DecodeRank:
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
 
-    _DISPATCH: dict[type, Callable[[DecodeRank, Any, list[ev.Effect]], None]] = {
-        ev.MessageArrived: _on_message,
-        ev.DecodeRoomInit: _on_room_init,
-        ev.DecodeRoomRegister: _on_room_register,
-        ev.ScatterDone: _on_scatter_done,
-        ev.RoomAborted: _on_abort,
-        ev.PeerPolled: _on_peer_polled,
-        ev.Tick: _on_tick,
-    }
+
+# Input type -> handler (a module table rather than a class attribute, so the module also
+# compiles: a compiled class body cannot refer to its own methods).
+_DECODE_HANDLERS: dict[type, Callable[[DecodeRank, Any, list[ev.Effect]], None]] = {
+    ev.MessageArrived: DecodeRank._on_message,
+    ev.DecodeRoomInit: DecodeRank._on_room_init,
+    ev.DecodeRoomRegister: DecodeRank._on_room_register,
+    ev.ScatterDone: DecodeRank._on_scatter_done,
+    ev.RoomAborted: DecodeRank._on_abort,
+    ev.PeerPolled: DecodeRank._on_peer_polled,
+    ev.Tick: DecodeRank._on_tick,
+}

@@ -174,7 +174,7 @@ class PrefillRank:
         assert now >= self.now - 1e-12, (now, self.now)
         self.now = now
         out: list[ev.Effect] = []
-        handler = self._DISPATCH.get(type(event))
+        handler = _PREFILL_HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"prefill rank cannot handle {type(event).__name__}")
         handler(self, event, out)
@@ -624,17 +624,20 @@ class PrefillRank:
     def _on_tick(self, e: ev.Tick, out: list[ev.Effect]) -> None:
         del e, out
 
-    _DISPATCH: dict[type, Callable[[PrefillRank, Any, list[ev.Effect]], None]] = {
-        ev.MessageArrived: _on_message,
-        ev.RoomBootstrapped: _on_bootstrapped,
-        ev.Prefetch: _on_prefetch,
-        ev.SendKV: _on_send_kv,
-        ev.WorkerPoll: _on_poll,
-        ev.TransferDone: _on_transfer_done,
-        ev.SendFailed: _on_send_failed,
-        ev.RoomAborted: _on_abort,
-        ev.Tick: _on_tick,
-    }
+
+# Input type -> handler (a module table rather than a class attribute, so the module also
+# compiles: a compiled class body cannot refer to its own methods).
+_PREFILL_HANDLERS: dict[type, Callable[[PrefillRank, Any, list[ev.Effect]], None]] = {
+    ev.MessageArrived: PrefillRank._on_message,
+    ev.RoomBootstrapped: PrefillRank._on_bootstrapped,
+    ev.Prefetch: PrefillRank._on_prefetch,
+    ev.SendKV: PrefillRank._on_send_kv,
+    ev.WorkerPoll: PrefillRank._on_poll,
+    ev.TransferDone: PrefillRank._on_transfer_done,
+    ev.SendFailed: PrefillRank._on_send_failed,
+    ev.RoomAborted: PrefillRank._on_abort,
+    ev.Tick: PrefillRank._on_tick,
+}
 
 
 def _find(targets: list[PrefillTarget], session: str) -> PrefillTarget | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from twin.core.fastinit import fast_new, speed_up_module
 
@@ -204,16 +204,9 @@ def _decode_field(kind: str, name: str, raw: bytes) -> object:
 speed_up_module(globals())  # cheaper construction; the classes stay frozen dataclasses
 
 # Factories for the classes built on every chunk or frame (``fast_new``: no class call, a
-# third cheaper); to the type checker each is the class's own constructor.
-if TYPE_CHECKING:
-    new_staging_req = StagingReq
-    new_staging_rsp = StagingRsp
-    new_watermark = Watermark
-    new_chunk_ready = ChunkReady
-    new_transfer_status = TransferStatus
-else:
-    new_staging_req = fast_new(StagingReq)
-    new_staging_rsp = fast_new(StagingRsp)
-    new_watermark = fast_new(Watermark)
-    new_chunk_ready = fast_new(ChunkReady)
-    new_transfer_status = fast_new(TransferStatus)
+# third cheaper); each takes the class's own keyword arguments.
+new_staging_req = fast_new(StagingReq)
+new_staging_rsp = fast_new(StagingRsp)
+new_watermark = fast_new(Watermark)
+new_chunk_ready = fast_new(ChunkReady)
+new_transfer_status = fast_new(TransferStatus)

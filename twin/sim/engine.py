@@ -200,7 +200,7 @@ class Simulation:
     def time(self) -> float:
         return self.env._now  # ``env._now`` without the property call (read on every input)
 
-    def at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
+    def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
         with that callback would, one SimPy event)."""
         env = self.env

@@ -1,0 +1,127 @@
+"""The compiled core (``twin compile``) against the pure-Python reference.
+
+Builds a copy of the package with mypyc once (about a minute on two cores), then requires:
+the compiled modules are the ones imported; every trace of a set of runs covering clean runs,
+wedges, corruption, faults and a crash is byte-identical to the pure-Python run's; the core's
+unit tests pass against the compiled modules; ``TWIN_PURE_PYTHON=1`` and an edited source both
+fall back to the sources; ``twin compile --clean`` removes the build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                       reason="needs a C compiler"),
+]
+
+RUNS = [
+    ["--scenario", "default"],
+    ["--scenario", "warmup-stall", "--scenario-defects"],
+    ["--scenario", "radix-grid", "--fault", "delay:STAGING_REQ:src=p0g0r1:room=0:chunk=0:ms=10"],
+    ["--scenario", "completion-race", "--scenario-defects"],
+    ["--workload", "poisson:n=200,rate=20,input=3000,output=16,seed=3",
+     "--fault", "reorder:WATERMARK:p=0.3", "--fault", "delay:CHUNK_READY:ms=5:p=0.2",
+     "--seed", "7"],
+    ["--workload", "poisson:n=150,rate=50,input=6000,output=64,seed=1",
+     "--fault", "fail-transfer:p=0.05", "--fault", "crash:d0g0r0:at=2"],
+    ["--workload", "poisson:n=120,rate=30,input=5000,output=32,seed=2",
+     "--prefill-args", "--tp-size 4", "--decode-args", "--tp-size 2",
+     "--fix", "multi-target-retry-resume", "--until", "3"],
+]
+
+
+def _run(tree: Path, *args: str, pure: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TWIN_PURE_PYTHON"}
+    env["PYTHONPATH"] = str(tree)
+    if pure:
+        env["TWIN_PURE_PYTHON"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _status(tree: Path, pure: bool = False) -> str:
+    code = ("import twin.compiled as c, twin.core.prefill as p, twin.runtime.runtime as r;"
+            "print(c.state().line(), p.__file__.endswith('.py'), r.__file__.endswith('.py'))")
+    proc = _run(tree, "-c", code, pure=pure)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tree = tmp_path_factory.mktemp("compiled")
+    shutil.copytree(REPO / "twin", tree / "twin",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "_compiled.json"))
+    shutil.copy(REPO / "pyproject.toml", tree)
+    proc = _run(tree, "-m", "twin", "compile")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "built 11 extension(s)" in proc.stdout
+    return tree
+
+
+def test_the_compiled_modules_are_the_ones_imported(built: Path) -> None:
+    assert _status(built).startswith("compiled (mypyc ")
+    assert _status(built).endswith("False False")  # extensions, not sources
+    proc = _run(built, "-m", "twin", "--version")
+    assert "core: compiled" in proc.stdout
+
+
+@pytest.mark.parametrize("args", RUNS, ids=lambda a: " ".join(a)[:50])
+def test_traces_are_byte_identical_to_pure_python(built: Path, tmp_path: Path,
+                                                   args: list[str]) -> None:
+    outs = []
+    for pure in (False, True):
+        trace = tmp_path / f"{'pure' if pure else 'compiled'}.jsonl"
+        proc = _run(built, "-m", "twin", "sim", *args, "--trace-out", str(trace), "--json",
+                    pure=pure)
+        assert proc.returncode in (0, 3, 4, 5), proc.stderr
+        outs.append((proc.returncode, trace.read_bytes()))
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1] == outs[1][1]
+    assert len(outs[0][1]) > 1000
+
+
+def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
+    for sub in ("core", "sim"):
+        shutil.copytree(REPO / "tests" / sub, built / "tests" / sub,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "tests" / "conftest.py", built / "tests")
+    shutil.copytree(REPO / "docs", built / "docs")  # a test checks the simulator's doc
+    files = [f"tests/core/{name}" for name in (
+        "test_prefill.py", "test_decode.py", "test_integrity.py", "test_failpaths.py",
+        "test_defects.py", "test_states.py", "test_properties.py")] + [
+        f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py")]
+    proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                *files)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout
+    assert _status(built).endswith("False False")
+
+
+def test_pure_python_forced_by_the_environment(built: Path) -> None:
+    assert _status(built, pure=True) == "pure (TWIN_PURE_PYTHON is set) True True"
+
+
+def test_an_edited_source_falls_back_to_pure_python_until_cleaned(
+        built: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "edited"
+    shutil.copytree(built, tree, ignore=shutil.ignore_patterns("tests"))
+    grid = tree / "twin" / "core" / "grid.py"
+    grid.write_text(grid.read_text() + "\n# edited\n")
+    line = _status(tree)
+    assert line.startswith("pure (compiled build ignored: twin/core/grid.py changed since")
+    assert line.endswith("True True")
+    proc = _run(tree, "-m", "twin", "compile", "--clean")
+    assert proc.returncode == 0 and "removed 12 compiled file(s)" in proc.stdout
+    assert not list((tree / "twin").rglob("*.so"))
+    assert _status(tree).startswith("pure (not compiled")
