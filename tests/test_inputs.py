@@ -64,6 +64,45 @@ def test_flags_win_over_the_launch_table(tmp_path: Path) -> None:
     assert cfg.ring_bytes == 16 << 20 and cfg.model.num_layers == 4
 
 
+def test_config_files_layer_in_the_order_given(tmp_path: Path) -> None:
+    """A deployment, then a costs file: the later file wins field by field, a later file's
+    [model] field over an earlier [launch] line, and each file's [sim] layers on the last."""
+    costs = tmp_path / "costs.toml"
+    costs.write_text("[sim]\nzmq_latency_s = 0.004\n")
+    deploy = tmp_path / "deploy.toml"
+    deploy.write_text('chunked_prefill_size = 512\n[launch]\nprefill = "--tp-size 2"\n'
+                      "[sim]\nzmq_latency_s = 0.001\nkernel_launch_s = 0.0002\n")
+    later = tmp_path / "later.toml"
+    later.write_text("[prefill]\ntp_size = 4\n")
+    r = invoke("config", "show", "--config", str(deploy), "--config", str(costs),
+               "--config", str(later))
+    assert r.exit_code == 0, r.output
+    body = __import__("tomllib").loads(r.output.partition("\n")[2])
+    assert body["sim"]["zmq_latency_s"] == 0.004 and body["sim"]["kernel_launch_s"] == 0.0002
+    cfg = TwinConfig.from_dict(body, source="show")
+    assert cfg.prefill.tp_size == 4 and cfg.chunked_prefill_size == 512
+    _, cfg = show("--config", str(later), "--config", str(deploy))
+    assert cfg.prefill.tp_size == 2  # the deployment's launch line, given last, wins
+
+
+@pytest.mark.parametrize("args", [
+    ("sim", "--seed", "1", "--seed", "2"),
+    ("sim", "--workload=poisson:n=5", "--workload", "poisson:n=6"),
+    ("sim", "--prefill-args", "--tp-size 2", "--prefill-args", "--tp-size 4"),
+    ("perfetto", "x.jsonl", "--room", "3", "-o", "a.json", "--room", "4"),
+])
+def test_an_option_taking_one_value_given_twice_is_rejected(args: tuple[str, ...]) -> None:
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert "given 2 times" in r.output and "it takes one value" in r.output
+
+
+def test_an_option_value_that_looks_like_an_option_is_not_counted() -> None:
+    r = invoke("config", "show", "--prefill-args", "--seed 3 --tp-size 2", "--decode-args",
+               "--prefill-args x")
+    assert "given 2 times" not in r.output
+
+
 def test_pool_size_in_mb_replaces_a_ring_given_in_bytes() -> None:
     # The chunk-ready-error scenario sets its ring in bytes; the env var in MB must win.
     line, cfg = show("--scenario", "chunk-ready-error", "--env",

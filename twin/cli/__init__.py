@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from twin import __version__, compiled
-from twin.cli.common import BadInput
+from twin.cli.common import BadInput, one_value_per_option
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -44,6 +44,7 @@ def _register() -> None:
     for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, agent_cmd, models_cmd, calibrate_cmd,
                    sweep_cmd, compile_cmd):
         for command in module.COMMANDS:
+            one_value_per_option(command)
             cli.add_command(command)
 
 

@@ -6,9 +6,10 @@ Layers, later ones win field by field:
 
 1. the scenario's config and cost parameters (``--scenario``; without it: the small-model
    ``default`` scenario, or SGLang's defaults when ``--workload`` or ``--config`` is given);
-2. the ``--config`` file's tables (``[model]``, ``[prefill]``, ``[decode]``, top-level
-   fields, ``[sim]``);
-3. its ``[launch]`` table (``prefill``, ``decode``, ``env``);
+2. each ``--config`` file in the order given (the option repeats: a deployment, then the
+   costs ``twin calibrate`` wrote, say): its tables (``[model]``, ``[prefill]``,
+   ``[decode]``, top-level fields, ``[sim]``), then its ``[launch]`` table (``prefill``,
+   ``decode``, ``env``);
 4. ``--prefill-args``, ``--decode-args`` and ``--env`` on the command line;
 5. ``--model`` and ``--gpu`` (over the config's ``[serving]`` table and a launch line's
    ``--model-path``), then a check that the deployment fits (``Deployment.build``).
@@ -150,6 +151,52 @@ def writing(flag: str, path: Any) -> Iterator[None]:
         raise write_error(exc, flag, path) from None
 
 
+# -- one value per option ---------------------------------------------------------------------
+def _check_repeats(command: click.Command, args: list[str]) -> None:
+    """Reject an option that takes one value given more than once (click would keep the last
+    one silently); flags and repeatable options may repeat."""
+    by_name: dict[str, click.Option] = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            for name in (*param.opts, *param.secondary_opts):
+                by_name[name] = param
+    seen: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token == "--":
+            break
+        name, eq, value = token.partition("=") if token.startswith("--") else (token, "", "")
+        param = by_name.get(name)
+        if param is None:
+            continue
+        takes_value = not param.is_flag and not param.count
+        if takes_value and not eq:
+            value = args[i] if i < len(args) else ""
+            i += 1
+        if takes_value and not param.multiple and param.nargs == 1:
+            seen.setdefault(param.opts[0], []).append(value)
+    for opt, values in seen.items():
+        if len(values) > 1:
+            raise BadInput(f"{opt} given {len(values)} times ({', '.join(map(repr, values))}); "
+                           f"it takes one value")
+
+
+def one_value_per_option(command: click.Command) -> None:
+    """Make ``command`` (and a group's subcommands) reject repeated single-value options."""
+    parse = command.parse_args
+
+    def parse_args(ctx: click.Context, args: list[str]) -> list[str]:
+        _check_repeats(command, args)
+        return parse(ctx, args)
+
+    command.parse_args = parse_args  # type: ignore[method-assign]
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            one_value_per_option(sub)
+
+
 # -- small loaders ----------------------------------------------------------------------------
 def load_config(path: str | None, base: TwinConfig | None = None) -> TwinConfig:
     """The config file ``path`` layered over ``base`` (SGLang's defaults when None)."""
@@ -232,10 +279,12 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """--config, --scenario, --workload and the launch-line flags (everything that shapes the
     deployment; shared by ``twin sim``, ``twin hw`` and ``twin config show``)."""
     for opt in reversed([
-        click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+        click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                     multiple=True, metavar="FILE",
                      help="TOML config (SGLang's names; [sim] sets cost parameters, [launch] "
                           "launch lines). Layered over the scenario, or over SGLang's "
-                          "defaults without --scenario."),
+                          "defaults without --scenario; repeatable, later files win field "
+                          "by field (e.g. a deployment, then `twin calibrate`'s costs)."),
         click.option("--scenario", default=None, metavar="NAME",
                      help="Built-in scenario (see `twin scenarios`); default: 'default' (its "
                           "small demo model), or SGLang's defaults when --workload or "
@@ -384,7 +433,15 @@ class RunInputs:
         return f"{self.workload.name}: {n} request{'s' * (n != 1)}{self.cut}, {clients}"
 
 
-def resolve_deployment(*, scenario: str | None, config_path: str | None,
+def config_paths(config_path: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """``--config`` as given: none, one path, or several (layered in order)."""
+    if config_path is None:
+        return ()
+    return (config_path,) if isinstance(config_path, str) else tuple(config_path)
+
+
+def resolve_deployment(*, scenario: str | None,
+                       config_path: str | tuple[str, ...] | list[str] | None,
                        workload_spec: str | None, prefill_args: str | None = None,
                        decode_args: str | None = None, env_items: tuple[str, ...] = (),
                        model: str | None = None, gpu: str | None = None
@@ -400,16 +457,25 @@ def resolve_deployment(*, scenario: str | None, config_path: str | None,
         raise BadInput(f"unknown scenario {name!r}{did_you_mean(name, list(SCENARIOS))} "
                        f"(known: {', '.join(SCENARIOS)})")
     sc = SCENARIOS[name]
-    own = scenario is None and (workload_spec is not None or config_path is not None)
-    base_cfg = TwinConfig() if own else sc.config
+    paths = config_paths(config_path)
+    own = scenario is None and (workload_spec is not None or bool(paths))
+    cfg = TwinConfig() if own else sc.config
     params = SimParams() if own else sc.params
-    cfg = load_config(config_path, base_cfg)
-    if config_path is not None:
+    extra: dict[str, Any] = {}
+    for path in paths:
+        cfg = load_config(path, cfg)
         try:
-            params = SimParams.from_dict(cfg.extra.get("sim", {}), config_path, base=params)
+            params = SimParams.from_dict(cfg.extra.get("sim", {}), path, base=params)
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
-    cfg, params = apply_launch(cfg, prefill_args, decode_args, env_items, config_path, params)
+        cfg, params = apply_launch(cfg, None, None, (), path, params)
+        for key, table in cfg.extra.items():  # later files win entry by entry
+            before = extra.get(key)
+            extra[key] = ({**before, **table} if isinstance(before, dict)
+                          and isinstance(table, dict) else table)
+    if paths:
+        cfg = cfg.replace(extra={k: v for k, v in extra.items() if k != "launch"})
+    cfg, params = apply_launch(cfg, prefill_args, decode_args, env_items, None, params)
     try:
         from twin.models.costs import Deployment, configure
 
@@ -420,7 +486,8 @@ def resolve_deployment(*, scenario: str | None, config_path: str | None,
     return sc, cfg, params
 
 
-def resolve_run(*, scenario: str | None, scenario_defects: bool, config_path: str | None,
+def resolve_run(*, scenario: str | None, scenario_defects: bool,
+                config_path: str | tuple[str, ...] | list[str] | None,
                 workload_spec: str | None, first_n: int | None, slowdown: float | None,
                 defects: tuple[str, ...], faults: tuple[str, ...],
                 prefill_args: str | None = None, decode_args: str | None = None,

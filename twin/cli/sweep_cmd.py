@@ -17,8 +17,10 @@ EXIT_NO_ADVICE = 1
 def run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The flags that describe the deployment and workload, as in ``twin sim``."""
     opts = [
-        click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                     help="TOML config (SGLang's names; a [sim] table sets cost parameters)."),
+        click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                     multiple=True, metavar="FILE",
+                     help="TOML config (SGLang's names; a [sim] table sets cost parameters); "
+                          "repeatable, later files win field by field."),
         click.option("--scenario", default=None, metavar="NAME",
                      help="Built-in scenario to start from (see `twin scenarios`)."),
         click.option("--scenario-defects", is_flag=True,
