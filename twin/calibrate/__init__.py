@@ -255,23 +255,16 @@ class _Frames:
 def simulate_phases(trace: Trace, params: SimParams, seeds: tuple[int, ...] = (0,)
                     ) -> dict[str, float]:
     """The p50 of each phase over the rooms of ``trace``'s run simulated with ``params``
-    (the median over ``seeds``), and of the frame latency (``frame_s``)."""
-    from twin.core.defects import Defects
-    from twin.runtime.faults import parse_fault
-    from twin.sim.runner import run_sim
-    from twin.workloads import Workload
+    (the median over ``seeds``), of the frame latency (``frame_s``), and ``mismatch``: the
+    share of the runs that ended otherwise than the recorded run (a wedge the jitter opened)."""
+    from twin.replay.timing import simulate_recorded
 
-    header = trace.header
-    workload = Workload.from_jsonable(header.get("workload", {}))
-    run = trace.config.extra.get("run", {})
-    overrides = {int(k): v for k, v in run.get("request_overrides", {}).items()}
     out: dict[str, list[float]] = {p: [] for p in (*PHASES, "frame_s")}
+    mismatched = 0
     for seed in seeds:
         frames = _Frames()
-        result = run_sim(trace.config, workload, defects=Defects.of(header.get("defects", [])),
-                         faults=[parse_fault(f) for f in header.get("faults", [])], seed=seed,
-                         params=params, request_overrides=overrides,
-                         max_concurrency=run.get("max_concurrency"), recorder=frames)
+        result = simulate_recorded(trace, params, seed, recorder=frames)
+        mismatched += trace.outcome is not None and result.status != trace.status
         if frames.latencies:
             out["frame_s"].append(float(np.median(frames.latencies)))
         done = [r for r in result.sim.metrics.done if r.status == "Success"]
@@ -281,7 +274,8 @@ def simulate_phases(trace: Trace, params: SimParams, seeds: tuple[int, ...] = (0
                      if r.first_transfer_s >= 0]
             if spans:
                 out["transfer_s"].append(float(np.median(spans)))
-    return {p: float(np.median(v)) for p, v in out.items() if v}
+    phases = {p: float(np.median(v)) for p, v in out.items() if v}
+    return {**phases, "mismatch": mismatched / max(1, len(seeds))}
 
 
 def measured_phases(m: Measured) -> dict[str, float]:
@@ -318,6 +312,9 @@ FITTED = ("zmq_latency_s", "zmq_jitter_s", "rdma_latency_s", "transfer_jitter_s"
           "decode_s_per_seq", "decode_s_per_ctx_token", "decode_prealloc_s")
 """The ``[sim]`` fields calibration sets."""
 
+MISMATCH_PENALTY = 4.0
+"""Loss per trace whose every simulated run ends otherwise than the recorded run."""
+
 SCALED = ("zmq_latency_s", "zmq_jitter_s", "prefill_command_jitter_s", "forward_overhead_s",
           "decode_poll_interval_s")
 """Fields the joint fit scales (the ones a trace's measurement pins down least)."""
@@ -344,6 +341,9 @@ def _loss(traces: list[Trace], targets: list[dict[str, float]], params: SimParam
                 total += math.log(got[p] / want[p]) ** 2
             elif p in want:
                 total += 100.0
+        # A run that wedges where the recorded one completed is worse than any p50 miss the
+        # fit trades against (a factor of e on one phase costs 1).
+        total += MISMATCH_PENALTY * got.get("mismatch", 0.0)
     return total, sims
 
 

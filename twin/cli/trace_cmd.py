@@ -196,8 +196,12 @@ def _print_timing(timing: dict | None) -> None:
     if "error" in timing:
         click.echo(f"timing      {timing['error']}")
         return
-    click.echo(f"timing      fresh simulation of this hardware run: {timing['simulated_status']},"
-               f" {timing['rooms_compared']} rooms compared (ratio = simulated / measured)")
+    runs = timing.get("runs", 1)
+    click.echo(f"timing      {runs} fresh simulation(s) of this hardware run: "
+               f"{timing['simulated_status']}, {timing['rooms_compared']} rooms compared "
+               f"(ratio = simulated / measured, pooled over the runs)")
+    if timing.get("note"):
+        click.echo(f"  note: {timing['note']}")
     for phase in ("kv_done_s", "transfer_s"):
         t = timing.get(phase)
         if t:

@@ -48,46 +48,89 @@ def room_phases(trace: Trace | TraceReader) -> dict[int, dict[str, float]]:
     return out
 
 
-def compare_with_simulation(source: TraceSource,
-                            params: SimParams | None = None) -> dict[str, Any]:
-    """Simulate the trace's run afresh and compare per-room timings (ratios sim / trace);
-    ``params`` replaces the trace's own ``[sim]`` costs. A path is streamed."""
+SEEDS = 3
+"""Fresh simulations per comparison: the cost model's jitter is random, so one seed is one
+sample (a race the jitter opens can end one seed's run in a wedge)."""
+
+
+def simulate_recorded(trace: Trace | TraceReader, params: SimParams, seed: int,
+                      recorder: Any = None) -> Any:
+    """Simulate ``trace``'s run afresh (its config, workload, defects, faults, placement and
+    client model) with ``params`` and ``seed``; the ``SimResult``. Raises ``WorkloadError``
+    when the trace does not carry its workload."""
     from twin.sim.runner import run_sim
 
+    header = trace.header
+    workload = Workload.from_jsonable(header.get("workload", {}))
+    run = trace.config.extra.get("run", {})
+    overrides = {int(k): v for k, v in run.get("request_overrides", {}).items()}
+    return run_sim(trace.config, workload, defects=Defects.of(header.get("defects", [])),
+                   faults=[parse_fault(f) for f in header.get("faults", [])], seed=seed,
+                   params=params, request_overrides=overrides,
+                   max_concurrency=run.get("max_concurrency"), recorder=recorder)
+
+
+def compare_with_simulation(source: TraceSource, params: SimParams | None = None,
+                            seeds: int = SEEDS) -> dict[str, Any]:
+    """Simulate the trace's run afresh ``seeds`` times (from the trace's seed on) and compare
+    per-room timings (ratios sim / trace, pooled over the runs' successful rooms); ``params``
+    replaces the trace's own ``[sim]`` costs. The report says how each run ended, and names
+    the root of a simulated wedge the recorded run did not have. A path is streamed."""
     trace = open_trace(source)
     header = trace.header
-    try:
-        workload = Workload.from_jsonable(header.get("workload", {}))
-    except WorkloadError as exc:
-        return {"error": f"the trace does not carry its workload: {exc}"}
     extra = trace.config.extra
     if params is None:
         params = SimParams.from_dict(extra.get("sim", {}), f"{trace.path} header")
-    run = extra.get("run", {})
-    overrides = {int(k): v for k, v in run.get("request_overrides", {}).items()}
-    result = run_sim(trace.config, workload, defects=Defects.of(header.get("defects", [])),
-                     faults=[parse_fault(f) for f in header.get("faults", [])],
-                     seed=header.get("seed") or 0, params=params, request_overrides=overrides,
-                     max_concurrency=run.get("max_concurrency"))
-    simulated = {r.room: {"kv_done_s": r.kv_done_s - r.arrival_s,
-                          "transfer_s": r.last_transfer_s - r.first_transfer_s}
-                 for r in result.sim.metrics.done if r.status == "Success"}
+    first = header.get("seed") or 0
+    runs = []
+    try:
+        for seed in range(first, first + seeds):
+            runs.append(simulate_recorded(trace, params, seed))
+    except WorkloadError as exc:
+        return {"error": f"the trace does not carry its workload: {exc}"}
     measured = room_phases(trace)
-    report: dict[str, Any] = {"rooms_compared": 0, "simulated_status": result.status}
+    recorded = getattr(trace, "outcome", None) or {}
+    statuses = [r.status for r in runs]
+    report: dict[str, Any] = {
+        "rooms_compared": 0, "runs": len(runs),
+        "simulated_status": _tally(statuses), "simulated_statuses": statuses,
+        "recorded_status": recorded.get("status", "incomplete")}
+    differing = [r for r in runs if r.status != report["recorded_status"]]
+    if differing and report["recorded_status"] == "completed":
+        roots = [line for line in differing[0].diagnosis if line.startswith("root:")]
+        report["note"] = (f"{len(differing)} of {len(runs)} fresh simulation(s) ended "
+                          f"{differing[0].status} where the recorded run completed"
+                          + (f"; {roots[0]}" if roots else ""))
+    simulated = [{r.room: {"kv_done_s": r.kv_done_s - r.arrival_s,
+                           "transfer_s": r.last_transfer_s - r.first_transfer_s}
+                  for r in run.sim.metrics.done if r.status == "Success"} for run in runs]
     for phase in ("kv_done_s", "transfer_s"):
-        pairs = [(measured[r][phase], simulated[r][phase]) for r in measured
-                 if r in simulated and phase in measured[r] and measured[r][phase] > 0]
+        pairs = [(measured[room][phase], sim[room][phase]) for sim in simulated
+                 for room in measured if room in sim and phase in measured[room]
+                 and measured[room][phase] > 0]
         if not pairs:
             continue
         m = np.array([p[0] for p in pairs])
         s = np.array([p[1] for p in pairs])
         ratio = s / m
-        report["rooms_compared"] = max(report["rooms_compared"], len(pairs))
+        rooms = {room for sim in simulated for room in measured if room in sim}
+        report["rooms_compared"] = max(report["rooms_compared"], len(rooms))
         report[phase] = {
-            "measured_p50": round(float(np.median(m)), 6),
+            "measured_p50": round(float(np.median([measured[r][phase] for r in rooms
+                                                   if phase in measured[r]])), 6),
             "simulated_p50": round(float(np.median(s)), 6),
             "ratio_p50": round(float(np.median(ratio)), 4),
             "ratio_p10": round(float(np.percentile(ratio, 10)), 4),
             "ratio_p90": round(float(np.percentile(ratio, 90)), 4),
         }
     return report
+
+
+def _tally(statuses: list[str]) -> str:
+    """``completed`` when every run agrees, else ``completed x2, wedged x1``."""
+    counts: dict[str, int] = {}
+    for st in statuses:
+        counts[st] = counts.get(st, 0) + 1
+    if len(counts) == 1:
+        return statuses[0]
+    return ", ".join(f"{st} x{n}" for st, n in counts.items())
