@@ -90,3 +90,17 @@ def test_timing_comparison_pools_seeds_and_names_a_wedge_the_hardware_did_not_ha
     assert "where the recorded run completed; root: " in noisy["note"]
     assert "STAGING_REQ" in noisy["note"]
     assert noisy["rooms_compared"] == 12  # the completed runs' rooms still count
+
+
+def test_calibrate_with_stalls_fits_per_process_stalls(tmp_path: Path) -> None:
+    costs = tmp_path / "costs.toml"
+    r = CliRunner().invoke(cli, ["calibrate", str(HW), "-o", str(costs), "--seeds", "1",
+                                 "--stalls", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert report["params"]["process_stall_s"] > 0 and report["params"]["process_run_s"] > 0
+    assert {"process_stall_s", "process_run_s"} <= set(report["scales"])
+    params = costs_from(str(costs))
+    assert params is not None and params.process_stall_s > 0
+    (fit,) = report["traces"]
+    assert 0.5 < fit["ratio_p50"]["kv_done_s"] < 2.0

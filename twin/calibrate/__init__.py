@@ -169,8 +169,10 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return 0.0, float(np.median(ys / xs))
 
 
-def direct_params(measured: list[Measured], base: SimParams | None = None) -> SimParams:
-    """Cost parameters read straight from the traces (before the joint fit)."""
+def direct_params(measured: list[Measured], base: SimParams | None = None,
+                  stalls: bool = False) -> SimParams:
+    """Cost parameters read straight from the traces (before the joint fit); with ``stalls``
+    the frames' spread goes to per-process stalls instead of per-frame jitter."""
     base = base or SimParams()
     frames = [x for m in measured for x in m.frames]
     boot = [x for m in measured for x in m.bootstrap]
@@ -188,6 +190,16 @@ def direct_params(measured: list[Measured], base: SimParams | None = None) -> Si
         lo = float(np.percentile(frames, 5))
         changes["zmq_latency_s"] = lo
         changes["zmq_jitter_s"] = max(0.0, (float(np.median(frames)) - lo) / math.log(2))
+        if stalls:
+            # A frame that reaches a descheduled process waits out the rest of its stall (the
+            # rest of an exponential is exponential): the median excess over the fast end sets
+            # the stall, run and stall periods start equal (the fit scales both), and only
+            # the fast end's spread (the 10th percentile) is left to per-frame jitter.
+            excess = np.asarray(frames) - lo
+            stall = float(np.median(excess)) / math.log(2)
+            changes["process_stall_s"] = stall
+            changes["process_run_s"] = stall
+            changes["zmq_jitter_s"] = float(np.percentile(excess, 10))
     if boot:
         changes["decode_prealloc_s"] = max(0.0, float(np.median(boot))
                                            - changes.get("zmq_latency_s", base.zmq_latency_s))
@@ -309,7 +321,8 @@ FITTED = ("zmq_latency_s", "zmq_jitter_s", "rdma_latency_s", "transfer_jitter_s"
           "ranks_per_nic", "gather_bandwidth_Bps", "scatter_bandwidth_Bps", "kernel_launch_s",
           "forward_overhead_s", "prefill_s_per_token", "prefill_s_per_token_ctx",
           "prefill_requests_per_forward", "prefill_command_jitter_s", "decode_poll_interval_s", "decode_step_s",
-          "decode_s_per_seq", "decode_s_per_ctx_token", "decode_prealloc_s")
+          "decode_s_per_seq", "decode_s_per_ctx_token", "decode_prealloc_s", "process_stall_s",
+          "process_run_s")
 """The ``[sim]`` fields calibration sets."""
 
 MISMATCH_PENALTY = 4.0
@@ -318,6 +331,9 @@ MISMATCH_PENALTY = 4.0
 SCALED = ("zmq_latency_s", "zmq_jitter_s", "prefill_command_jitter_s", "forward_overhead_s",
           "decode_poll_interval_s")
 """Fields the joint fit scales (the ones a trace's measurement pins down least)."""
+
+STALL_SCALED = ("process_stall_s", "process_run_s")
+"""Also scaled when the fit models per-process stalls (``calibrate(stalls=True)``)."""
 
 
 def _fitted(p: SimParams) -> dict[str, Any]:
@@ -349,15 +365,19 @@ def _loss(traces: list[Trace], targets: list[dict[str, float]], params: SimParam
 
 def calibrate(traces: list[Trace], base: SimParams | None = None,
               seeds: tuple[int, ...] = (0, 1, 2), steps: tuple[float, ...] = (2, 1, 0.5, 0.25),
-              scaled: tuple[str, ...] = SCALED) -> Calibration:
-    """Measure the traces, then scale ``SCALED`` to match every trace's p50 phases: a
-    coordinate search in log2 space, each step size (``steps``) until no move helps.
+              scaled: tuple[str, ...] | None = None, stalls: bool = False) -> Calibration:
+    """Measure the traces, then scale ``scaled`` (default ``SCALED``, and ``STALL_SCALED``
+    with ``stalls``) to match every trace's p50 phases: a coordinate search in log2 space,
+    each step size (``steps``) until no move helps. ``stalls`` models the host's delays as
+    per-process stalls (``twin/sim/stalls.py``) rather than as per-frame jitter.
 
     The measured frame latencies already include the waits of per-link FIFO order, which the
     simulator adds again to each drawn latency; the jitter scale is how much of the measured
     spread is left for the draw."""
+    if scaled is None:
+        scaled = SCALED + (STALL_SCALED if stalls else ())
     measured = [measure(t) for t in traces]
-    direct = direct_params(measured, base)
+    direct = direct_params(measured, base, stalls=stalls)
     targets = [measured_phases(m) for m in measured]
     scales = dict.fromkeys(scaled, 1.0)
     best, sims = _loss(traces, targets, direct, seeds)

@@ -16,8 +16,11 @@ from twin.cli.common import BadInput, emit_json
               help="Write the fitted [sim] table here (TOML; use with --config).")
 @click.option("--seeds", type=int, default=3, show_default=True,
               help="Simulations per candidate (control-plane jitter is random).")
+@click.option("--stalls", is_flag=True,
+              help="Model the host's delays as per-process stalls (a descheduled rank handles "
+                   "nothing until it runs again) instead of independent per-frame jitter.")
 @click.option("--json", "as_json", is_flag=True, help="Print the fit as one JSON object.")
-def calibrate_command(trace_paths: tuple[str, ...], out_path: str, seeds: int,
+def calibrate_command(trace_paths: tuple[str, ...], out_path: str, seeds: int, stalls: bool,
                       as_json: bool) -> None:
     """Fit transfer, kernel, control-plane, prefill-cadence and polling costs to hardware-mode
     traces (`twin hw --trace-out`), and write them as a [sim] table.
@@ -39,7 +42,7 @@ def calibrate_command(trace_paths: tuple[str, ...], out_path: str, seeds: int,
         traces.append(t)
     if seeds < 1:
         raise BadInput("--seeds must be at least 1")
-    cal = calibrate(traces, seeds=tuple(range(seeds)))
+    cal = calibrate(traces, seeds=tuple(range(seeds)), stalls=stalls)
     write_costs(cal, out_path)
     if as_json:
         emit_json({**cal.report(), "out": out_path})

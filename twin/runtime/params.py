@@ -55,6 +55,11 @@ class SimParams:
     # (Prefetch, send_kv_chunk), FIFO per rank. 0: the ranks move in lockstep, as SGLang's TP
     # ranks do; the hardware mode's coordinator reaches its rank processes one by one.
     prefill_command_jitter_s: float = 0.0
+    # Per-process stalls (twin/sim/stalls.py): each rank process alternates running
+    # (exponential, mean process_run_s) and descheduled (mean process_stall_s), handling what
+    # reached it meanwhile when it runs again. 0: never stalls (a dedicated core per rank).
+    process_stall_s: float = 0.0
+    process_run_s: float = 0.1
     # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
     # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,
     # staging freed and requests admitted once per iteration. With no batch to run the loop
@@ -124,7 +129,8 @@ class SimParams:
 
 #: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
 POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",
-                      "ranks_per_nic", "decode_poll_interval_s", "wedge_window_s"})
+                      "ranks_per_nic", "decode_poll_interval_s", "wedge_window_s",
+                      "process_run_s"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from twin.runtime.runtime import Recorder, Runtime
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
+from twin.sim.stalls import ProcessStalls
 from twin.workloads import Request, Workload
 
 _PREFETCH, _CONTROL = wire.PREFETCH_SOCKET, wire.CONTROL_SOCKET
@@ -140,6 +141,11 @@ class Simulation:
         self._fire = self.runtime.fire
         self.rng_net = random.Random(f"{seed}:net")
         p = self.params
+        self.stalls: ProcessStalls | None = None
+        if p.process_stall_s > 0:  # a stalled node's inputs wait until it runs again
+            self.stalls = ProcessStalls(p.process_stall_s, p.process_run_s, seed)
+            self.feed = self._feed_when_running
+            self._fire = self._fire_when_running
         self._zmq_latency_s = p.zmq_latency_s
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
@@ -206,6 +212,24 @@ class Simulation:
         env = self.env
         heappush(env._queue, (env._now + (delay if delay > 0.0 else 0.0), _NORMAL,
                               next(env._eid), _Call(fn, args)))
+
+    def _feed_when_running(self, node: str, event: ev.Input) -> list[ev.Effect]:
+        now = self.env._now
+        assert self.stalls is not None
+        end = self.stalls.end(node, now)
+        if end > now:  # handled when the process runs again, after what arrived before it
+            self.at(end - now, self._feed_when_running, node, event)
+            return []
+        return self.runtime.feed(node, event)
+
+    def _fire_when_running(self, node: str, event: ev.Input, token: int) -> None:
+        now = self.env._now
+        assert self.stalls is not None
+        end = self.stalls.end(node, now)
+        if end > now:
+            self.at(end - now, self._fire_when_running, node, event, token)
+            return
+        self.runtime.fire(node, event, token)
 
     def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
         env = self.env
