@@ -132,3 +132,14 @@ def test_an_edited_source_falls_back_to_pure_python_until_cleaned(
     assert proc.returncode == 0 and "removed 12 compiled file(s)" in proc.stdout
     assert not list((tree / "twin").rglob("*.so"))
     assert _status(tree).startswith("pure (not compiled")
+
+
+def test_the_suite_itself_runs_the_pure_python_modules() -> None:
+    """Even after a local `twin compile` (tests/conftest.py sets TWIN_PURE_PYTHON=1)."""
+    import twin.compiled
+    import twin.core.prefill
+    import twin.runtime.runtime
+
+    assert twin.core.prefill.__file__.endswith("prefill.py")
+    assert twin.runtime.runtime.__file__.endswith("runtime.py")
+    assert twin.compiled.state().mode == "pure"

@@ -31,6 +31,10 @@ def compile_command(clean: bool, show_status: bool, verbose: bool) -> None:
     compiled module's source switches back to pure Python until the next `twin compile`;
     TWIN_PURE_PYTHON=1 forces pure Python for one run.
     """
+    if clean and show_status:
+        from twin.cli.common import BadInput
+
+        raise BadInput("--clean and --status: choose one")
     if show_status:
         click.echo(f"core: {compiled.state().line()}")
         return
