@@ -75,8 +75,10 @@ class HwResult:
 
     @property
     def status(self) -> RunStatus:
+        # Every request that did not end counts, admitted or not: a run interrupted between
+        # admissions (nothing in flight, most of the workload still to come) is interrupted.
         return decide(corrupted=bool(self.corruption), wedged=self.wedged,
-                      unfinished=len(self.unfinished), crashed=bool(self.errors),
+                      unfinished=self.requests - len(self.done), crashed=bool(self.errors),
                       failed=sum(r.status == "Failed" for r in self.done), stopped=self.stopped)
 
     @property
