@@ -21,13 +21,12 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 # Compiled together (calls between them stay native). Events, frames and the config stay
 # Python classes: the trace codec reads their annotations and slots.
@@ -83,12 +82,10 @@ def _extensions() -> list[Path]:
     return found
 
 
-def _stale() -> str | None:
-    """Why the built extensions must not run (a source changed, a module missing from the
-    manifest, another Python), or None when they match their sources."""
-    try:
-        manifest = json.loads(MANIFEST.read_text())
-    except (OSError, ValueError):
+def _stale(manifest: dict[str, Any] | None) -> str | None:
+    """Why the built extensions must not run (no manifest, a source changed, a module missing
+    from the manifest, another Python), or None when they match their sources."""
+    if manifest is None:
         return "no readable build manifest"
     if manifest.get("python") != sys.implementation.cache_tag:
         return f"built for {manifest.get('python')}, running {sys.implementation.cache_tag}"
@@ -100,6 +97,14 @@ def _stale() -> str | None:
         if want != _digest(_source(module)):
             return f"{_source(module).relative_to(_ROOT)} changed since it was compiled"
     return None
+
+
+def _manifest() -> dict[str, Any] | None:
+    try:
+        data = json.loads(MANIFEST.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 class _PureFinder(importlib.abc.MetaPathFinder):
@@ -119,9 +124,10 @@ def activate() -> CompiledState:
     if not _extensions():
         return _state
     forced = os.environ.get(PURE_ENV, "") not in ("", "0")
-    why = f"{PURE_ENV} is set" if forced else _stale()
+    manifest = None if forced else _manifest()
+    why = f"{PURE_ENV} is set" if forced else _stale(manifest)
     if why is None:
-        manifest = json.loads(MANIFEST.read_text())
+        assert manifest is not None  # _stale says None only of a manifest that matches
         _state = CompiledState("compiled", f"mypyc {manifest.get('mypyc', '?')}, "
                                             f"-O{manifest.get('opt', '3')}")
         return _state
@@ -152,6 +158,9 @@ def build(*, verbose: bool = False, quick: bool = False) -> list[Path]:
     Raises ``RuntimeError`` with the compiler's output when mypyc or the C compiler is missing
     or fails. Builds in a temporary folder; the tree is only touched once the build succeeded.
     """
+    import subprocess
+    import tempfile
+
     try:
         import mypy.version
         import mypyc  # noqa: F401

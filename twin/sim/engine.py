@@ -213,23 +213,25 @@ class Simulation:
         heappush(env._queue, (env._now + (delay if delay > 0.0 else 0.0), _NORMAL,
                               next(env._eid), _Call(fn, args)))
 
-    def _feed_when_running(self, node: str, event: ev.Input) -> list[ev.Effect]:
-        now = self.env._now
-        assert self.stalls is not None
-        end = self.stalls.end(node, now)
-        if end > now:  # handled when the process runs again, after what arrived before it
-            self.at(end - now, self._feed_when_running, node, event)
-            return []
-        return self.runtime.feed(node, event)
-
-    def _fire_when_running(self, node: str, event: ev.Input, token: int) -> None:
+    def _stalled(self, node: str, fn: Callable[..., object], *args: Any) -> bool:
+        """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
+        (after whatever reached it before, in order)."""
         now = self.env._now
         assert self.stalls is not None
         end = self.stalls.end(node, now)
         if end > now:
-            self.at(end - now, self._fire_when_running, node, event, token)
-            return
-        self.runtime.fire(node, event, token)
+            self.at(end - now, fn, *args)
+            return True
+        return False
+
+    def _feed_when_running(self, node: str, event: ev.Input) -> list[ev.Effect]:
+        if self._stalled(node, self._feed_when_running, node, event):
+            return []
+        return self.runtime.feed(node, event)
+
+    def _fire_when_running(self, node: str, event: ev.Input, token: int) -> None:
+        if not self._stalled(node, self._fire_when_running, node, event, token):
+            self.runtime.fire(node, event, token)
 
     def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
         env = self.env
