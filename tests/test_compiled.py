@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from twin import compiled
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.slow,
@@ -70,7 +72,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # --quick (no C optimisation) halves the build; mypyc's semantics are the same at -O3.
     proc = _run(tree, "-m", "twin", "compile", "--quick")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "built 11 extension(s)" in proc.stdout
+    assert f"built {len(compiled.MODULES) + 1} extension(s)" in proc.stdout
     return tree
 
 
@@ -104,12 +106,25 @@ def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
     for sub in ("core", "sim"):
         shutil.copytree(REPO / "tests" / sub, built / "tests" / sub,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "tests" / "conftest.py", built / "tests")
+    # The suite's conftest forces the pure path; this copy must not.
+    conftest = (REPO / "tests" / "conftest.py").read_text()
+    forced = 'os.environ["TWIN_PURE_PYTHON"] = "1"'
+    assert forced in conftest
+    (built / "tests" / "conftest.py").write_text(
+        conftest.replace(forced, 'os.environ.pop("TWIN_PURE_PYTHON", None)'))
+    (built / "tests" / "test_path.py").write_text(
+        "import importlib\n"
+        "from twin import compiled\n"
+        "def test_the_compiled_modules_run():\n"
+        "    assert compiled.state().mode == 'compiled', compiled.state().line()\n"
+        "    for m in compiled.MODULES:\n"
+        "        assert not importlib.import_module(m).__file__.endswith('.py'), m\n")
     shutil.copytree(REPO / "docs", built / "docs")  # a test checks the simulator's doc
     files = [f"tests/core/{name}" for name in (
         "test_prefill.py", "test_decode.py", "test_integrity.py", "test_failpaths.py",
         "test_defects.py", "test_states.py")] + [
-        f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py")]
+        f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py")] + [
+        "tests/test_path.py"]
     proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                 *files)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -131,9 +146,32 @@ def test_an_edited_source_falls_back_to_pure_python_until_cleaned(
     assert line.startswith("pure (compiled build ignored: twin/core/grid.py changed since")
     assert line.endswith("True True")
     proc = _run(tree, "-m", "twin", "compile", "--clean")
-    assert proc.returncode == 0 and "removed 12 compiled file(s)" in proc.stdout
+    removed = f"removed {len(compiled.MODULES) + 2} compiled file(s)"
+    assert proc.returncode == 0 and removed in proc.stdout
     assert not list((tree / "twin").rglob("*.so"))
     assert _status(tree).startswith("pure (not compiled")
+
+
+def test_an_extension_this_checkout_does_not_compile_is_not_imported(
+        built: Path, tmp_path: Path) -> None:
+    """An older checkout beside a newer build (the engine was compiled, this checkout's
+    ``MODULES`` does not name it): everything runs from source, the stray extension too."""
+    tree = tmp_path / "older"
+    shutil.copytree(built, tree, ignore=shutil.ignore_patterns("tests"))
+    module = tree / "twin" / "compiled.py"
+    text = module.read_text()
+    assert '    "twin.sim.engine",\n' in text
+    module.write_text(text.replace('    "twin.sim.engine",\n', ""))
+    line = _status(tree)
+    assert line.startswith("pure (compiled build ignored: twin/sim/engine.") and \
+        "is not part of this build" in line, line
+    assert line.endswith("True True")
+    proc = _run(tree, "-c", "import twin.sim.engine as e; print(e.__file__)")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("engine.py"), proc.stderr
+    proc = _run(tree, "-m", "twin", "sim", "--workload", "poisson:n=20,rate=20,input=2000,"
+                "output=4,seed=1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"status": "completed"' in proc.stdout
 
 
 def test_the_suite_itself_runs_the_pure_python_modules() -> None:

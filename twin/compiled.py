@@ -41,6 +41,7 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.runtime",
     "twin.sim.decode_loop",
     "twin.sim.scheduler",
+    "twin.sim.engine",
 )
 GROUP = "twin._native"  # the shared library: twin/_native__mypyc.<abi>.so
 PURE_ENV = "TWIN_PURE_PYTHON"
@@ -73,16 +74,18 @@ def _digest(path: Path) -> str:
 
 
 def _extensions() -> list[Path]:
-    """The built extension files present beside the sources (and the shared library)."""
-    found: list[Path] = []
-    for module in (*MODULES, GROUP + "__mypyc"):
-        stem = _ROOT / module.replace(".", "/")
-        found += [p for p in stem.parent.glob(stem.name + ".*")
-                  if p.suffix in (".so", ".pyd") and p.name.startswith(stem.name + ".")]
-    return found
+    """Every extension file in the package: the built modules, the shared library, and any
+    stray one (an older or newer build's module that ``MODULES`` no longer or not yet names)."""
+    return sorted(p for p in _PACKAGE.rglob("*") if p.suffix in (".so", ".pyd"))
 
 
-def _stale(manifest: dict[str, Any] | None) -> str | None:
+def _module_of(extension: Path) -> str:
+    """``twin/sim/engine.cpython-311-x86_64-linux-gnu.so`` -> ``twin.sim.engine``."""
+    rel = extension.relative_to(_ROOT)
+    return ".".join((*rel.parent.parts, rel.name.split(".")[0]))
+
+
+def _stale(manifest: dict[str, Any] | None, extensions: list[Path]) -> str | None:
     """Why the built extensions must not run (no manifest, a source changed, a module missing
     from the manifest, another Python), or None when they match their sources."""
     if manifest is None:
@@ -90,6 +93,10 @@ def _stale(manifest: dict[str, Any] | None) -> str | None:
     if manifest.get("python") != sys.implementation.cache_tag:
         return f"built for {manifest.get('python')}, running {sys.implementation.cache_tag}"
     sources = manifest.get("sources", {})
+    known = {*MODULES, GROUP + "__mypyc"}
+    for ext in extensions:
+        if _module_of(ext) not in known:
+            return f"{ext.relative_to(_ROOT)} is not part of this build"
     for module in MODULES:
         want = sources.get(module)
         if want is None:
@@ -108,12 +115,15 @@ def _manifest() -> dict[str, Any] | None:
 
 
 class _PureFinder(importlib.abc.MetaPathFinder):
-    """Finds the compiled modules' Python sources, ahead of their extensions."""
+    """Finds the Python sources of ``modules``, ahead of their extensions."""
+
+    def __init__(self, modules: set[str]) -> None:
+        self.modules = modules
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         del path, target
-        if fullname not in MODULES:
+        if fullname not in self.modules or not _source(fullname).exists():
             return None
         return importlib.util.spec_from_file_location(fullname, _source(fullname))
 
@@ -121,18 +131,19 @@ class _PureFinder(importlib.abc.MetaPathFinder):
 def activate() -> CompiledState:
     """Choose the path for this process (once, before the modules are imported)."""
     global _state
-    if not _extensions():
+    extensions = _extensions()
+    if not extensions:
         return _state
     forced = os.environ.get(PURE_ENV, "") not in ("", "0")
     manifest = None if forced else _manifest()
-    why = f"{PURE_ENV} is set" if forced else _stale(manifest)
+    why = f"{PURE_ENV} is set" if forced else _stale(manifest, extensions)
     if why is None:
         assert manifest is not None  # _stale says None only of a manifest that matches
         _state = CompiledState("compiled", f"mypyc {manifest.get('mypyc', '?')}, "
                                             f"-O{manifest.get('opt', '3')}")
         return _state
     if not any(isinstance(f, _PureFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PureFinder())
+        sys.meta_path.insert(0, _PureFinder({*MODULES, *map(_module_of, extensions)}))
     _state = CompiledState("pure", why if forced else f"compiled build ignored: {why}; "
                            "run twin compile to rebuild")
     return _state

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -264,20 +263,12 @@ def test_plots_written(tmp_path: Path) -> None:
 
 
 # -- wedge detection and exit codes -----------------------------------------------------------
-class _NoMonitor(Simulation):
-    """The engine without its no-progress monitor: the run then ends when SimPy's event queue
-    empties, the fallback wedge detection."""
-
-    def _monitor(self, window: float) -> Generator[Any, Any, None]:
-        return
-        yield
-
-
 def test_wedge_detected_when_the_event_queue_empties() -> None:
     sc = SCENARIOS["unaligned-prefix"]
-    sim = _NoMonitor(sc.config, sc.workload(), defects=Defects.of([RAISE_ON_UNALIGNED_PREFIX]),
+    # without the no-progress monitor the run ends when SimPy's event queue empties
+    sim = Simulation(sc.config, sc.workload(), defects=Defects.of([RAISE_ON_UNALIGNED_PREFIX]),
                      params=sc.params, request_overrides=sc.overrides)
-    reason = sim.run()
+    reason = sim.run(monitor=False)
     assert reason == "event queue empty"
     result = SimResult(sim, reason, 0.0)
     assert result.wedged and result.exit_code == EXIT_WEDGE and result.status == "wedged"

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from functools import partial
 from heapq import heappop, heappush
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 import simpy
 from simpy.core import EmptySchedule, StopSimulation
@@ -65,9 +65,9 @@ class _Call:
     It takes one event id, like the Timeout it replaces, so the order of events is the same."""
 
     __slots__ = ("callbacks", "fn", "args")
-    _ok = True
+    _ok: ClassVar[bool] = True
 
-    def __init__(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    def __init__(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
         self.callbacks: tuple[Callable[[_Call], None], ...] | None = _RUN
@@ -87,7 +87,7 @@ def _run_until(env: simpy.Environment, stop: simpy.Event) -> None:
     if stop.callbacks is None:
         return
     stop.callbacks.append(StopSimulation.callback)
-    queue = env._queue
+    queue: Any = env._queue  # holds ``_Call``s besides SimPy's events
     step = env.step
     try:
         while True:
@@ -125,6 +125,10 @@ class Simulation:
         self.seed = seed
         self.recorder = recorder
         self.env = simpy.Environment()
+        # SimPy's event queue and id counter, pushed to directly (``at``); it also holds
+        # ``_Call``s, which only ``_run_until`` runs
+        self._queue: Any = self.env._queue
+        self._eid: Any = self.env._eid
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
                                hooks={
@@ -209,9 +213,8 @@ class Simulation:
     def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
         with that callback would, one SimPy event)."""
-        env = self.env
-        heappush(env._queue, (env._now + (delay if delay > 0.0 else 0.0), _NORMAL,
-                              next(env._eid), _Call(fn, args)))
+        heappush(self._queue, (self.env._now + (delay if delay > 0.0 else 0.0), _NORMAL,
+                               next(self._eid), _Call(fn, args)))
 
     def _stalled(self, node: str, fn: Callable[..., object], *args: Any) -> bool:
         """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
@@ -240,7 +243,7 @@ class Simulation:
         # An input without a poll token is always wanted: feed it without ``fire``'s check.
         call = _Call(self._fire, (node, event, token)) if token else _Call(self.feed,
                                                                             (node, event))
-        heappush(env._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(env._eid),
+        heappush(self._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(self._eid),
                               call))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
@@ -269,7 +272,7 @@ class Simulation:
             t = last
         self.link_last[link] = t
         delay = t - now
-        heappush(env._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(env._eid),
+        heappush(self._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(self._eid),
                               _Call(self.feed, (dst, _ARRIVED(src=src, msg=msg)))))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
@@ -504,7 +507,7 @@ class Simulation:
         self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
-    def _arrivals(self):  # type: ignore[no-untyped-def]
+    def _arrivals(self) -> Generator[simpy.Event, Any, None]:
         env = self.env
         for r in self.workload.requests:
             if r.arrival_s > env._now:
@@ -521,7 +524,8 @@ class Simulation:
         is the full run's exact prefix. Call before ``run`` (which adds the wedge monitor)."""
         self.env.process(self._watch(check, max(every, 1e-3)))
 
-    def _watch(self, check: Callable[[], str], every: float):  # type: ignore[no-untyped-def]
+    def _watch(self, check: Callable[[], str], every: float
+               ) -> Generator[simpy.Event, Any, None]:
         env = self.env
         while not self.done.triggered:
             yield env.timeout(every)
@@ -532,7 +536,7 @@ class Simulation:
                     self.done.succeed()
                 return
 
-    def _monitor(self, window: float):  # type: ignore[no-untyped-def]
+    def _monitor(self, window: float) -> Generator[simpy.Event, Any, None]:
         """The wedge monitor's process: ``_wedge_check`` every quarter ``window``."""
         return self._watch(lambda: self._wedge_check(window), max(window / 4, 1e-3))
 
@@ -546,16 +550,18 @@ class Simulation:
         idle = now - self.runtime.last_progress
         return "wedge" if in_flight > 0 and idle >= window else ""
 
-    def run(self, until: float | None = None) -> str:
+    def run(self, until: float | None = None, *, monitor: bool = True) -> str:
         """Run to the end; returns the stop reason: ``all requests ended``, ``wedge``,
-        ``event queue empty`` or ``until``."""
+        ``event queue empty`` or ``until``. ``monitor=False`` runs without the no-progress
+        monitor, leaving the fallback wedge detection (the event queue empties)."""
         env = self.env
         if not self.workload.requests:
             return "all requests ended"
         env.process(self._arrivals())
         for spec in self.injector.timed():
             self.at(spec.at or 0.0, self._timed_fault, spec)
-        env.process(self._monitor(self.params.wedge_window_s))
+        if monitor:
+            env.process(self._monitor(self.params.wedge_window_s))
         stop = self.done if until is None else (self.done | env.timeout(until))
         try:
             _run_until(env, stop)
