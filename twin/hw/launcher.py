@@ -272,6 +272,8 @@ class Launcher:
         self.on_report: Callable[[dict[str, Any]], None] | None = None
         self.errors: list[str] = []
         self.failed_nodes: set[str] = set()
+        # node -> index in ``errors`` of "cannot reach it": its death may be reported later
+        self._unreachable: dict[str, int] = {}
         self.stopping = False
         self.log_dir = options.log_dir
         self._own_log_dir = options.log_dir is None
@@ -452,13 +454,28 @@ class Launcher:
                 continue
             self.failed_nodes.add(node)
             dead.append(node)
-            if isinstance(p, RemoteRank):
-                self.errors.append(f"{node}: {p.reason()}; its log: {p.log()}"
-                                   f"{self._tail(node)}")
-            else:
-                self.errors.append(f"{node}: rank process died ({_exit_text(p.exitcode)}); "
-                                   f"its log: {self.log_of(node)}")
+            self.errors.append(self._death(node))
         return dead
+
+    def _death(self, node: str) -> str:
+        """The error naming why ``node``'s process ended (it has)."""
+        p = self.procs[node]
+        if isinstance(p, RemoteRank):
+            return f"{node}: {p.reason()}; its log: {p.log()}{self._tail(node)}"
+        return f"{node}: rank process died ({_exit_text(p.exitcode)}); its log: {self.log_of(node)}"
+
+    def settle_unreachable(self, grace_s: float = 2.0) -> None:
+        """Before stopping on errors: a rank the coordinator could not reach may have died (on
+        a loaded host the send can time out before its agent reports the death). Wait up to
+        ``grace_s`` for that news; a rank known dead is then named by its death, not by the
+        failed send. One that is still alive stays "stuck or unreachable"."""
+        waiting = [n for n in self._unreachable if n in self.procs]
+        deadline = time.monotonic() + grace_s
+        while any(self.procs[n].is_alive() for n in waiting) and time.monotonic() < deadline:
+            self.pump(50)
+        for node in waiting:
+            if not self.procs[node].is_alive():
+                self.errors[self._unreachable[node]] = self._death(node)
 
     def stop(self) -> None:
         """Stop every rank (gracefully, then by force; on other nodes through their agents),
@@ -527,6 +544,7 @@ class Launcher:
             proc = self.procs.get(node)
             state = ("its process is gone" if proc is not None and not proc.is_alive()
                      else "it is stuck or unreachable")
+            self._unreachable[node] = len(self.errors)
             self.errors.append(f"{node}: the coordinator cannot reach it ({state}): {exc}")
 
     def feed(self, node: str, event: Any) -> None:

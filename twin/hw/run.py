@@ -356,6 +356,7 @@ class HwRun:
             lau.pump(max(0, int(wait * 1000)))
             lau.check_alive()
             if lau.errors:
+                lau.settle_unreachable()
                 if self.echo is not None:
                     self.echo(f"{lau.errors[0].split(':')[0]} failed; stopping the other "
                               f"ranks ...")
