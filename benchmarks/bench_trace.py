@@ -13,7 +13,9 @@ Run: ``python benchmarks/bench_trace.py [--quick] [--json out.json] [--keep DIR]
 (b) The Azure LLM code trace (``shared/traces/azure2023/AzureLLMInferenceTrace_code.csv``
     beside the repository), when present: the same steps, once.
 
-Each step reports wall and CPU seconds, each with its ratio to the untraced simulation of the
+``--core both`` runs everything twice, compiled core (``twin compile``) then pure Python
+(``TWIN_PURE_PYTHON=1``), each against its own untraced simulation; the JSON keeps both under
+``compiled`` and ``pure``. Each step reports wall and CPU seconds, each with its ratio to the untraced simulation of the
 same length, and the process's peak resident memory (``os.wait4``'s ``ru_maxrss``). On a
 shared, busy machine the CPU ratios are the steadier measure; ``--repeat N`` keeps the least of
 N runs of each step. Goals
@@ -47,6 +49,8 @@ TWIN = [sys.executable, "-c", "from twin.cli import main; main()"]
 
 
 REPEAT = 1
+CORE_ENV: dict[str, str] = {}
+"""Set on every ``twin`` process: ``TWIN_PURE_PYTHON=1`` for the pure-Python core."""
 
 
 def run(args: list[str], out: Path | None = None) -> dict[str, Any]:
@@ -62,6 +66,8 @@ def run(args: list[str], out: Path | None = None) -> dict[str, Any]:
 def _run_once(args: list[str], out: Path | None = None) -> dict[str, Any]:
     """Run ``twin ARGS`` in a fresh process: wall and CPU seconds, peak RSS (MB), exit code."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TWIN_PURE_PYTHON", None)
+    env.update(CORE_ENV)
     sink = open(out, "wb") if out is not None else subprocess.DEVNULL  # noqa: SIM115
     t0 = time.perf_counter()
     proc = subprocess.Popen([*TWIN, *args], stdout=sink, stderr=subprocess.PIPE, env=env)
@@ -159,9 +165,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each step N times and keep the least time (a busy machine)")
     ap.add_argument("--sizes", default="1,4,16", help="lengths in 16ths of the hour")
+    ap.add_argument("--core", choices=["installed", "pure", "both"], default="installed",
+                    help="the core every step runs: as installed (compiled after twin "
+                         "compile), pure Python, or both, one after the other")
     args = ap.parse_args(argv)
     global REPEAT
     REPEAT = max(1, args.repeat)
+    from twin import compiled
+
+    built = compiled.state().mode == "compiled"
+    if args.core == "both" and not built:
+        ap.error(f"--core both needs the compiled core: {compiled.state().line()}")
+    paths = {"installed": ["compiled" if built else "pure"], "pure": ["pure"],
+             "both": ["compiled", "pure"]}[args.core]
+    results: dict[str, Any] = {"quick": args.quick}
+    for path in paths:
+        CORE_ENV.clear()
+        if path == "pure":
+            CORE_ENV["TWIN_PURE_PYTHON"] = "1"
+        print(f"== core: {path}", flush=True)
+        results[path] = _bench(args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Every step on every length (and the Azure trace), on the core ``CORE_ENV`` selects."""
     hour = 3600.0 / (8 if args.quick else 1)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-trace-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -189,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return results
 
 
 if __name__ == "__main__":
