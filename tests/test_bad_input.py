@@ -199,3 +199,18 @@ def test_a_binary_trace_as_workload(tmp_path: Path) -> None:
     blob = tmp_path / "blob.jsonl"
     blob.write_bytes(b"\xff\xfe\x00\x01" * 100)
     assert_rejected(invoke("sim", "--workload", str(blob)), "sim", "--workload")
+
+
+def test_a_trace_too_big_to_replay_on_this_host(tmp_path: Path) -> None:
+    """A hardware replay holds every room's KV at once: a trace that would not fit in host
+    memory is refused before any rank starts (it was OOM-killed rank by rank), with the need,
+    what is available and what to do."""
+    trace = tmp_path / "long.jsonl.zst"
+    r = invoke("sim", "--workload", "poisson:n=60,rate=5,input=50000,output=4,seed=1",
+               "--trace-out", str(trace))
+    assert r.exit_code == 0, r.output
+    r = invoke("replay", str(trace), "--mode", "hw")
+    assert_rejected(r, "replay", "--mode", "hw")
+    for text in ("long.jsonl.zst: the ranks would take", "GiB of host memory",
+                 "GiB is available", "replay a shorter trace"):
+        assert text in r.output, r.output

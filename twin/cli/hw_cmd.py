@@ -120,13 +120,15 @@ def reject_agent_options(across: dict[str, Any]) -> None:
 def replay_on_hardware(trace: Any, *, echo: Callable[[str], None] | None,
                        **across: Any) -> Any:
     """``twin replay --mode hw``, on this host or (``--listen``) across nodes."""
-    from twin.hw.launcher import HwOptions, LaunchError
+    from twin.hw.launcher import HwOptions, LaunchError, PoolError
     from twin.hw.replay import replay_hw
 
     options = HwOptions()
     apply_agent_options(options, trace.config, **across)
     try:
         return replay_hw(trace, options, echo=echo)
+    except PoolError as exc:
+        raise BadInput(f"{trace.path}: {exc}") from None
     except LaunchError as exc:
         click.echo(f"error       the ranks did not start: {exc}", err=echo is None)
         sys.exit(EXIT_ERROR)

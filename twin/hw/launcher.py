@@ -127,7 +127,7 @@ def page_bytes(cfg: TwinConfig, role: str) -> int:
 
 
 def _check_gpu_memory(topo: Topology, per_rank: dict[str, int], options: HwOptions, pages: int,
-                      longest: int) -> None:
+                      remedy: str) -> None:
     """Every GPU's ranks must fit in its free memory."""
     try:
         import torch
@@ -148,9 +148,8 @@ def _check_gpu_memory(topo: Topology, per_rank: dict[str, int], options: HwOptio
             if nbytes > 0.95 * free:
                 raise PoolError(f"{dev}: its ranks would allocate {nbytes / (1 << 30):.1f} GiB "
                                 f"(KV pools of {pages} pages, buffers, rings) but "
-                                f"{free / (1 << 30):.1f} GiB is free; lower --max-concurrency "
-                                f"or --kv-pool-pages (at least {longest}), or spread the ranks "
-                                f"over more GPUs")
+                                f"{free / (1 << 30):.1f} GiB is free; {remedy}, or spread "
+                                f"the ranks over more GPUs")
     except PoolError:
         raise
     except Exception:  # noqa: BLE001 - a failed probe must not block a run
@@ -162,9 +161,6 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
     """The KV pool pages per rank: ``pages`` if given (it must hold the longest request),
     else ``max_concurrency`` times the longest request. Raises ``PoolError`` (a ``ValueError``)
     naming the ``--kv-pool-pages`` needed, or when the ranks would not fit in host memory."""
-    from twin.core.prefill import PrefillRank
-    from twin.core.topology import build_rank
-
     longest = max((pages_for_tokens(r.input_len, cfg.page_size) for r in workload.requests),
                   default=1)
     longest = max(longest, 1)
@@ -176,35 +172,50 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
                         f"({longest * cfg.page_size} tokens at page size {cfg.page_size}); use "
                         f"--kv-pool-pages {longest} or more, or leave it out to size the pool "
                         f"for --max-concurrency requests")
-    topo = Topology(cfg)
+    plan = PoolPlan(pages, longest, auto, rank_allocations(cfg, pages))
+    check_fits(cfg, plan.bytes_per_rank, options, pages,
+               f"lower --max-concurrency or --kv-pool-pages (at least {longest}), cut the "
+               f"workload (--first-n), or use a smaller model or ring in --config")
+    return plan
+
+
+def rank_allocations(cfg: TwinConfig, pages: int) -> dict[str, int]:
+    """Bytes each rank allocates: its KV pool of ``pages`` pages, and the decode ranks' ring
+    or the prefill ranks' staging buffers."""
     per_rank: dict[str, int] = {}
-    for n in topo.nodes.values():
+    for n in Topology(cfg).nodes.values():
         nbytes = pages * page_bytes(cfg, n.role)
         if n.role == "decode":
             nbytes += cfg.ring_bytes
         else:
+            from twin.core.prefill import PrefillRank
+            from twin.core.topology import build_rank
+
             core = build_rank(cfg, n, Defects())
             if isinstance(core, PrefillRank):
                 nbytes += core.buffer_bytes * core.num_workers
         per_rank[n.id] = nbytes
-    plan = PoolPlan(pages, longest, auto, per_rank)
+    return per_rank
+
+
+def check_fits(cfg: TwinConfig, per_rank: dict[str, int], options: HwOptions, pages: int,
+               remedy: str) -> None:
+    """Raise ``PoolError`` (saying what to do: ``remedy``) when the ranks' allocations would
+    not fit this host's memory or GPUs. Across nodes each agent checks its own host."""
     if options.across_nodes:
-        return plan  # each agent's ranks are checked against its own host (twin.hw.nodes)
+        return
     if options.device == "cuda":
-        _check_gpu_memory(topo, per_rank, options, pages, longest)
-    else:
-        avail = available_host_bytes()
-        total = host_need(per_rank.values())
-        if not fits(total, avail):
-            assert avail is not None
-            raise PoolError(
-                f"the ranks would take {total / (1 << 30):.1f} GiB of host memory (KV pools "
-                f"of {pages} pages, staging buffers, {cfg.ring_bytes / (1 << 20):g} MiB rings, "
-                f"{RANK_OVERHEAD_BYTES >> 20} MiB per rank process) but "
-                f"{avail / (1 << 30):.1f} GiB is available; lower --max-concurrency or "
-                f"--kv-pool-pages (at least {longest}), cut the workload (--first-n), or use a "
-                f"smaller model or ring in --config")
-    return plan
+        _check_gpu_memory(Topology(cfg), per_rank, options, pages, remedy)
+        return
+    avail = available_host_bytes()
+    total = host_need(per_rank.values())
+    if not fits(total, avail):
+        assert avail is not None
+        raise PoolError(
+            f"the ranks would take {total / (1 << 30):.1f} GiB of host memory (KV pools "
+            f"of {pages} pages, staging buffers, {cfg.ring_bytes / (1 << 20):g} MiB rings, "
+            f"{RANK_OVERHEAD_BYTES >> 20} MiB per rank process) but "
+            f"{avail / (1 << 30):.1f} GiB is available; {remedy}")
 
 
 def open_hub(cfg: TwinConfig, options: HwOptions,

@@ -16,7 +16,7 @@ from typing import Any
 
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
-from twin.hw.launcher import HwOptions, Launcher, open_hub
+from twin.hw.launcher import HwOptions, Launcher, check_fits, open_hub, rank_allocations
 from twin.hw.run import check_supported
 from twin.replay import Divergence, ReplayResult, verdict
 from twin.runtime.diagnosis import diagnose
@@ -55,6 +55,11 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     need = max((sum(pages_for_tokens(r["input_len"], page) for r in reqs)
                 for reqs in requests.values()), default=0)
     options.kv_pool_pages = max(options.kv_pool_pages, need + 16)
+    # every room of the trace holds its pages at once: a long trace can outgrow the host
+    options.rank_bytes = rank_allocations(trace.config, options.kv_pool_pages)
+    check_fits(trace.config, options.rank_bytes, options, options.kv_pool_pages,
+               "replay a shorter trace (record one with twin sim --first-n N --trace-out "
+               "...) or one of a smaller model or ring")
     done: set[str] = set()
     concluded: dict[int, dict[str, str]] = {}
     corruption: list[str] = []

@@ -128,13 +128,13 @@ class Metrics:
                 for t, tokens, reqs in series:
                     w.writerow([g, f"{t:.6f}", tokens, reqs])
         paths.append(p)
-        for name, series in (("occupancy.csv", self.occ), ("watermark_lag.csv", self.lag)):
+        for name, by_node in (("occupancy.csv", self.occ), ("watermark_lag.csv", self.lag)):
             p = out_dir / name
             with p.open("w", newline="") as f:
                 w = csv.writer(f)
                 w.writerow(["node", "t_s", "bytes"])
-                for node in sorted(series):
-                    for t, v in series[node]:
+                for node in sorted(by_node):
+                    for t, v in by_node[node]:
                         w.writerow([node, f"{t:.6f}", v])
             paths.append(p)
         p = out_dir / "metrics.json"
