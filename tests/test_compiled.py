@@ -176,10 +176,9 @@ def test_an_extension_this_checkout_does_not_compile_is_not_imported(
 
 def test_the_suite_itself_runs_the_pure_python_modules() -> None:
     """Even after a local `twin compile` (tests/conftest.py sets TWIN_PURE_PYTHON=1)."""
-    import twin.compiled
     import twin.core.prefill
     import twin.runtime.runtime
 
     assert twin.core.prefill.__file__.endswith("prefill.py")
     assert twin.runtime.runtime.__file__.endswith("runtime.py")
-    assert twin.compiled.state().mode == "pure"
+    assert compiled.state().mode == "pure"

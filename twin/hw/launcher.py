@@ -35,7 +35,7 @@ from typing import Any
 from twin.core.config import TwinConfig
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
-from twin.core.topology import Topology
+from twin.core.topology import Topology, build_rank
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.hostmem import RANK_OVERHEAD_BYTES, available_host_bytes, fits, host_need
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
@@ -182,15 +182,14 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
 def rank_allocations(cfg: TwinConfig, pages: int) -> dict[str, int]:
     """Bytes each rank allocates: its KV pool of ``pages`` pages, and the decode ranks' ring
     or the prefill ranks' staging buffers."""
+    from twin.core.prefill import PrefillRank
+
     per_rank: dict[str, int] = {}
     for n in Topology(cfg).nodes.values():
         nbytes = pages * page_bytes(cfg, n.role)
         if n.role == "decode":
             nbytes += cfg.ring_bytes
         else:
-            from twin.core.prefill import PrefillRank
-            from twin.core.topology import build_rank
-
             core = build_rank(cfg, n, Defects())
             if isinstance(core, PrefillRank):
                 nbytes += core.buffer_bytes * core.num_workers
@@ -479,7 +478,8 @@ class Launcher:
         """Before stopping on errors: a rank the coordinator could not reach may have died (on
         a loaded host the send can time out before its agent reports the death). Wait up to
         ``grace_s`` for that news; a rank known dead is then named by its death, not by the
-        failed send. One that is still alive stays "stuck or unreachable"."""
+        failed send. One that is still alive stays "stuck or unreachable". Nothing to do (no
+        wait) when every send went through."""
         waiting = [n for n in self._unreachable if n in self.procs]
         deadline = time.monotonic() + grace_s
         while any(self.procs[n].is_alive() for n in waiting) and time.monotonic() < deadline:

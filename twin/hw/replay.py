@@ -92,8 +92,7 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
             launcher.pump(20)
             if time.monotonic() - last[0] > stall_s:
                 break
-        if launcher.errors:
-            launcher.settle_unreachable()
+        launcher.settle_unreachable()
         states = launcher.request_states()
         inputs = launcher.inputs
         errors = list(launcher.errors)
