@@ -181,3 +181,21 @@ def test_an_injected_transfer_failure_fails_its_request_only() -> None:
     assert s["status"] == "failed" and result.exit_code == 5, s
     assert s["fault_report"] == [{"fault": "fail-transfer:node=p0g0r1:nth=1", "fired": 1}]
     assert s["failures"] == {"prefill p0g0r1 failed": 1}
+
+
+def test_queued_requests_and_deferral_timers_do_not_spin_the_processes() -> None:
+    """Four long requests arrive at once with one slot: three wait for it all run long, and
+    the decode ring (1 MiB against 384 KiB chunks) defers WRITEs on millisecond timers.
+    The coordinator waits on its ranks' messages instead of spinning on the waiting request's
+    long-past arrival time (it took a whole core of this 2-core host from the ranks, halving
+    their speed), so it uses a fraction of the run's time on the CPU."""
+    cfg = TwinConfig(model=TINY, chunked_prefill_size=384, prefill=ServerSide(tp_size=2),
+                     decode=ServerSide(tp_size=1), staging_pool_size_bytes=1 << 20,
+                     fixes=LATE_REQ_FIX)
+    result = run_hw(cfg, fixed([(0.0, 12_000, 4, 0)] * 4), max_concurrency=1,
+                    options=_options())
+    s = result.summary()
+    assert (s["completed"], s["verified"]) == (4, 4), s
+    assert result.run_seconds > 2.0, result.run_seconds  # long enough for a spin to show
+    assert result.coordinator_cpu_s < 0.5 * result.run_seconds, (
+        result.coordinator_cpu_s, result.run_seconds)

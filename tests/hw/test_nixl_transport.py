@@ -398,3 +398,31 @@ def test_in_process_pair_and_wait_notif() -> None:
         assert b.get_notifs() == []
         assert torch.equal(dst[:3000], src[:3000])
         assert a.outstanding == 0
+
+
+def _thread_cpu_ticks() -> dict[str, int]:
+    """CPU clock ticks (user + system) of each of this process's threads, by thread id."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def test_an_idle_shm_endpoint_takes_no_cpu() -> None:
+    """NIXL's progress thread spins without pause; an ``shm`` endpoint runs without it (its
+    writes complete on the initiator's polls), so an idle rank takes no core from the others.
+    Only the threads the endpoint started are counted (an earlier test's ``noshm`` agents may
+    still spin in this process). With the thread, it used about one CPU second per second."""
+    t = torch.zeros(1 << 16, dtype=torch.uint8)
+    before = set(_thread_cpu_ticks())
+    hz = os.sysconf("SC_CLK_TCK")
+    with NixlEndpoint("idle-cpu") as ep:
+        ep.register(t)
+        start, wall0 = _thread_cpu_ticks(), time.monotonic()
+        time.sleep(1.0)
+        end, wall = _thread_cpu_ticks(), time.monotonic() - wall0
+    mine = [tid for tid in end if tid not in before]  # a progress thread would be new
+    cpu = sum(end[tid] - start.get(tid, 0) for tid in mine) / hz
+    assert cpu < 0.2 * wall, (cpu, wall)

@@ -72,3 +72,36 @@ def test_a_run_with_stalls_is_deterministic_and_slower(tmp_path: Path) -> None:
     assert calm.sim.stalls is None
     ttft = [r["ttft_s"]["p50"] for r in (calm.summary()["latency"], one.summary()["latency"])]
     assert ttft[1] > ttft[0]
+
+
+def test_blocking_kernels_hold_the_rank_until_they_finish(tmp_path: Path) -> None:
+    """``blocking_kernels`` (the hardware mode's torch copies in the rank's loop): while a
+    decode rank scatters, it takes no input, and the run is deterministic and slower than
+    with the same scatters on a device stream."""
+    from twin.trace.format import read_trace
+
+    slow = {"scatter_bandwidth_Bps": 2e8, "gather_bandwidth_Bps": 2e8}
+    stream, _ = _run(tmp_path, "stream", **slow)
+    one, trace_one = _run(tmp_path, "one", **slow, blocking_kernels=True)
+    _, trace_two = _run(tmp_path, "two", **slow, blocking_kernels=True)
+    assert one.status == stream.status == "completed"
+    assert trace_one == trace_two
+    busy: list[tuple[float, float]] = []  # one decode rank's scatters, start to finish
+    inputs: list[float] = []
+    free = 0.0
+    for rec in read_trace(tmp_path / "one.jsonl").events:
+        if rec.node != "d0g0r0":
+            continue
+        # The decode group's poll reduction between TP peers is delivered inside the
+        # runtime, instantly (a gloo all-reduce): a busy peer's share of it is not modelled.
+        if rec.dir == "in" and rec.type != "PeerPolled":
+            inputs.append(rec.t)
+        elif rec.type == "StartScatter":
+            start = max(rec.t, free)
+            free = start + 15e-6 + rec.event.nbytes / 2e8
+            busy.append((start, free))
+    assert len(busy) >= 50
+    inside = [t for t in inputs for a, b in busy if a + 1e-9 < t < b - 1e-9]
+    assert inside == []
+    ttft = [r.summary()["latency"]["ttft_s"]["p50"] for r in (stream, one)]
+    assert ttft[1] > ttft[0]

@@ -51,6 +51,8 @@ class Measured:
     transfers: list[tuple[int, float]] = field(default_factory=list)
     transfer_busy: list[tuple[int, float]] = field(default_factory=list)  # per node: bytes, busy s
     scatters: list[tuple[int, float]] = field(default_factory=list)
+    # per decode node, in start order: (start, done, bytes) of each scatter
+    scatter_spans: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
     forward_gaps: list[float] = field(default_factory=list)
     rank_skew: list[float] = field(default_factory=list)  # one scheduler call, across ranks
     phases: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -110,6 +112,7 @@ def measure(trace: Trace) -> Measured:
             start = scatters.pop((rec.node, e.room, e.chunk_idx), None)
             if start is not None:
                 m.scatters.append((start[1], t - start[0]))
+                m.scatter_spans.setdefault(rec.node, []).append((start[0], t, start[1]))
         elif kind in ("Prefetch", "SendKV"):
             calls[(kind, e.room, getattr(e, "end_idx", -1))].append(t)
             per_room[(rec.node, e.room)].append(t)
@@ -169,6 +172,38 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return 0.0, float(np.median(ys / xs))
 
 
+def _scatter_costs(spans: list[dict[str, list[tuple[float, float, int]]]]
+                   ) -> tuple[float, float, float]:
+    """``(launch, seconds per byte, polling interval)`` of the decode ranks' scatters.
+
+    A rank runs its scatters one after another (the simulator's stream does too), so one
+    scatter's start-to-done time holds the scatters queued before it: the cost of a byte is
+    the ranks' busy time (the union of their scatters' spans) over the bytes scattered. What
+    is left of each scatter's time once that queue is replayed (done minus its finish on a
+    serial stream) is the wait for the decode loop to see it, on average half the polling
+    interval."""
+    busy, nbytes, count = 0.0, 0, 0
+    for per_node in spans:
+        for node_spans in per_node.values():
+            end = -math.inf
+            for a, b, n in sorted(node_spans):
+                if b > end:
+                    busy += b - max(a, end)
+                    end = b
+                nbytes += n
+                count += 1
+    launch = 1e-6
+    per_byte = max(0.0, busy - launch * count) / max(1, nbytes)
+    waits = []
+    for per_node in spans:
+        for node_spans in per_node.values():
+            free = -math.inf
+            for a, b, n in sorted(node_spans):
+                free = max(a, free) + launch + n * per_byte
+                waits.append(max(0.0, b - free))
+    return launch, per_byte, max(1e-4, 2 * float(np.median(waits)))
+
+
 def direct_params(measured: list[Measured], base: SimParams | None = None,
                   stalls: bool = False) -> SimParams:
     """Cost parameters read straight from the traces (before the joint fit); with ``stalls``
@@ -185,6 +220,9 @@ def direct_params(measured: list[Measured], base: SimParams | None = None,
         "prefill_s_per_token": 0.0, "prefill_s_per_token_ctx": 0.0,
         "prefill_requests_per_forward": 1, "decode_step_s": 0.0, "decode_s_per_seq": 0.0,
         "decode_s_per_ctx_token": 0.0, "ranks_per_nic": 1,
+        # Its gathers and scatters run in the rank's own loop (torch copies, synchronised on
+        # CUDA), so a rank handles nothing else meanwhile.
+        "blocking_kernels": True,
     }
     if frames:
         lo = float(np.percentile(frames, 5))
@@ -211,16 +249,10 @@ def direct_params(measured: list[Measured], base: SimParams | None = None,
         changes["prefill_command_jitter_s"] = float(np.median(skew)) / math.log(2)
     launch = base.kernel_launch_s
     if scat:
-        # The kernel: the fast end of each size; the rest is waiting for the next poll, on
-        # average half the polling interval.
-        fast = [(b, d) for b, d in scat if d <= np.percentile([x for y, x in scat if y == b], 25)]
-        launch, per_byte = _fit_line(fast or scat)
-        launch = max(launch, 1e-6)
+        launch, per_byte, poll = _scatter_costs([m.scatter_spans for m in measured])
         changes["kernel_launch_s"] = launch
         changes["scatter_bandwidth_Bps"] = 1.0 / per_byte if per_byte > 0 else 1e15
-        kernel = [launch + b * per_byte for b, _ in scat]
-        excess = float(np.median([d - k for (_, d), k in zip(scat, kernel, strict=True)]))
-        changes["decode_poll_interval_s"] = max(1e-4, 2 * excess)
+        changes["decode_poll_interval_s"] = poll
     if xfer:
         # A WRITE's time against its size (median per size). On a host where WRITEs overlap
         # and wait on process scheduling more than on bytes, that time is latency: per-byte
@@ -322,7 +354,7 @@ FITTED = ("zmq_latency_s", "zmq_jitter_s", "rdma_latency_s", "transfer_jitter_s"
           "forward_overhead_s", "prefill_s_per_token", "prefill_s_per_token_ctx",
           "prefill_requests_per_forward", "prefill_command_jitter_s", "decode_poll_interval_s", "decode_step_s",
           "decode_s_per_seq", "decode_s_per_ctx_token", "decode_prealloc_s", "process_stall_s",
-          "process_run_s")
+          "process_run_s", "blocking_kernels")
 """The ``[sim]`` fields calibration sets."""
 
 MISMATCH_PENALTY = 4.0

@@ -192,7 +192,11 @@ class NixlEndpoint:
             raise ValueError("agent name must be non-empty")
         self.name = name
         self.shm = shm
-        self._agent: Any = nixl_agent(name, nixl_agent_config(backends=[]))
+        # NIXL's progress thread spins without pause (its delay is fixed at 0); with
+        # ``shm`` writes complete without it (the initiator's polls progress them), so it is
+        # off there and each rank keeps one busy thread instead of two.
+        self._agent: Any = nixl_agent(name, nixl_agent_config(
+            enable_prog_thread=not shm, backends=[]))
         params = {"ucx_error_handling_mode": "none"} if shm else {}
         try:
             self._agent.create_backend("UCX", params)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import math
 import os
 import pickle
 import random
@@ -24,6 +25,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -150,6 +152,10 @@ class RankProcess:
         self.in_flight: dict[int, Any] = {}
         self.scatters_done: list[ev.ScatterDone] = []
         self.rooms: dict[int, dict[str, Any]] = {}
+        # decode: a room's pages checked since they were last written, and the wrong ones
+        # (the page range of one check, its first wrong element)
+        self.verified: dict[int, set[int]] = {}
+        self.mismatch: dict[int, list[tuple[range, str]]] = {}
         self.outbox: list[tuple[float, Any, list[Any]]] = []
         self.reports: list[dict[str, Any]] = []
         self.stopping = False
@@ -224,7 +230,9 @@ class RankProcess:
             # Block on the socket when idle; poll fast only while WRITEs are in flight.
             wait_ms = 1 if self.in_flight or self.scatters_done else IDLE_WAIT_MS
             if self.timers:
-                until = int((self.timers[0][0] - self.now()) * 1000)
+                # Rounded up: a timer less than a millisecond away is waited for (at most a
+                # millisecond late), not spun on; spinning took a whole core per rank.
+                until = math.ceil((self.timers[0][0] - self.now()) * 1000)
                 wait_ms = max(0, min(wait_ms, until))
             frames = self.sock.recv_frames(timeout_ms=wait_ms)
             while frames is not None:
@@ -472,6 +480,7 @@ class RankProcess:
                 cfg.model.num_kv_heads)
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
+            self._verify_pages(e.room, range(e.page_start, e.page_start + e.num_pages))
         else:
             self.reports.append({"kind": "bad-scatter", "node": self.spec.node,
                                  "detail": f"room {e.room} chunk {e.chunk_idx} pages "
@@ -490,17 +499,52 @@ class RankProcess:
                 report["mismatch"] = self._verify(req)
             if e.status == "Success" or not self.cfg.deferred_decode_kv_release:
                 self.pool.release(e.room)  # a held failed room keeps its KV pages until released
+            self.verified.pop(e.room, None)
+            self.mismatch.pop(e.room, None)
         self.reports.append(report)
 
+    def _verify_pages(self, room: int, pages: range) -> None:
+        """Check the room's pages ``pages`` (indices into the room's suffix pages), just
+        written, against the request's pattern. Called after every scatter, so a room's bytes
+        are checked as they land (the decode loop's share of a room's cost) instead of all at
+        once when it finishes. A check that overlaps a wrong range checked before drops it and
+        marks its pages unchecked again (the newer write decides), so what ``_verify`` reports
+        is always the room's final bytes."""
+        req = self.rooms.get(room)
+        if req is None:
+            return
+        seen = self.verified.setdefault(room, set())
+        bad = self.mismatch.setdefault(room, [])
+        for entry in [b for b in bad if b[0].start < pages.stop and pages.start < b[0].stop]:
+            bad.remove(entry)
+            seen.difference_update(entry[0])
+        page = self.cfg.page_size
+        start = req["decode_prefix_len"]
+        first = pages.start * page
+        count = min(len(pages) * page, req["input_len"] - start - first)
+        if count > 0:
+            tokens = self.pool.token_indices(self.pool.pages_of(room), first, count)
+            wrong = verify_decode_pool(self.pool.k, self.pool.v, req["rid"],
+                                       range(start + first, start + first + count), tokens,
+                                       self.heads)
+            if wrong is not None:
+                bad.append((pages, str(wrong)))
+        seen.update(pages)
+
     def _verify(self, req: dict[str, Any]) -> str | None:
-        """Check every byte of a finished room; the first mismatch, named, or None."""
-        start, end = req["decode_prefix_len"], req["input_len"]
-        if end <= start:
-            return None
-        tokens = self.pool.token_indices(self.pool.pages_of(req["room"]), 0, end - start)
-        bad = verify_decode_pool(self.pool.k, self.pool.v, req["rid"], range(start, end),
-                                 tokens, self.heads)
-        return None if bad is None else str(bad)
+        """Every byte of a finished room checked: the pages no check since their last write
+        covered (never written, or re-checked after an overlapping wrong range) now; the
+        room's first mismatch in page order, named, or None."""
+        room = req["room"]
+        total = pages_for_tokens(max(0, req["input_len"] - req["decode_prefix_len"]),
+                                 self.cfg.page_size)
+        seen = self.verified.get(room, set())
+        missing = [i for i in range(total) if i not in seen]
+        for _, run in groupby(enumerate(missing), key=lambda x: x[1] - x[0]):
+            idx = [i for _, i in run]
+            self._verify_pages(room, range(idx[0], idx[-1] + 1))
+        bad = self.mismatch.get(room)
+        return min(bad, key=lambda b: b[0].start)[1] if bad else None
 
     def _torn_down(self, node: str, e: ev.RoomTornDown) -> None:
         self.pool.release(e.room)

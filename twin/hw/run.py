@@ -72,6 +72,7 @@ class HwResult:
     faults: list[dict[str, Any]] = field(default_factory=list)
     log_dir: str | None = None
     agents: list[dict[str, Any]] | None = None  # across nodes: each agent, its ranks and clock
+    coordinator_cpu_s: float = 0.0  # CPU the coordinator process used while driving the run
 
     @property
     def status(self) -> RunStatus:
@@ -142,6 +143,7 @@ class HwRun:
         self.queue: dict[int, deque[RequestState]] = {}
         self.busy: set[int] = set()
         self.timers: list[tuple[float, int, Any]] = []
+        self._cpu0 = 0.0
         self._n = 0
         self.last_progress = 0.0
         self.corruption: list[str] = []
@@ -321,6 +323,7 @@ class HwRun:
     def run(self) -> HwResult:
         lau = self.launcher
         t_start = time.perf_counter()
+        self._cpu0 = time.process_time()
         pending = deque(range(len(self.workload.requests)))
         wedged = False
         for i, spec in enumerate(self.faults):
@@ -351,7 +354,10 @@ class HwRun:
             wait = 0.02
             if self.timers:
                 wait = min(wait, self.timers[0][0] - lau.now())
-            if pending:
+            if pending and in_flight < self.max_concurrency and self._fits(pending[0]):
+                # An arrived request waiting for a slot or for KV pages is admitted on a
+                # rank's message, which ends the pump anyway: waiting for its arrival time
+                # (long past) would spin this loop and take a core from the ranks.
                 wait = min(wait, self.workload.requests[pending[0]].arrival_s - lau.now())
             lau.pump(max(0, int(wait * 1000)))
             lau.check_alive()
@@ -404,7 +410,8 @@ class HwRun:
             stopped=self.stopped, corrupted_rooms=rooms,
             faults=fault_report(self.faults, self.fired),
             log_dir=lau.log_dir if lau.failed_nodes else None,
-            agents=lau.hub.records() if lau.hub is not None else None)
+            agents=lau.hub.records() if lau.hub is not None else None,
+            coordinator_cpu_s=time.process_time() - self._cpu0)
 
 
 def check_supported(defects: Defects, faults: list[str]) -> None:

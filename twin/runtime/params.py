@@ -60,6 +60,10 @@ class SimParams:
     # reached it meanwhile when it runs again. 0: never stalls (a dedicated core per rank).
     process_stall_s: float = 0.0
     process_run_s: float = 0.1
+    # Gathers and scatters run on the rank process's own thread (the hardware mode on CPU:
+    # torch copies in the process's loop) rather than on a device stream: while one runs, the
+    # process handles nothing else, and the frames its input produced leave after it.
+    blocking_kernels: bool = False
     # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
     # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,
     # staging freed and requests admitted once per iteration. With no batch to run the loop

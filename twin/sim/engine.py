@@ -146,8 +146,11 @@ class Simulation:
         self.rng_net = random.Random(f"{seed}:net")
         p = self.params
         self.stalls: ProcessStalls | None = None
+        self.busy_until: dict[str, float] = {}  # blocking kernels: node -> busy until
+        self._blocking = p.blocking_kernels
         if p.process_stall_s > 0:  # a stalled node's inputs wait until it runs again
             self.stalls = ProcessStalls(p.process_stall_s, p.process_run_s, seed)
+        if self.stalls is not None or self._blocking:
             self.feed = self._feed_when_running
             self._fire = self._fire_when_running
         self._zmq_latency_s = p.zmq_latency_s
@@ -220,8 +223,10 @@ class Simulation:
         """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
         (after whatever reached it before, in order)."""
         now = self.env._now
-        assert self.stalls is not None
-        end = self.stalls.end(node, now)
+        end = self.stalls.end(node, now) if self.stalls is not None else now
+        busy = self.busy_until.get(node, 0.0)
+        if busy > end:
+            end = busy
         if end > now:
             self.at(end - now, fn, *args)
             return True
@@ -267,6 +272,8 @@ class Simulation:
             delay = self._zmq_latency_s + self._expovariate(jitter)
         link = (src, dst, _PREFETCH if msg.__class__ is _STAGING_REQ else _CONTROL)
         t = now + delay
+        if self._blocking:  # sent once the sender's kernels for this input have run
+            t += max(0.0, self.busy_until.get(src, 0.0) - now)
         last = self.link_last.get(link, 0.0)
         if last > t:
             t = last
@@ -294,6 +301,8 @@ class Simulation:
             # A delay stalls the socket: this frame and every later one on it wait.
             delay += fate.hold_s
             extra -= fate.hold_s
+        if self._blocking:
+            delay += max(0.0, self.busy_until.get(src, 0.0) - self.env._now)
         t = max(self.env._now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         arrived = ev.new_message_arrived(src=src, msg=msg)
@@ -315,6 +324,9 @@ class Simulation:
         if req is not None and req.first_transfer_s < 0:
             req.first_transfer_s = self.env._now
         gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
+        if self._blocking:  # the gather holds the process; the WRITE is posted after it
+            gather += max(0.0, self.busy_until.get(node, 0.0) - self.env._now)
+            self.busy_until[node] = self.env._now + gather
         nic = self.metrics.nic_of(node, p.ranks_per_nic)
         start = max(self.env._now + gather, self.nic_free.get(nic, 0.0))
         wire_s = e.nbytes / p.nic_bandwidth_Bps
@@ -345,6 +357,8 @@ class Simulation:
         start = max(self.env._now, self.stream_free.get(node, 0.0))
         finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
         self.stream_free[node] = finish
+        if self._blocking:
+            self.busy_until[node] = finish
         self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(

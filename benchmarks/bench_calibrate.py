@@ -1,0 +1,129 @@
+"""Cross-workload calibration: fit the simulator to some hardware traces, predict the others.
+
+Records one hardware-mode trace per workload (``twin hw``, prefill TP2 -> decode TP1 of
+``examples/tp2-tp1-small.toml``, one after another), then for each calibration set (one trace,
+or two) runs ``twin calibrate`` and compares every other trace with a fresh simulation on the
+fitted costs (``twin replay``'s timing comparison: three seeds, per-room ratios pooled). The
+baseline is each trace's own recorded ``[sim]`` costs (the defaults the run was started with),
+compared in the same run. Prints the p50 ratio simulated / measured of the time until all KV
+landed and of the transfer span for every (calibrated on, checked on) pair; issue goal: every
+cross-workload ratio within 0.85-1.15.
+
+Workloads (the ones ``docs/simulator.md`` reports): a = 24 requests of 600 tokens at 20/s,
+b = 24 of 1,000 at 10/s, c = 24 of 800 at 15/s, d = 32 of 400 at 25/s.
+
+Run: ``python benchmarks/bench_calibrate.py [--work DIR] [--reuse] [--sets a,b,c,d,a+b,c+d]
+[--stalls] [--json out.json]``. ``--reuse`` keeps traces already in ``--work``. About 6 minutes
+here (2 cores) with the default sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOYMENT = ROOT / "examples" / "tp2-tp1-small.toml"
+WORKLOADS = {
+    "a": "poisson:n=24,rate=20,input=600,output=1,seed=1",
+    "b": "poisson:n=24,rate=10,input=1000,output=1,seed=2",
+    "c": "poisson:n=24,rate=15,input=800,output=1,seed=3",
+    "d": "poisson:n=32,rate=25,input=400,output=1,seed=4",
+}
+PHASES = ("kv_done_s", "transfer_s")
+
+
+def twin(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "twin", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, check=False)
+
+
+def record(work: Path, name: str, reuse: bool) -> Path:
+    out = work / f"hw-{name}.jsonl.gz"
+    if reuse and out.exists():
+        return out
+    t0 = time.perf_counter()
+    r = twin("hw", "--config", str(DEPLOYMENT), "--workload", WORKLOADS[name],
+             "--trace-out", str(out))
+    if r.returncode != 0:
+        raise SystemExit(f"twin hw for workload {name} exited {r.returncode}:\n{r.stderr[-2000:]}")
+    print(f"recorded {name}: {WORKLOADS[name]} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def compare(trace: Path, costs: Path | None) -> dict[str, Any]:
+    from twin.calibrate import costs_from
+    from twin.replay.timing import compare_with_simulation
+
+    params = costs_from(str(costs)) if costs is not None else None
+    return compare_with_simulation(str(trace), params=params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", default="bench-calibrate", help="folder for traces and costs")
+    ap.add_argument("--reuse", action="store_true", help="keep traces already recorded there")
+    ap.add_argument("--sets", default="a,b,c,d,a+b,c+d",
+                    help="calibration sets, comma-separated; '+' joins traces")
+    ap.add_argument("--stalls", action="store_true", help="twin calibrate --stalls")
+    ap.add_argument("--json", dest="json_out", help="write the results here")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    sets = [s.split("+") for s in args.sets.split(",")]
+    unknown = sorted({n for s in sets for n in s} - set(WORKLOADS))
+    if unknown:
+        ap.error(f"--sets: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    print(f"load average before recording: {os.getloadavg()[0]:.2f}", flush=True)
+    traces = {name: record(work, name, args.reuse) for name in WORKLOADS}
+    results: dict[str, Any] = {"load_avg": os.getloadavg()[0], "pairs": []}
+
+    def row(label: str, checked: str, report: dict[str, Any]) -> dict[str, Any]:
+        entry = {"calibrated_on": label, "checked_on": checked,
+                 "status": report.get("simulated_status"),
+                 **{ph: report.get(ph, {}).get("ratio_p50") for ph in PHASES}}
+        print(f"{label:>8} -> {checked}: KV landed {entry['kv_done_s']!s:>7}  transfer span "
+              f"{entry['transfer_s']!s:>7}  ({entry['status']})", flush=True)
+        results["pairs"].append(entry)
+        return entry
+
+    print("baseline: each trace's own recorded costs", flush=True)
+    for name, path in traces.items():
+        row("recorded", name, compare(path, None))
+    cross: list[float] = []
+    for group in sets:
+        label = "+".join(group)
+        costs = work / f"costs-{label}.toml"
+        t0 = time.perf_counter()
+        cal = twin("calibrate", *(str(traces[n]) for n in group), "-o", str(costs),
+                   *(["--stalls"] if args.stalls else []))
+        if cal.returncode != 0:
+            raise SystemExit(f"twin calibrate {label} exited {cal.returncode}:\n{cal.stderr[-2000:]}")
+        print(f"calibrated on {label} in {time.perf_counter() - t0:.1f} s", flush=True)
+        for name, path in traces.items():
+            entry = row(label, name, compare(path, costs))
+            if name not in group:
+                cross += [v for v in (entry[ph] for ph in PHASES) if v is not None]
+    if cross:
+        inside = sum(0.85 <= v <= 1.15 for v in cross)
+        print(f"cross-workload p50 ratios: {min(cross):.2f}-{max(cross):.2f}, "
+              f"{inside} of {len(cross)} within 0.85-1.15", flush=True)
+        results["cross_range"] = [min(cross), max(cross)]
+        results["cross_inside"] = [inside, len(cross)]
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
