@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -58,6 +57,7 @@ from twin.hw.nodes import (
     ROLES,
     Beater,
 )
+from twin.hw.procs import start_rank
 
 EXIT_OK, EXIT_LOST, EXIT_BAD = 0, 1, 2
 POLL_MS = 100
@@ -217,22 +217,17 @@ class Agent:
 
     # -- ranks ---------------------------------------------------------------------------------
     def _launch(self, specs: list[Any]) -> None:
-        from twin.hw.rank import rank_main
-
         env = {PARENT_ENV: str(os.getpid()), LOG_ENV: self.log_dir}
         if self.frame_logs and "TWIN_HW_LOG_DIR" not in os.environ:
             env["TWIN_HW_LOG_DIR"] = self.log_dir
         env.update(self.ucx)
         os.environ.update(env)
-        ctx = mp.get_context("spawn")
         names = []
         for spec in specs:
             spec.coordinator = self.coordinator
             spec.bind_host = self.address
             spec.control_ports = self.control_ports
-            proc = ctx.Process(target=rank_main, args=(spec,), name=f"twin-{spec.node}",
-                               daemon=True)
-            proc.start()
+            proc = start_rank(spec)
             self.procs[spec.node] = proc
             names.append(f"{spec.node} ({spec.device}, pid {proc.pid})")
         self.echo(f"agent       {self.name}: started {', '.join(names) or 'no ranks'}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -41,7 +40,8 @@ from twin.hw.hostmem import RANK_OVERHEAD_BYTES, available_host_bytes, fits, hos
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
 from twin.hw.netutil import has_rdma_devices
 from twin.hw.nodes import AgentHub, NodesError, PlacementEntry, RemoteRank
-from twin.hw.rank import (
+from twin.hw.procs import start_rank
+from twin.hw.rankspec import (
     CMD,
     DIRECTORY,
     HELLO,
@@ -51,7 +51,6 @@ from twin.hw.rank import (
     STATE,
     STOP,
     RankSpec,
-    rank_main,
 )
 
 
@@ -372,12 +371,8 @@ class Launcher:
             # One host: UCX's TCP transport listens on loopback only, not on every interface.
             os.environ["UCX_NET_DEVICES"] = "lo"
             self._set_env.append("UCX_NET_DEVICES")
-        ctx = mp.get_context("spawn")
         for spec in self._specs(lambda n, k: self.options.device_of(n.role, k)):
-            proc = ctx.Process(target=rank_main, args=(spec,), name=f"twin-{spec.node}",
-                               daemon=True)
-            proc.start()
-            self.procs[spec.node] = proc
+            self.procs[spec.node] = start_rank(spec)
 
     def _launch_remote(self) -> None:
         hub = self.hub

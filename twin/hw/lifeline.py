@@ -5,6 +5,9 @@
 * ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill the rank when the coordinator
   dies, even by SIGKILL; a watchdog thread checks the parent pid once a second as well (other
   platforms, and a parent that died before ``prctl`` ran);
+* a rank forked from the coordinator's forkserver (``twin.hw.procs``) has the server as its
+  parent, and the server lives as long as any rank it forked: such a rank waits on the
+  coordinator's pidfd in a thread instead, and exits the moment the coordinator ends;
 * with ``TWIN_HW_RANK_LOG_DIR`` set, the process's stdout and stderr (Python tracebacks, NIXL
   and UCX messages) go to ``DIR/NODE.log`` instead of the coordinator's terminal, which gets one
   line per rank error.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import sys
 import threading
@@ -43,18 +47,55 @@ def _watchdog(parent: int) -> None:
             os._exit(1)
 
 
+def _watch_pid(pid: int) -> None:
+    """Exit this process as soon as process ``pid`` (not our parent) ends: its pidfd becomes
+    readable then; without pidfds, poll it once a second."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+        os._exit(1)
+    while _alive(pid):
+        time.sleep(WATCHDOG_PERIOD_S)
+    os._exit(1)
+
+
 def rank_log_path(log_dir: str, node: str) -> str:
     return os.path.join(log_dir, f"{node}.log")
 
 
-def rank_setup(node: str) -> None:
-    """Tie this process's life to the coordinator's and route its output to its log."""
-    parent = int(os.environ.get(PARENT_ENV, "0") or 0) or os.getppid()
-    _pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent:  # the coordinator died before prctl took effect
-        os._exit(1)
-    threading.Thread(target=_watchdog, args=(parent,), name="twin-lifeline",
-                     daemon=True).start()
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def rank_setup(node: str, forked: bool = False) -> None:
+    """Tie this process's life to the coordinator's and route its output to its log.
+
+    ``forked``: started by the coordinator's forkserver (``twin.hw.procs``): the rank then
+    watches the coordinator's pid (a pidfd) instead of its parent's."""
+    coordinator = int(os.environ.get(PARENT_ENV, "0") or 0) or os.getppid()
+    if forked:
+        # The server outlives the coordinator while any rank it forked holds its end of the
+        # server's alive pipe, so the rank watches the coordinator itself.
+        _pdeathsig(signal.SIGKILL)  # and dies with the server, should that die first
+        if not _alive(coordinator):
+            os._exit(1)
+        threading.Thread(target=_watch_pid, args=(coordinator,), name="twin-lifeline",
+                         daemon=True).start()
+    else:
+        _pdeathsig(signal.SIGKILL)
+        if os.getppid() != coordinator:  # the coordinator died before prctl took effect
+            os._exit(1)
+        threading.Thread(target=_watchdog, args=(coordinator,), name="twin-lifeline",
+                         daemon=True).start()
     log_dir = os.environ.get(LOG_ENV)
     if log_dir:
         try:

@@ -24,7 +24,6 @@ import random
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
@@ -42,44 +41,29 @@ from twin.core.topology import Node, build_rank
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
-from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
+from twin.hw.rankspec import (
+    ABORT,
+    CMD,
+    DIRECTORY,
+    HELLO,
+    META,
+    PEER,
+    RECORDS,
+    REPORT,
+    START,
+    STATE,
+    STOP,
+    WARM,
+    RankSpec,
+)
 from twin.runtime.faults import FaultInjector, parse_fault
 from twin.runtime.runtime import Runtime
 
-# Coordinator <-> rank frames (the twin's own; SGLang's frames travel between ranks).
-HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
-    b"TWIN_HELLO", b"TWIN_DIR", b"TWIN_START", b"TWIN_CMD", b"TWIN_REC", b"TWIN_REPORT",
-    b"TWIN_STATE", b"TWIN_STOP")
-META, ABORT, PEER = b"TWIN_META", b"TWIN_ABORT", b"TWIN_PEER"
-WARM = b"TWIN_WARM"  # opens a prefill rank's prefetch connection to a decode rank at start-up
 IDLE_WAIT_MS = 20
 FLUSH_IDLE_S = 0.05
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
-
-
-@dataclass
-class RankSpec:
-    """Everything a spawned rank needs (picklable)."""
-
-    node: str
-    role: str
-    rank: int
-    unique_rank: int
-    config: dict[str, Any]
-    defects: list[str]
-    faults: list[str]
-    coordinator: str
-    device: str = "cpu"
-    kv_pool_pages: int = 4096
-    seed: int = 0
-    kernels: str = ""
-    script: list[Any] | None = None
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    nodes_by_unique: dict[int, str] = field(default_factory=dict)
-    bind_host: str = LOOPBACK_HOST  # where the rank's control socket listens
-    control_ports: tuple[int, int] | None = None  # within these ports (inclusive), if given
 
 
 def _match_key(e: Any) -> Any:
@@ -574,10 +558,13 @@ class RankProcess:
 
 
 def rank_main(spec: RankSpec) -> None:
-    """Process entry point (spawned by the launcher)."""
+    """Process entry point (started by the launcher, ``twin.hw.procs``)."""
     from twin.hw.lifeline import rank_setup
 
-    rank_setup(spec.node)  # die with the coordinator; stderr to the rank's log
+    if spec.env is not None:  # forked from a server started earlier: the launcher's now
+        os.environ.clear()
+        os.environ.update(spec.env)
+    rank_setup(spec.node, forked=spec.env is not None)  # dies with the coordinator; logs
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     proc = None
