@@ -121,10 +121,15 @@ def test_multi_target_retry_race_corrupts_real_bytes(tmp_path: Path) -> None:
     from twin.replay import replay_sim
 
     sc = SCENARIOS["multi-target-retry"]
-    out = tmp_path / "race.jsonl.gz"
-    result = run_hw(sc.config, sc.workload(), faults=list(sc.faults), params=sc.params,
-                    options=_options(), trace_out=str(out))
-    s = result.summary()
+    # The race needs a retry to land after its region was given to the next room: on a loaded
+    # host the run sometimes completes clean (about 1 in 10 here); up to three runs.
+    for attempt in range(3):
+        out = tmp_path / f"race{attempt}.jsonl.gz"
+        result = run_hw(sc.config, sc.workload(), faults=list(sc.faults), params=sc.params,
+                        options=_options(), trace_out=str(out))
+        s = result.summary()
+        if s["status"] != "completed":
+            break
     assert s["status"] == "corrupted", s
     assert all(" room " in c and " layer " in c and " token " in c for c in s["corruption"])
     replayed = replay_sim(read_trace(out))

@@ -411,14 +411,15 @@ def _thread_cpu_ticks() -> dict[str, int]:
 
 
 def test_an_idle_shm_endpoint_takes_no_cpu() -> None:
-    """NIXL's progress thread spins without pause; an ``shm`` endpoint runs without it (its
-    writes complete on the initiator's polls), so an idle rank takes no core from the others.
+    """NIXL's progress thread spins without pause; an ``shm`` endpoint whose peers are all on
+    this host runs without it (its writes complete on the initiator's polls), so an idle rank
+    takes no core from the others.
     Only the threads the endpoint started are counted (an earlier test's ``noshm`` agents may
     still spin in this process). With the thread, it used about one CPU second per second."""
     t = torch.zeros(1 << 16, dtype=torch.uint8)
     before = set(_thread_cpu_ticks())
     hz = os.sysconf("SC_CLK_TCK")
-    with NixlEndpoint("idle-cpu") as ep:
+    with NixlEndpoint("idle-cpu", progress_thread=False) as ep:
         ep.register(t)
         start, wall0 = _thread_cpu_ticks(), time.monotonic()
         time.sleep(1.0)

@@ -185,18 +185,19 @@ class NixlEndpoint:
 
     _ids = itertools.count(1)
 
-    def __init__(self, name: str, *, shm: bool = True) -> None:
+    def __init__(self, name: str, *, shm: bool = True, progress_thread: bool = True) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         if not name:
             raise ValueError("agent name must be non-empty")
         self.name = name
         self.shm = shm
-        # NIXL's progress thread spins without pause (its delay is fixed at 0); with
-        # ``shm`` writes complete without it (the initiator's polls progress them), so it is
-        # off there and each rank keeps one busy thread instead of two.
+        # NIXL's progress thread spins without pause (its delay is fixed at 0). Between
+        # processes of one host with ``shm`` a WRITE completes without it (the initiator's
+        # polls progress it), so a rank whose peers are all local turns it off and takes one
+        # core instead of two; over TCP the target's thread must run (wire-up).
         self._agent: Any = nixl_agent(name, nixl_agent_config(
-            enable_prog_thread=not shm, backends=[]))
+            enable_prog_thread=progress_thread or not shm, backends=[]))
         params = {"ucx_error_handling_mode": "none"} if shm else {}
         try:
             self._agent.create_backend("UCX", params)

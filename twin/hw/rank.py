@@ -41,6 +41,7 @@ from twin.core.topology import Node, build_rank
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
+from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
 from twin.hw.rankspec import (
@@ -111,7 +112,10 @@ class RankProcess:
                      decode_attn_tp=cfg.decode.attn_tp_size, total_kv_heads=m.num_kv_heads)
         self.sock = ControlSocket(host=spec.bind_host, ports=spec.control_ports,
                                   send_timeout_ms=60_000)
-        self.nixl = NixlEndpoint(spec.node)
+        # One CPU host (ranks on loopback, DRAM over shared memory): no NIXL progress thread,
+        # which would spin a core per rank. Across nodes (TCP) and on GPUs it runs.
+        self.nixl = NixlEndpoint(spec.node, progress_thread=not (
+            spec.bind_host == LOOPBACK_HOST and self.device.type == "cpu"))
         if isinstance(self.core, PrefillRank):
             self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)
                             for _ in range(self.core.num_workers)]
