@@ -1,7 +1,7 @@
 """Cross-workload calibration: fit the simulator to some hardware traces, predict the others.
 
 Records one hardware-mode trace per workload (``twin hw``, prefill TP2 -> decode TP1 of
-``examples/tp2-tp1-small.toml``, one after another), then for each calibration set (one trace,
+``examples/tp2-tp1-small.toml`` with ``--fix drop-late-staging-req``, one after another), then for each calibration set (one trace,
 or two) runs ``twin calibrate`` and compares every other trace with a fresh simulation on the
 fitted costs (``twin replay``'s timing comparison: three seeds, per-room ratios pooled). The
 baseline is each trace's own recorded ``[sim]`` costs (the defaults the run was started with),
@@ -53,8 +53,10 @@ def record(work: Path, name: str, reuse: bool) -> Path:
     if reuse and out.exists():
         return out
     t0 = time.perf_counter()
+    # Two writers per decode rank: a loaded host can open the late-STAGING_REQ race and wedge
+    # a run, which would leave nothing to calibrate on; the proposed fix keeps it out.
     r = twin("hw", "--config", str(DEPLOYMENT), "--workload", WORKLOADS[name],
-             "--trace-out", str(out))
+             "--fix", "drop-late-staging-req", "--trace-out", str(out))
     if r.returncode != 0:
         raise SystemExit(f"twin hw for workload {name} exited {r.returncode}:\n{r.stderr[-2000:]}")
     print(f"recorded {name}: {WORKLOADS[name]} in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -53,3 +53,17 @@ def test_another_sweeps_columns_are_refused(tmp_path: Path) -> None:
     (tmp_path / "x.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ResultsError, match="not a sweep result file"):
         read_results(tmp_path / "x.csv")
+
+
+def test_digests_that_look_like_numbers_read_back_as_text(tmp_path: Path) -> None:
+    """A point id or sweep fingerprint is 16 hex digits: all digits, or digits around one
+    ``e``, would parse as a number, and the point would not be found on resume."""
+    path = tmp_path / "r.csv"
+    ids = ["1234567890123456", "12e4567890123456", "00000000000000ab"]
+    with ResultsFile(path, []) as results:
+        for pid in ids:
+            results.append({"point_id": pid, "sweep": "9e99000000000000", "outcome": "clean"})
+    with ResultsFile(path, []) as results:
+        assert sorted(results.done_ids()) == sorted(ids)
+        assert {r["sweep"] for r in results.rows} == {"9e99000000000000"}
+    assert [r["point_id"] for r in read_results(path)] == ids

@@ -39,10 +39,18 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def parse_cell(text: str) -> Any:
-    """A CSV cell back as None, a bool, an int, a float or the string itself."""
+TEXT_COLUMNS = frozenset({"point_id", "sweep"})
+"""Columns read back as the text written: hex digests, which may look like numbers
+(``"1234567890123456"``, ``"12e4567890abcdef"``)."""
+
+
+def parse_cell(text: str, column: str = "") -> Any:
+    """A CSV cell back as None, a bool, an int, a float or the string itself (always the
+    string in :data:`TEXT_COLUMNS`)."""
     if text == "":
         return None
+    if column in TEXT_COLUMNS:
+        return text
     if text in ("true", "false"):
         return text == "true"
     try:
@@ -84,7 +92,7 @@ class ResultsFile:
                 f"write to another file")
         for cells in reader:
             if len(cells) == len(header):
-                self.rows.append({k: parse_cell(v) for k, v in zip(header, cells, strict=True)})
+                self.rows.append({k: parse_cell(v, k) for k, v in zip(header, cells, strict=True)})
 
     def done_ids(self) -> set[str]:
         return {str(r["point_id"]) for r in self.rows if r.get("outcome") not in RETRY_OUTCOMES}
@@ -135,7 +143,7 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     rows = []
     for cells in reader:
         if len(cells) == len(header):
-            rows.append({k: parse_cell(v) for k, v in zip(header, cells, strict=True)})
+            rows.append({k: parse_cell(v, k) for k, v in zip(header, cells, strict=True)})
     return rows
 
 
