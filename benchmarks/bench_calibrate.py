@@ -13,7 +13,7 @@ Workloads (the ones ``docs/simulator.md`` reports): a = 24 requests of 600 token
 b = 24 of 1,000 at 10/s, c = 24 of 800 at 15/s, d = 32 of 400 at 25/s.
 
 Run: ``python benchmarks/bench_calibrate.py [--work DIR] [--reuse] [--sets a,b,c,d,a+b,c+d]
-[--stalls] [--json out.json]``. ``--reuse`` keeps traces already in ``--work``. About 6 minutes
+[--repeats N] [--stalls] [--json out.json]``. ``--reuse`` keeps traces already in ``--work``. About 6 minutes
 here (2 cores) with the default sets.
 """
 
@@ -48,8 +48,9 @@ def twin(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=env, cwd=ROOT, check=False)
 
 
-def record(work: Path, name: str, reuse: bool) -> Path:
-    out = work / f"hw-{name}.jsonl.gz"
+def record(work: Path, name: str, repeat: int, reuse: bool) -> Path:
+    """Record workload ``name`` (its ``repeat``-th recording, from 1) unless ``reuse`` finds it."""
+    out = work / f"hw-{name}{repeat if repeat > 1 else ''}.jsonl.gz"
     if reuse and out.exists():
         return out
     t0 = time.perf_counter()
@@ -58,8 +59,9 @@ def record(work: Path, name: str, reuse: bool) -> Path:
     r = twin("hw", "--config", str(DEPLOYMENT), "--workload", WORKLOADS[name],
              "--fix", "drop-late-staging-req", "--trace-out", str(out))
     if r.returncode != 0:
-        raise SystemExit(f"twin hw for workload {name} exited {r.returncode}:\n{r.stderr[-2000:]}")
-    print(f"recorded {name}: {WORKLOADS[name]} in {time.perf_counter() - t0:.1f} s", flush=True)
+        raise SystemExit(f"twin hw for workload {name} (recording {repeat}) exited {r.returncode}:\n{r.stderr[-2000:]}")
+    print(f"recorded {name} ({repeat}): {WORKLOADS[name]} in {time.perf_counter() - t0:.1f} s",
+          flush=True)
     return out
 
 
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="store_true", help="keep traces already recorded there")
     ap.add_argument("--sets", default="a,b,c,d,a+b,c+d",
                     help="calibration sets, comma-separated; '+' joins traces")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="recordings of each workload; a set calibrates on all of its workloads' "
+                         "recordings, and each recording is checked")
     ap.add_argument("--stalls", action="store_true", help="twin calibrate --stalls")
     ap.add_argument("--json", dest="json_out", help="write the results here")
     args = ap.parse_args(argv)
@@ -87,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--sets: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     print(f"load average before recording: {os.getloadavg()[0]:.2f}", flush=True)
-    traces = {name: record(work, name, args.reuse) for name in WORKLOADS}
+    if args.repeats < 1:
+        ap.error("--repeats: at least 1")
+    # label -> (workload, trace): "a", then "a#2", ... for its repeats
+    traces = {name + (f"#{k}" if k > 1 else ""): (name, record(work, name, k, args.reuse))
+              for k in range(1, args.repeats + 1) for name in WORKLOADS}
     results: dict[str, Any] = {"load_avg": os.getloadavg()[0], "pairs": []}
 
     def row(label: str, checked: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -100,20 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         return entry
 
     print("baseline: each trace's own recorded costs", flush=True)
-    for name, path in traces.items():
-        row("recorded", name, compare(path, None))
+    for label, (_, path) in traces.items():
+        row("recorded", label, compare(path, None))
     cross: list[float] = []
     for group in sets:
         label = "+".join(group)
         costs = work / f"costs-{label}.toml"
         t0 = time.perf_counter()
-        cal = twin("calibrate", *(str(traces[n]) for n in group), "-o", str(costs),
+        used = [str(path) for name, path in traces.values() if name in group]
+        cal = twin("calibrate", *used, "-o", str(costs),
                    *(["--stalls"] if args.stalls else []))
         if cal.returncode != 0:
             raise SystemExit(f"twin calibrate {label} exited {cal.returncode}:\n{cal.stderr[-2000:]}")
         print(f"calibrated on {label} in {time.perf_counter() - t0:.1f} s", flush=True)
-        for name, path in traces.items():
-            entry = row(label, name, compare(path, costs))
+        for checked, (name, path) in traces.items():
+            entry = row(label, checked, compare(path, costs))
             if name not in group:
                 cross += [v for v in (entry[ph] for ph in PHASES) if v is not None]
     if cross:
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{inside} of {len(cross)} within 0.85-1.15", flush=True)
         results["cross_range"] = [min(cross), max(cross)]
         results["cross_inside"] = [inside, len(cross)]
+
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     return 0
