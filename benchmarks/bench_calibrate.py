@@ -13,7 +13,7 @@ Workloads (the ones ``docs/simulator.md`` reports): a = 24 requests of 600 token
 b = 24 of 1,000 at 10/s, c = 24 of 800 at 15/s, d = 32 of 400 at 25/s.
 
 Run: ``python benchmarks/bench_calibrate.py [--work DIR] [--reuse] [--sets a,b,c,d,a+b,c+d]
-[--repeats N] [--stalls] [--json out.json]``. ``--reuse`` keeps traces already in ``--work``. About 6 minutes
+[--repeats N] [--max-load L] [--stalls] [--json out.json]``. ``--reuse`` keeps traces already in ``--work``. About 6 minutes
 here (2 cores) with the default sets.
 """
 
@@ -48,11 +48,22 @@ def twin(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=env, cwd=ROOT, check=False)
 
 
-def record(work: Path, name: str, repeat: int, reuse: bool) -> Path:
+def settle(max_load: float, limit_s: float = 180.0) -> float:
+    """Wait (up to ``limit_s``) until the 1-minute load average is at most ``max_load``; the
+    load average then. A host still busy from earlier work stretches a recording's timings by
+    2-3x (docs/simulator.md)."""
+    deadline = time.monotonic() + limit_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(2.0)
+    return os.getloadavg()[0]
+
+
+def record(work: Path, name: str, repeat: int, reuse: bool, max_load: float) -> Path:
     """Record workload ``name`` (its ``repeat``-th recording, from 1) unless ``reuse`` finds it."""
     out = work / f"hw-{name}{repeat if repeat > 1 else ''}.jsonl.gz"
     if reuse and out.exists():
         return out
+    load = settle(max_load)
     t0 = time.perf_counter()
     # Two writers per decode rank: a loaded host can open the late-STAGING_REQ race and wedge
     # a run, which would leave nothing to calibrate on; the proposed fix keeps it out.
@@ -60,8 +71,8 @@ def record(work: Path, name: str, repeat: int, reuse: bool) -> Path:
              "--fix", "drop-late-staging-req", "--trace-out", str(out))
     if r.returncode != 0:
         raise SystemExit(f"twin hw for workload {name} (recording {repeat}) exited {r.returncode}:\n{r.stderr[-2000:]}")
-    print(f"recorded {name} ({repeat}): {WORKLOADS[name]} in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(f"recorded {name} ({repeat}): {WORKLOADS[name]} in {time.perf_counter() - t0:.1f} s "
+          f"(load average {load:.2f} before)", flush=True)
     return out
 
 
@@ -82,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="recordings of each workload; a set calibrates on all of its workloads' "
                          "recordings, and each recording is checked")
+    ap.add_argument("--max-load", type=float, default=0.5,
+                    help="before each recording, wait (up to 3 min) for the 1-minute load "
+                         "average to fall to this")
     ap.add_argument("--stalls", action="store_true", help="twin calibrate --stalls")
     ap.add_argument("--json", dest="json_out", help="write the results here")
     args = ap.parse_args(argv)
@@ -91,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted({n for s in sets for n in s} - set(WORKLOADS))
     if unknown:
         ap.error(f"--sets: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
-    print(f"load average before recording: {os.getloadavg()[0]:.2f}", flush=True)
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
     # label -> (workload, trace): "a", then "a#2", ... for its repeats
-    traces = {name + (f"#{k}" if k > 1 else ""): (name, record(work, name, k, args.reuse))
+    traces = {name + (f"#{k}" if k > 1 else ""): (name, record(work, name, k, args.reuse, args.max_load))
               for k in range(1, args.repeats + 1) for name in WORKLOADS}
     results: dict[str, Any] = {"load_avg": os.getloadavg()[0], "pairs": []}
 
