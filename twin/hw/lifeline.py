@@ -2,12 +2,11 @@
 
 ``rank_setup(node)`` runs first thing in every rank process (``rank_main``):
 
-* ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill the rank when the coordinator
-  dies, even by SIGKILL; a watchdog thread checks the parent pid once a second as well (other
-  platforms, and a parent that died before ``prctl`` ran);
-* a rank forked from the coordinator's forkserver (``twin.hw.procs``) has the server as its
-  parent, and the server lives as long as any rank it forked: such a rank waits on the
-  coordinator's pidfd in a thread instead, and exits the moment the coordinator ends;
+* a thread waits on the coordinator's pidfd and exits the rank the moment the coordinator
+  ends, even by SIGKILL (a rank forked from the coordinator's forkserver, ``twin.hw.procs``,
+  has the server as its parent, and the server lives as long as any rank it forked); without
+  pidfds it polls the coordinator once a second;
+* ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill the rank when its parent dies;
 * with ``TWIN_HW_RANK_LOG_DIR`` set, the process's stdout and stderr (Python tracebacks, NIXL
   and UCX messages) go to ``DIR/NODE.log`` instead of the coordinator's terminal, which gets one
   line per rank error.
@@ -40,16 +39,19 @@ def _pdeathsig(sig: int) -> bool:
         return False
 
 
-def _watchdog(parent: int) -> None:
-    while True:
-        time.sleep(WATCHDOG_PERIOD_S)
-        if os.getppid() != parent:
-            os._exit(1)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _watch_pid(pid: int) -> None:
-    """Exit this process as soon as process ``pid`` (not our parent) ends: its pidfd becomes
-    readable then; without pidfds, poll it once a second."""
+    """Exit this process as soon as process ``pid`` ends: its pidfd becomes readable then;
+    without pidfds (other platforms), poll it once a second."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -66,36 +68,19 @@ def rank_log_path(log_dir: str, node: str) -> str:
     return os.path.join(log_dir, f"{node}.log")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def rank_setup(node: str, forked: bool = False) -> None:
+def rank_setup(node: str) -> None:
     """Tie this process's life to the coordinator's and route its output to its log.
 
-    ``forked``: started by the coordinator's forkserver (``twin.hw.procs``): the rank then
-    watches the coordinator's pid (a pidfd) instead of its parent's."""
+    The coordinator is ``TWIN_HW_PARENT_PID`` (else the parent): a spawned rank's parent, or
+    for a forked rank the grandparent (its parent is the forkserver, which lives on while any
+    rank it forked holds its end of the server's alive pipe), so the rank watches the
+    coordinator itself."""
     coordinator = int(os.environ.get(PARENT_ENV, "0") or 0) or os.getppid()
-    if forked:
-        # The server outlives the coordinator while any rank it forked holds its end of the
-        # server's alive pipe, so the rank watches the coordinator itself.
-        _pdeathsig(signal.SIGKILL)  # and dies with the server, should that die first
-        if not _alive(coordinator):
-            os._exit(1)
-        threading.Thread(target=_watch_pid, args=(coordinator,), name="twin-lifeline",
-                         daemon=True).start()
-    else:
-        _pdeathsig(signal.SIGKILL)
-        if os.getppid() != coordinator:  # the coordinator died before prctl took effect
-            os._exit(1)
-        threading.Thread(target=_watchdog, args=(coordinator,), name="twin-lifeline",
-                         daemon=True).start()
+    _pdeathsig(signal.SIGKILL)  # dies with its parent, whichever that is
+    if not _alive(coordinator):  # the coordinator died before prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch_pid, args=(coordinator,), name="twin-lifeline",
+                     daemon=True).start()
     log_dir = os.environ.get(LOG_ENV)
     if log_dir:
         try:

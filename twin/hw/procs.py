@@ -10,9 +10,8 @@ What a fresh process would have inherited from the launching process travels wit
 its environment at start (``RankSpec.env``: the log folders, UCX settings and parent pid the
 launcher sets just before starting ranks), its working directory and ``sys.path`` (through
 ``multiprocessing``'s own preparation data). The server, created before any rank exists,
-holds no sockets, agents or CUDA context. The lifeline still holds: the server exits when its
-launching process does, whatever killed it, and a forked rank's parent-death signal fires then
-(:func:`twin.hw.lifeline.rank_setup`).
+holds no sockets, agents or CUDA context. It lives on while any rank it forked does, so each
+rank watches the coordinator's own pid (:func:`twin.hw.lifeline.rank_setup`).
 """
 
 from __future__ import annotations

@@ -565,10 +565,10 @@ def rank_main(spec: RankSpec) -> None:
     """Process entry point (started by the launcher, ``twin.hw.procs``)."""
     from twin.hw.lifeline import rank_setup
 
-    if spec.env is not None:  # forked from a server started earlier: the launcher's now
+    if spec.env is not None:  # the launcher's environment at start (a forkserver's is older)
         os.environ.clear()
         os.environ.update(spec.env)
-    rank_setup(spec.node, forked=spec.env is not None)  # dies with the coordinator; logs
+    rank_setup(spec.node)  # die with the coordinator; stderr to the rank's log
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     proc = None
