@@ -67,6 +67,31 @@ def test_pattern_values_are_finite(dtype: torch.dtype) -> None:
     assert bool(torch.isfinite(table.float()).all())
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+)
+def test_factored_table_equals_the_element_definition(dtype: torch.dtype) -> None:
+    """expected_tokens builds its table from a row hash and a dim hash; every element must be
+    pattern_value of its own coordinates (the reference definition)."""
+    layers, tokens, heads = [1, 4], range(30, 47), [0, 3, 5]
+    table = expected_tokens(11, layers, tokens, heads, 16, dtype)
+    ref = pattern_value(
+        11,
+        torch.tensor(layers).view(1, -1, 1, 1, 1),
+        torch.arange(2).view(-1, 1, 1, 1, 1),
+        torch.tensor(list(tokens)).view(1, 1, -1, 1, 1),
+        torch.tensor(heads).view(1, 1, 1, -1, 1),
+        torch.arange(16).view(1, 1, 1, 1, -1),
+        dtype,
+    )
+    iv = {1: torch.int8, 2: torch.int16, 4: torch.int32}[table.element_size()]
+    assert ref.shape == table.shape
+    assert torch.equal(table.view(iv), ref.view(iv))
+    # a dim of a row differs from the same dim of the next token's row, but for chance (1 in 128
+    # for fp8's 7 free bits)
+    assert bool((table.view(iv)[:, :, 1:] != table.view(iv)[:, :, :-1]).float().mean() > 0.97)
+
+
 def test_fill_then_verify_prefill_pool() -> None:
     page_size, heads = 4, rank_head_range(2, 1, 8)
     k = [torch.zeros(32, len(heads), 8, dtype=torch.float16) for _ in range(2)]

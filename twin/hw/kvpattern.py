@@ -5,10 +5,13 @@ Every element of a request's KV cache gets a bit pattern that is a pure function
 
 * ``kv`` is 0 for K and 1 for V, ``token`` the position inside the request, ``head`` the
   *global* KV head index (``0 .. total_kv_heads - 1``) and ``dim`` the index inside the head.
-* The coordinates are hashed with a bijective 31-bit integer mix; the low ``8 * element_size``
-  bits become the element's bit pattern. Bit ``nbits - 2`` (the top exponent bit of every IEEE
+* The row coordinates ``(request, layer, kv, token, head)`` are hashed with a chain of bijective
+  31-bit integer mixes, ``dim`` with one mix of its own, and the element's bit pattern is the low
+  ``8 * element_size`` bits of their XOR. Bit ``nbits - 2`` (the top exponent bit of every IEEE
   and fp8 layout) is cleared so each value is a finite float; comparisons still use integer views,
-  so they never depend on float semantics.
+  so they never depend on float semantics. The XOR makes a table cheap: one narrow-integer op
+  per element over a row hash and a dim hash computed on their own (the decode ranks check
+  every scatter against it while the run is timed).
 
 A prefill pool is filled with :func:`fill_prefill_pool`; after a transfer a decode pool is checked
 with :func:`verify_decode_pool`, which reports the first wrong element as a :class:`Mismatch`.
@@ -74,6 +77,22 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 13)
 
 
+def _row_hash(coords: Sequence[torch.Tensor], device: torch.device | str | None) -> torch.Tensor:
+    h = torch.zeros((), dtype=torch.int64, device=device)
+    for seed, c in zip(_SEEDS[:5], coords, strict=True):
+        h = _mix((h + (c & _M31) + seed) & _M31)
+    return h
+
+
+def _dim_hash(dim: torch.Tensor) -> torch.Tensor:
+    return _mix(((dim & _M31) + _SEEDS[5]) & _M31)
+
+
+def _low_bits(h: torch.Tensor, nbits: int) -> torch.Tensor:
+    bits = h & ((1 << min(nbits, 31)) - 1)
+    return bits & ~(1 << (nbits - 2))
+
+
 def pattern_bits(
     request: IntOrTensor,
     layer: IntOrTensor,
@@ -89,15 +108,16 @@ def pattern_bits(
         torch.as_tensor(c, dtype=torch.int64, device=device)
         for c in (request, layer, kv, token, head, dim)
     ]
-    h = torch.zeros((), dtype=torch.int64, device=device)
-    for seed, c in zip(_SEEDS[:5], coords[:5], strict=True):
-        h = _mix((h + (c & _M31) + seed) & _M31)
-    # The last coordinate (dim, the largest broadcast axis) gets one light round: the row hash
-    # above already separates every (request, layer, kv, token, head) row.
-    h = (((h ^ ((coords[5] & _M31) * _MUL_B + _SEEDS[5])) & _M31) * _MUL_A) & _M31
-    h = h ^ (h >> 15)
-    bits = h & ((1 << min(nbits, 31)) - 1)
-    return bits & ~(1 << (nbits - 2))
+    return _low_bits(_row_hash(coords[:5], device) ^ _dim_hash(coords[5]), nbits)
+
+
+def _signed(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Unsigned ``8 * element_size`` bit patterns as ``dtype``'s signed integer view."""
+    nbits = 8 * torch.empty((), dtype=dtype).element_size()
+    if nbits < 64:
+        half = 1 << (nbits - 1)
+        bits = (bits ^ half) - half  # sign-extend the top pattern bit
+    return bits.to(int_view(torch.empty(0, dtype=dtype)).dtype)
 
 
 def pattern_value(
@@ -111,13 +131,9 @@ def pattern_value(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Pattern as a ``dtype`` tensor (broadcast shape of the coordinates)."""
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    nbits = 8 * nbytes
+    nbits = 8 * torch.empty((), dtype=dtype).element_size()
     bits = pattern_bits(request, layer, kv, token, head, dim, nbits, device)
-    if nbits < 64:
-        bits = torch.where(bits >= (1 << (nbits - 1)), bits - (1 << nbits), bits)
-    signed = bits.to(int_view(torch.empty(0, dtype=dtype)).dtype)
-    return signed.view(dtype)
+    return _signed(bits, dtype).view(dtype)
 
 
 def _as_range(x: int | Sequence[int]) -> Sequence[int]:
@@ -143,16 +159,15 @@ def expected_tokens(
     hd = torch.as_tensor(list(head_range), dtype=torch.int64, device=device)
     dims = torch.arange(head_dim, dtype=torch.int64, device=device)
     kv = torch.arange(2, dtype=torch.int64, device=device)
-    return pattern_value(
-        request,
-        lay.view(1, -1, 1, 1, 1),
-        kv.view(-1, 1, 1, 1, 1),
-        tok.view(1, 1, -1, 1, 1),
-        hd.view(1, 1, 1, -1, 1),
-        dims.view(1, 1, 1, 1, -1),
-        dtype,
-        device,
-    )
+    req = torch.as_tensor(request, dtype=torch.int64, device=device)
+    # pattern_bits, factored: the row hash on [2, layers, tokens, heads, 1] and the dim hash
+    # on [head_dim], each masked and made signed, then one XOR per element in the narrow type.
+    nbits = 8 * torch.empty((), dtype=dtype).element_size()
+    row = _row_hash([req, lay.view(1, -1, 1, 1, 1), kv.view(-1, 1, 1, 1, 1),
+                     tok.view(1, 1, -1, 1, 1), hd.view(1, 1, 1, -1, 1)], device)
+    rows = _signed(_low_bits(row, nbits), dtype)
+    cols = _signed(_low_bits(_dim_hash(dims), nbits), dtype)
+    return (rows ^ cols).view(dtype)
 
 
 def fill_prefill_pool(
@@ -227,7 +242,10 @@ def verify_decode_pool(
     ref = k_layers[0]
     if len(head_range) != ref.shape[1]:
         raise ValueError(f"head_range has {len(head_range)} heads, pool layers {ref.shape[1]}")
-    positions = torch.as_tensor(token_positions, dtype=torch.int64).reshape(-1).tolist()
+    if isinstance(token_positions, range):
+        positions: Sequence[int] = token_positions
+    else:
+        positions = torch.as_tensor(token_positions, dtype=torch.int64).reshape(-1).tolist()
     idx = pool_tokens.to(device=ref.device, dtype=torch.int64).reshape(-1)
     if idx.numel() != len(positions):
         raise ValueError("token_positions and pool_tokens differ in length")
@@ -248,10 +266,10 @@ def verify_decode_pool(
             ref.device,
         )
     )
+    if torch.equal(got, want):
+        return None
     wrong = got != want
     count = int(wrong.sum())
-    if count == 0:
-        return None
     kv, layer, t, h, d = (int(i) for i in wrong.nonzero()[0])
     return Mismatch(
         request=request,
