@@ -51,6 +51,15 @@ def test_calibration_reproduces_its_own_trace(tmp_path: Path) -> None:
     assert params.forward_overhead_s == pytest.approx(cal.params.forward_overhead_s, rel=1e-5)
 
 
+def test_the_prior_holds_the_fit_to_what_the_trace_measured() -> None:
+    trace = read_trace(HW)
+    free = calibrate([trace], seeds=(0,), steps=(1,), prior=0.0)
+    held = calibrate([trace], seeds=(0,), steps=(1,), prior=1e3)
+    assert any(v != 1.0 for v in free.scales.values()), free.scales  # the fit moves freely
+    assert set(held.scales.values()) == {1.0}  # any move costs more than it gains
+    assert held.params == held.direct
+
+
 def test_calibrate_and_replay_commands(tmp_path: Path) -> None:
     runner = CliRunner()
     costs = tmp_path / "costs.toml"
