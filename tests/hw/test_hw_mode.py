@@ -79,7 +79,7 @@ def test_tp1_to_tp2_page_size_1() -> None:
 @pytest.mark.parametrize("defect_on", [True, False], ids=["no-grid-alignment", "aligned"])
 def test_radix_grid_byte_check(defect_on: bool) -> None:
     """Seeds 000/003 on hardware: the byte check finds the corruption with the defect on and
-    nothing with it off."""
+    nothing with it off, in finished rooms or in the ones a wedge left unfinished."""
     sc = SCENARIOS["radix-grid"]
     defects = Defects.of(sc.defects if defect_on else ())
     result = run_hw(sc.config.replace(fixes=LATE_REQ_FIX), sc.workload(), defects=defects,
@@ -88,9 +88,12 @@ def test_radix_grid_byte_check(defect_on: bool) -> None:
     s = result.summary()
     if defect_on:
         assert s["status"] == "corrupted", s
-        assert s["verified"] < s["completed"]
         first = s["corruption"][0]
         assert "room" in first and "layer" in first and "token" in first and "head" in first
+        # The wrong bytes are in a finished room, or in one the run never finished (timing
+        # decides whether the overrun's victims finish or the run wedges first).
+        assert s["verified"] < s["completed"] or any("(unfinished)" in c
+                                                     for c in s["corruption"]), s
     else:
         assert s["status"] == "completed", s
         assert s["completed"] == len(sc.workload().requests)
@@ -192,7 +195,7 @@ def test_an_injected_transfer_failure_fails_its_request_only() -> None:
 
 
 def test_queued_requests_and_deferral_timers_do_not_spin_the_processes() -> None:
-    """Four long requests arrive at once with one slot: three wait for it all run long, and
+    """Eight long requests arrive at once with one slot: seven wait for it all run long, and
     the decode ring (1 MiB against 384 KiB chunks) defers WRITEs on millisecond timers.
     The coordinator waits on its ranks' messages instead of spinning on the waiting request's
     long-past arrival time (it took a whole core of this 2-core host from the ranks, halving
@@ -200,10 +203,10 @@ def test_queued_requests_and_deferral_timers_do_not_spin_the_processes() -> None
     cfg = TwinConfig(model=TINY, chunked_prefill_size=384, prefill=ServerSide(tp_size=2),
                      decode=ServerSide(tp_size=1), staging_pool_size_bytes=1 << 20,
                      fixes=LATE_REQ_FIX)
-    result = run_hw(cfg, fixed([(0.0, 12_000, 4, 0)] * 4), max_concurrency=1,
+    result = run_hw(cfg, fixed([(0.0, 12_000, 4, 0)] * 8), max_concurrency=1,
                     options=_options())
     s = result.summary()
-    assert (s["completed"], s["verified"]) == (4, 4), s
+    assert (s["completed"], s["verified"]) == (8, 8), s
     assert result.run_seconds > 2.0, result.run_seconds  # long enough for a spin to show
     assert result.coordinator_cpu_s < 0.5 * result.run_seconds, (
         result.coordinator_cpu_s, result.run_seconds)

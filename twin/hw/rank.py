@@ -277,9 +277,13 @@ class RankProcess:
             self._setup_request(cmd)
         elif op == "state":
             self._flush()
+            # The byte check's verdict so far on rooms not concluded: a wedged run can have
+            # corrupted them too (the first wrong range of each, in page order).
+            wrong = {room: min(bad, key=lambda b: b[0].start)[1]
+                     for room, bad in self.mismatch.items() if bad}
             state = {"snapshot": self.core.snapshot(),
                      "next": self.script[0] if self.script else None,
-                     "held": sum(len(v) for v in self.held.values())}
+                     "held": sum(len(v) for v in self.held.values()), "mismatch": wrong}
             self.sock.send(self.coordinator, [STATE, self.spec.node.encode(),
                                               pickle.dumps(state)])
 

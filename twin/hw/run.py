@@ -389,8 +389,16 @@ class HwRun:
         unfinished = sorted(r.room for r in self.reqs.values() if not r.finished)
         diagnosis: list[str] = []
         if wedged:
-            snapshots = {n: st["snapshot"] for n, st in lau.request_states().items()}
+            states = lau.request_states()
+            snapshots = {n: st["snapshot"] for n, st in states.items()}
             diagnosis = diagnose(snapshots, self.crashed, set(unfinished), self.dropped).lines()
+            # Wrong bytes the decode ranks' per-scatter checks found in rooms that never
+            # finished: the run corrupted them before it wedged.
+            for node, st in sorted(states.items()):
+                for room, text in sorted(st.get("mismatch", {}).items()):
+                    if room in unfinished:
+                        self.corrupted_rooms.add(room)
+                        self.corruption.append(f"{node} room {room} (unfinished): {text}")
             silent = sorted(set(lau.endpoints) - set(snapshots))
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
