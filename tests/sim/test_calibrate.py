@@ -60,6 +60,21 @@ def test_the_prior_holds_the_fit_to_what_the_trace_measured() -> None:
     assert held.params == held.direct
 
 
+def test_the_timing_comparison_says_when_the_host_ran_at_another_speed() -> None:
+    from twin.replay.timing import host_speed
+    from twin.runtime.params import SimParams
+
+    trace = read_trace(HW)
+    fitted = direct_params([measure(trace)])
+    same = host_speed(trace, fitted)
+    assert same is not None and same["cost_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert "note" not in same
+    slow = host_speed(trace, fitted.replace(scatter_bandwidth_Bps=fitted.scatter_bandwidth_Bps * 2))
+    assert slow is not None and slow["cost_ratio"] == pytest.approx(2.0, rel=1e-3)
+    assert "another speed" in slow["note"]
+    assert host_speed(trace, SimParams()) is None  # not calibrated costs: nothing to compare
+
+
 def test_calibrate_and_replay_commands(tmp_path: Path) -> None:
     runner = CliRunner()
     costs = tmp_path / "costs.toml"

@@ -202,6 +202,9 @@ def _print_timing(timing: dict | None) -> None:
                f"(ratio = simulated / measured, pooled over the runs)")
     if timing.get("note"):
         click.echo(f"  note: {timing['note']}")
+    speed = timing.get("host_speed") or {}
+    if speed.get("note"):
+        click.echo(f"  note: {speed['note']}")
     for phase in ("kv_done_s", "transfer_s"):
         t = timing.get(phase)
         if t:

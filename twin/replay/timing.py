@@ -95,6 +95,9 @@ def compare_with_simulation(source: TraceSource, params: SimParams | None = None
         "rooms_compared": 0, "runs": len(runs),
         "simulated_status": _tally(statuses), "simulated_statuses": statuses,
         "recorded_status": recorded.get("status", "incomplete")}
+    speed = host_speed(trace, params)
+    if speed is not None:
+        report["host_speed"] = speed
     differing = [r for r in runs if r.status != report["recorded_status"]]
     if differing and report["recorded_status"] == "completed":
         roots = [line for line in differing[0].diagnosis if line.startswith("root:")]
@@ -124,6 +127,42 @@ def compare_with_simulation(source: TraceSource, params: SimParams | None = None
             "ratio_p90": round(float(np.percentile(ratio, 90)), 4),
         }
     return report
+
+
+SPEED_TOLERANCE = 0.15
+"""How far a trace's scatter cost per byte may be from the costs' before the comparison says
+the host ran at another speed."""
+
+
+def host_speed(trace: Trace | TraceReader, params: SimParams) -> dict[str, Any] | None:
+    """The decode ranks' scatter speed in a hardware trace (their busy time scattering per
+    byte, as ``twin calibrate`` reads it) against the speed calibrated ``params`` assume
+    (``blocking_kernels``: costs from ``twin calibrate``); None when either is missing. On a
+    CPU host the scatter includes the byte check and runs on the rank's own core, so it tracks
+    the host's speed during the run: a trace recorded while the host ran slower (or faster)
+    than during calibration says so in ``note``, since every timing ratio includes that."""
+    if not params.blocking_kernels:
+        return None
+    from twin.calibrate import _scatter_costs, measure
+    from twin.trace.format import read_trace
+
+    full = trace if isinstance(trace, Trace) else read_trace(trace.path)
+    spans = measure(full).scatter_spans
+    if not spans:
+        return None
+    _, per_byte, _ = _scatter_costs([spans])
+    if per_byte <= 0:
+        return None
+    measured_bps = 1.0 / per_byte
+    ratio = params.scatter_bandwidth_Bps / measured_bps  # this trace's cost per byte over the costs'
+    out: dict[str, Any] = {"trace_scatter_Bps": round(measured_bps), "costs_scatter_Bps":
+                           round(params.scatter_bandwidth_Bps), "cost_ratio": round(ratio, 3)}
+    if not 1 / (1 + SPEED_TOLERANCE) <= ratio <= 1 + SPEED_TOLERANCE:
+        out["note"] = (f"this trace's decode ranks scattered at {measured_bps / 1e6:.1f} MB/s, "
+                       f"the costs assume {params.scatter_bandwidth_Bps / 1e6:.1f} MB/s "
+                       f"({ratio:.2f}x the cost per byte): the host ran at another speed than "
+                       f"the calibration traces, and every ratio below includes that")
+    return out
 
 
 def _tally(statuses: list[str]) -> str:
