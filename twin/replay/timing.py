@@ -139,8 +139,9 @@ def host_speed(trace: Trace | TraceReader, params: SimParams) -> dict[str, Any] 
     byte, as ``twin calibrate`` reads it) against the speed calibrated ``params`` assume
     (``blocking_kernels``: costs from ``twin calibrate``); None when either is missing. On a
     CPU host the scatter includes the byte check and runs on the rank's own core, so it tracks
-    the host's speed during the run: a trace recorded while the host ran slower (or faster)
-    than during calibration says so in ``note``, since every timing ratio includes that."""
+    the host's speed during the run and the contention for its cores: a trace whose scatters
+    ran slower (or faster) than during calibration says so in ``note``, since every timing
+    ratio includes that."""
     if not params.blocking_kernels:
         return None
     from twin.calibrate import _scatter_costs, measure
@@ -161,7 +162,8 @@ def host_speed(trace: Trace | TraceReader, params: SimParams) -> dict[str, Any] 
         out["note"] = (f"this trace's decode ranks scattered at {measured_bps / 1e6:.1f} MB/s, "
                        f"the costs assume {params.scatter_bandwidth_Bps / 1e6:.1f} MB/s "
                        f"({ratio:.2f}x the cost per byte): the host ran at another speed than "
-                       f"the calibration traces, and every ratio below includes that")
+                       f"during the calibration traces (or this run contended more for its "
+                       f"cores), and every ratio below includes that")
     return out
 
 
