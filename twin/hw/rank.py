@@ -140,6 +140,7 @@ class RankProcess:
         self.in_flight: dict[int, Any] = {}
         self.scatters_done: list[ev.ScatterDone] = []
         self.rooms: dict[int, dict[str, Any]] = {}
+        self.computed: dict[int, int] = {}  # prefill: tokens of each room a forward has written
         # decode: a room's pages checked since they were last written, and the wrong ones
         # (the page range of one check, its first wrong element)
         self.verified: dict[int, set[int]] = {}
@@ -288,18 +289,40 @@ class RankProcess:
                                               pickle.dumps(state)])
 
     def _setup_request(self, cmd: dict[str, Any]) -> None:
-        """KV pages for a room; prefill pages are filled with the request's pattern."""
+        """KV pages for a room. A prefill room's pages hold the request's pattern up to
+        ``computed`` (its cached prefix; the whole request when the command does not say),
+        and each forward's ``SendKV`` fills its chunk first (``_compute``), as a forward
+        writes the chunk's KV before sending it: a transfer that reads pages no forward has
+        written yet sends what they held before (zeros, or an earlier request's KV), which the
+        decode ranks' check reports."""
         page = self.cfg.page_size
         room = cmd["room"]
         self.rooms[room] = cmd
         if isinstance(self.core, PrefillRank):
-            pages = self.pool.alloc(room, pages_for_tokens(cmd["input_len"], page))
-            fill_prefill_pool(self.pool.k, self.pool.v, pages, page, request=cmd["rid"],
-                              head_offset=self.heads.start)
+            self.pool.alloc(room, pages_for_tokens(cmd["input_len"], page))
+            self.computed[room] = 0
+            self._compute(room, cmd.get("computed", cmd["input_len"]))
         else:
             suffix = cmd["input_len"] - cmd["decode_prefix_len"]
             self.pool.alloc(room, pages_for_tokens(suffix, page))
         self.reports.append({"kind": "setup-done", "node": self.spec.node, "room": room})
+
+    def _compute(self, room: int, upto: int) -> None:
+        """Fill the pattern into the room's pages holding tokens up to ``upto`` (whole pages:
+        a partial page is written once, by the forward that reaches into it)."""
+        req = self.rooms.get(room)
+        done = self.computed.get(room)
+        if req is None or done is None:
+            return
+        page = self.cfg.page_size
+        first = done // page
+        last = pages_for_tokens(min(upto, req["input_len"]), page)
+        if last <= first:
+            return
+        pages = self.pool.pages_of(room)[first:last]
+        fill_prefill_pool(self.pool.k, self.pool.v, pages, page, request=req["rid"],
+                          token_offset=first * page, head_offset=self.heads.start)
+        self.computed[room] = last * page
 
     # -- feeding the core ----------------------------------------------------------------------
     def input(self, event: Any) -> None:
@@ -331,6 +354,8 @@ class RankProcess:
                                  "held": held})
 
     def feed(self, event: Any) -> None:
+        if type(event) is ev.SendKV:
+            self._compute(event.room, event.end_idx)
         self.runtime.feed(self.spec.node, event)
 
     # -- recorder: inputs and effects stream to the coordinator ---------------------------------
@@ -540,6 +565,7 @@ class RankProcess:
 
     def _torn_down(self, node: str, e: ev.RoomTornDown) -> None:
         self.pool.release(e.room)
+        self.computed.pop(e.room, None)
 
     def _crashed(self, node: str, e: ev.RankCrashed) -> None:
         self.reports.append({"kind": "crashed", "node": self.spec.node, "reason": e.reason})

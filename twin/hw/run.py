@@ -266,7 +266,8 @@ class HwRun:
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
         setup = {"op": "request", "room": req.room, "rid": req.rid,
-                 "input_len": req.input_len, "decode_prefix_len": req.decode_prefix_len}
+                 "input_len": req.input_len, "decode_prefix_len": req.decode_prefix_len,
+                 "computed": req.extend_end}  # the cached prefix; forwards write the rest
         for n in (*pg.nodes, *dg.nodes):
             self.setting_up.add((n.id, req.room))
             self.launcher.command(n.id, setup)
