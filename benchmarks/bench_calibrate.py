@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sets: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
+    if args.tries < 1:
+        ap.error("--tries: at least 1")
+    if not args.max_drift >= 0:
+        ap.error("--max-drift: a fraction, 0 or more (0.15 is 15%)")
     # label -> (workload, trace): "a", then "a#2", ... for its repeats
     traces = {}
     for k in range(1, args.repeats + 1):
