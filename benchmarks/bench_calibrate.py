@@ -82,10 +82,12 @@ def record(work: Path, name: str, repeat: int, reuse: bool, max_load: float) -> 
 def scatter_us_per_kib(trace: Path) -> float:
     """The host's speed during a recording, read from the trace: the decode ranks' busy time
     scattering (the union of their scatters' spans, the byte check included) per KiB."""
-    from twin.calibrate import _scatter_costs, measure
+    from twin.calibrate import measure, scatter_cost_per_byte
     from twin.trace.format import read_trace
 
-    _, per_byte, _ = _scatter_costs([measure(read_trace(trace)).scatter_spans])
+    per_byte = scatter_cost_per_byte(measure(read_trace(trace)))
+    if per_byte is None:
+        raise SystemExit(f"{trace}: no scatters to read the host's speed from")
     return per_byte * 1024 * 1e6
 
 

@@ -64,15 +64,15 @@ def test_the_timing_comparison_says_when_the_host_ran_at_another_speed() -> None
     from twin.replay.timing import host_speed
     from twin.runtime.params import SimParams
 
-    trace = read_trace(HW)
-    fitted = direct_params([measure(trace)])
-    same = host_speed(trace, fitted)
+    m = measure(read_trace(HW))
+    fitted = direct_params([m])
+    same = host_speed(m, fitted)
     assert same is not None and same["cost_ratio"] == pytest.approx(1.0, abs=1e-3)
     assert "note" not in same
-    slow = host_speed(trace, fitted.replace(scatter_bandwidth_Bps=fitted.scatter_bandwidth_Bps * 2))
+    slow = host_speed(m, fitted.replace(scatter_bandwidth_Bps=fitted.scatter_bandwidth_Bps * 2))
     assert slow is not None and slow["cost_ratio"] == pytest.approx(2.0, rel=1e-3)
     assert "another speed" in slow["note"]
-    assert host_speed(trace, SimParams()) is None  # not calibrated costs: nothing to compare
+    assert host_speed(m, SimParams()) is None  # not calibrated costs: nothing to compare
 
 
 def test_calibrate_and_replay_commands(tmp_path: Path) -> None:

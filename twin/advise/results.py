@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +90,7 @@ class ResultsFile:
             raise ResultsError(
                 f"{self.path}: holds a sweep with other columns ({_diff(header, self.header)}); "
                 f"write to another file")
-        for cells in reader:
-            if len(cells) == len(header):
-                self.rows.append({k: parse_cell(v, k) for k, v in zip(header, cells, strict=True)})
+        self.rows.extend(_complete_rows(header, reader))
 
     def done_ids(self) -> set[str]:
         return {str(r["point_id"]) for r in self.rows if r.get("outcome") not in RETRY_OUTCOMES}
@@ -140,11 +138,14 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     header = next(reader, None)
     if not header or "point_id" not in header or "outcome" not in header:
         raise ResultsError(f"{p}: not a sweep result file (no point_id/outcome columns)")
-    rows = []
+    return list(_complete_rows(header, reader))
+
+
+def _complete_rows(header: list[str], reader: Iterable[list[str]]) -> Iterator[dict[str, Any]]:
+    """The rows that have every column (a torn last row has not), cells parsed."""
     for cells in reader:
         if len(cells) == len(header):
-            rows.append({k: parse_cell(v, k) for k, v in zip(header, cells, strict=True)})
-    return rows
+            yield {k: parse_cell(v, k) for k, v in zip(header, cells, strict=True)}
 
 
 def axis_names(rows_or_header: Sequence[dict[str, Any]] | Sequence[str]) -> list[str]:

@@ -204,6 +204,16 @@ def _scatter_costs(spans: list[dict[str, list[tuple[float, float, int]]]]
     return launch, per_byte, max(1e-4, 2 * float(np.median(waits)))
 
 
+def scatter_cost_per_byte(m: Measured) -> float | None:
+    """Seconds per byte of the decode ranks' scatters in one trace (their busy time over the
+    bytes, as the fit reads it; on a CPU host it tracks the host's speed during the run), or
+    None without scatters."""
+    if not m.scatter_spans:
+        return None
+    _, per_byte, _ = _scatter_costs([m.scatter_spans])
+    return per_byte if per_byte > 0 else None
+
+
 def direct_params(measured: list[Measured], base: SimParams | None = None,
                   stalls: bool = False) -> SimParams:
     """Cost parameters read straight from the traces (before the joint fit); with ``stalls``
@@ -418,6 +428,7 @@ def calibrate(traces: list[Trace], base: SimParams | None = None,
     direct = direct_params(measured, base, stalls=stalls)
     targets = [measured_phases(m) for m in measured]
     scales = dict.fromkeys(scaled, 1.0)
+
     def penalty(sc: dict[str, float]) -> float:
         return prior * sum(math.log(v) ** 2 for v in sc.values())
 

@@ -280,8 +280,8 @@ class RankProcess:
             self._flush()
             # The byte check's verdict so far on rooms not concluded: a wedged run can have
             # corrupted them too (the first wrong range of each, in page order).
-            wrong = {room: min(bad, key=lambda b: b[0].start)[1]
-                     for room, bad in self.mismatch.items() if bad}
+            wrong = {room: first for room in self.mismatch
+                     if (first := self._first_wrong(room)) is not None}
             state = {"snapshot": self.core.snapshot(),
                      "next": self.script[0] if self.script else None,
                      "held": sum(len(v) for v in self.held.values()), "mismatch": wrong}
@@ -560,6 +560,10 @@ class RankProcess:
         for _, run in groupby(enumerate(missing), key=lambda x: x[1] - x[0]):
             idx = [i for _, i in run]
             self._verify_pages(room, range(idx[0], idx[-1] + 1))
+        return self._first_wrong(room)
+
+    def _first_wrong(self, room: int) -> str | None:
+        """The room's first mismatch in page order, as the checks found it, or None."""
         bad = self.mismatch.get(room)
         return min(bad, key=lambda b: b[0].start)[1] if bad else None
 

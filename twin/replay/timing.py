@@ -8,15 +8,18 @@ are compared with the simulated ones: time to all KV landed (arrival to the last
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from twin.core.defects import Defects
 from twin.runtime.faults import parse_fault
 from twin.runtime.params import SimParams
-from twin.trace.format import Trace, TraceReader, TraceSource, open_trace
+from twin.trace.format import Trace, TraceReader, TraceSource, open_trace, read_trace
 from twin.workloads import Workload, WorkloadError
+
+if TYPE_CHECKING:
+    from twin.calibrate import Measured
 
 
 def room_phases(trace: Trace | TraceReader) -> dict[int, dict[str, float]]:
@@ -88,14 +91,20 @@ def compare_with_simulation(source: TraceSource, params: SimParams | None = None
             runs.append(simulate_recorded(trace, params, seed))
     except WorkloadError as exc:
         return {"error": f"the trace does not carry its workload: {exc}"}
-    measured = room_phases(trace)
+    speed = None
+    if params.blocking_kernels:  # calibrated costs: compare the host's speed too
+        from twin.calibrate import measure
+
+        m = measure(trace if isinstance(trace, Trace) else read_trace(trace.path))
+        measured, speed = m.phases, host_speed(m, params)
+    else:
+        measured = room_phases(trace)
     recorded = getattr(trace, "outcome", None) or {}
     statuses = [r.status for r in runs]
     report: dict[str, Any] = {
         "rooms_compared": 0, "runs": len(runs),
         "simulated_status": _tally(statuses), "simulated_statuses": statuses,
         "recorded_status": recorded.get("status", "incomplete")}
-    speed = host_speed(trace, params)
     if speed is not None:
         report["host_speed"] = speed
     differing = [r for r in runs if r.status != report["recorded_status"]]
@@ -134,25 +143,17 @@ SPEED_TOLERANCE = 0.15
 the host ran at another speed."""
 
 
-def host_speed(trace: Trace | TraceReader, params: SimParams) -> dict[str, Any] | None:
-    """The decode ranks' scatter speed in a hardware trace (their busy time scattering per
-    byte, as ``twin calibrate`` reads it) against the speed calibrated ``params`` assume
-    (``blocking_kernels``: costs from ``twin calibrate``); None when either is missing. On a
-    CPU host the scatter includes the byte check and runs on the rank's own core, so it tracks
-    the host's speed during the run and the contention for its cores: a trace whose scatters
-    ran slower (or faster) than during calibration says so in ``note``, since every timing
-    ratio includes that."""
-    if not params.blocking_kernels:
-        return None
-    from twin.calibrate import _scatter_costs, measure
-    from twin.trace.format import read_trace
+def host_speed(m: Measured, params: SimParams) -> dict[str, Any] | None:
+    """The decode ranks' scatter speed in a measured hardware trace (``scatter_cost_per_byte``)
+    against the speed calibrated ``params`` assume (``blocking_kernels``: costs from ``twin
+    calibrate``); None when either is missing. On a CPU host the scatter includes the byte
+    check and runs on the rank's own core, so it tracks the host's speed during the run and the
+    contention for its cores: a trace whose scatters ran slower (or faster) than during
+    calibration says so in ``note``, since every timing ratio includes that."""
+    from twin.calibrate import scatter_cost_per_byte
 
-    full = trace if isinstance(trace, Trace) else read_trace(trace.path)
-    spans = measure(full).scatter_spans
-    if not spans:
-        return None
-    _, per_byte, _ = _scatter_costs([spans])
-    if per_byte <= 0:
+    per_byte = scatter_cost_per_byte(m)
+    if not params.blocking_kernels or per_byte is None:
         return None
     measured_bps = 1.0 / per_byte
     ratio = params.scatter_bandwidth_Bps / measured_bps  # this trace's cost per byte over the costs'
