@@ -31,6 +31,7 @@ from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
+from twin.runtime.collector import paced_collector
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
@@ -578,7 +579,8 @@ class Simulation:
             env.process(self._monitor(self.params.wedge_window_s))
         stop = self.done if until is None else (self.done | env.timeout(until))
         try:
-            _run_until(env, stop)
+            with paced_collector():
+                _run_until(env, stop)
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
                 raise
