@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from twin.core import events as ev
 from twin.core import wire
@@ -40,7 +40,18 @@ from twin.core.layout import num_tp_writers
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
 
-_S, _T = DecodeRoomState, DecodeTrigger
+# The members the handlers compare against, as module constants: compiled, a Final
+# name is a C static, where reading an enum class's attribute goes through its
+# metaclass's __getattr__ hook.
+_S_ALL_SUCCESS: Final = DecodeRoomState.ALL_SUCCESS
+_S_DONE: Final = DecodeRoomState.DONE
+_S_FAILED: Final = DecodeRoomState.FAILED
+_S_SUCCESS: Final = DecodeRoomState.SUCCESS
+_S_WAITING: Final = DecodeRoomState.WAITING
+_T_ALL_RANKS_SUCCESS: Final = DecodeTrigger.ALL_RANKS_SUCCESS
+_T_COMPLETE: Final = DecodeTrigger.COMPLETE
+_T_FAIL: Final = DecodeTrigger.FAIL
+_T_GROUP_SUCCESS: Final = DecodeTrigger.GROUP_SUCCESS
 
 POLL_SUCCESS = "Success"
 POLL_FAILED = "Failed"
@@ -382,7 +393,7 @@ class DecodeRank:
             out.append(ev.Dropped(what="KV_STATUS", room=msg.room, reason="room cleared"))
             return
         if msg.status == wire.KVPoll.Failed:
-            if room.state in (_S.ALL_SUCCESS, _S.DONE):
+            if room.state in (_S_ALL_SUCCESS, _S_DONE):
                 # The receiver concluded Success when every rank reported it
                 # (CommonKVReceiver._poll caches it): a later Failed is not seen, and the room
                 # waits for its chunks until the completion timeout.
@@ -391,12 +402,12 @@ class DecodeRank:
                 return
             self._fail(room, f"prefill {src} failed: {msg.failure_reason}", out)
             return
-        if msg.status != wire.KVPoll.Success or room.state is _S.FAILED:
+        if msg.status != wire.KVPoll.Success or room.state is _S_FAILED:
             return
         self._dirty.add(room.room)
         room.success_ranks.add(src)
-        if len(room.success_ranks) >= room.expected_responses and room.state is _S.WAITING:
-            room.state = decode_next(room.state, _T.ALL_RANKS_SUCCESS)
+        if len(room.success_ranks) >= room.expected_responses and room.state is _S_WAITING:
+            room.state = decode_next(room.state, _T_ALL_RANKS_SUCCESS)
             room.success_at = self.now
             self._arm(room, self.now, out)
             if self._blind_last and room.chunks:
@@ -423,22 +434,22 @@ class DecodeRank:
 
     def _local_poll(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         timeout = self.cfg.waiting_timeout_s
-        if room.state is _S.ALL_SUCCESS:
+        if room.state is _S_ALL_SUCCESS:
             pending = room.chunks and not self._blind_last
             if not room.scattering and not pending:
-                room.state = decode_next(room.state, _T.COMPLETE)
+                room.state = decode_next(room.state, _T_COMPLETE)
             elif self.now - room.success_at > timeout:
                 # The staging completion timeout; SGLang reports it as a Failed poll, and the
                 # failure path below sends ABORT (with deferred release on).
                 self._fail(room, f"not complete {timeout:.0f}s after all-ranks Success (a "
                            f"scatter never arrived)", out)
-        elif room.state is _S.WAITING and self.now - room.registered_at > timeout:
+        elif room.state is _S_WAITING and self.now - room.registered_at > timeout:
             self._fail(room, f"no transfer result within {timeout:.0f}s", out, initiated=True)
 
     def _poll_value(self, room: DecodeRoom) -> str:
-        if room.state is _S.FAILED:
+        if room.state is _S_FAILED:
             return POLL_RELEASE_READY if room.held and self._release_ready(room) else POLL_FAILED
-        return POLL_SUCCESS if room.state in (_S.DONE, _S.SUCCESS) else ""
+        return POLL_SUCCESS if room.state in (_S_DONE, _S_SUCCESS) else ""
 
     def _share(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         if not room.group:  # a rank that concludes alone shares nothing
@@ -453,18 +464,18 @@ class DecodeRank:
         everywhere concludes it; a held room is released once every rank may release it."""
         peer_polls = room.peer_polls
         peers = [peer_polls.get(p, "") for p in room.group]
-        if room.state is not _S.FAILED:
+        if room.state is not _S_FAILED:
             for p in room.group:  # the first peer whose poll failed
                 if peer_polls.get(p) in _FAILED_POLLS:
                     self._fail(room, f"decode rank {p} of the group failed the room", out)
                     break
-        if room.state is _S.DONE and all(p == POLL_SUCCESS for p in peers):
-            room.state = decode_next(room.state, _T.GROUP_SUCCESS)
+        if room.state is _S_DONE and all(p == POLL_SUCCESS for p in peers):
+            room.state = decode_next(room.state, _T_GROUP_SUCCESS)
             room.concluded = True
             out.append(ev.new_room_concluded(room=room.room, status=room.state.value))
             self._unregister(room, out)
             return
-        if room.state is not _S.FAILED:
+        if room.state is not _S_FAILED:
             return
         if not room.concluded:
             room.concluded = True
@@ -527,9 +538,9 @@ class DecodeRank:
               initiated: bool = False) -> None:
         """Fail ``room`` here. ``initiated``: decode itself gave up on it (an abort, the
         waiting timeout), which sends ``ABORT`` at once whatever the release setting."""
-        if room.state is _S.FAILED:
+        if room.state is _S_FAILED:
             return
-        room.state = decode_next(room.state, _T.FAIL)
+        room.state = decode_next(room.state, _T_FAIL)
         room.fail_reason = reason
         self._dirty.add(room.room)
         if initiated:

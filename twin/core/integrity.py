@@ -121,6 +121,14 @@ class IntegrityModel:
         self._ended: dict[str, RoomSet] = {}
         self._scattered: dict[tuple[str, int], set[int]] = {}  # (node, room) -> page starts
 
+    def _ring(self, node: str) -> Ring:
+        """``node``'s ring, made on first use (a ``setdefault`` would build and drop one on
+        every call)."""
+        ring = self.rings.get(node)
+        if ring is None:
+            ring = self.rings[node] = Ring()
+        return ring
+
     def _flag(self, kind: str, node: str, room: int, detail: str) -> None:
         key = (kind, room, node)
         if key in self._seen:
@@ -134,7 +142,7 @@ class IntegrityModel:
             self.pages.setdefault((node, t.room), []).append(
                 (t.page_start, t.page_start + t.num_pages, True))
             return
-        ring = self.rings.setdefault(node, Ring())
+        ring = self._ring(node)
         a, b = t.dst_offset, t.dst_offset + t.nbytes
         if b > t.region_end:
             self._flag("overrun", node, t.room,
@@ -164,7 +172,7 @@ class IntegrityModel:
 
     def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
         """A scatter reads the region and writes pages of ``s.room``."""
-        ring = self.rings.setdefault(node, Ring())
+        ring = self._ring(node)
         self._scattered.setdefault((node, s.room), set()).add(s.page_start)
         pos = s.offset
         ok = True
@@ -188,14 +196,17 @@ class IntegrityModel:
             (s.page_start, s.page_start + s.num_pages, ok))
 
     def on_freed(self, node: str, offset: int, size: int) -> None:
-        self.rings.setdefault(node, Ring()).consume(offset, offset + size)
+        self._ring(node).consume(offset, offset + size)
 
     def on_concluded(self, node: str, room: int, status: str, total_pages: int) -> None:
         """A decode room ended; on Success every page must hold the right data."""
         ranges = self.pages.pop((node, room), [])
         self._scattered.pop((node, room), None)
-        self._ended.setdefault(node, RoomSet()).add(room)
-        self.rings.setdefault(node, Ring()).retire(room)
+        ended = self._ended.get(node)
+        if ended is None:
+            ended = self._ended[node] = RoomSet()
+        ended.add(room)
+        self._ring(node).retire(room)
         if status != "Success":
             return
         missing, first = _uncovered(ranges, total_pages)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from twin.core import events as ev
 from twin.core import wire
@@ -50,7 +50,14 @@ from twin.core.snapshot import (
 )
 from twin.core.states import PrefillRoomState, PrefillTrigger, prefill_next
 
-_S, _T = PrefillRoomState, PrefillTrigger
+# The members the handlers compare against, as module constants: compiled, a Final
+# name is a C static, where reading an enum class's attribute goes through its
+# metaclass's __getattr__ hook.
+_S_FAILED: Final = PrefillRoomState.FAILED
+_S_SUCCESS: Final = PrefillRoomState.SUCCESS
+_T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
+_T_FAIL: Final = PrefillTrigger.FAIL
+_T_LAST_CHUNK_DONE: Final = PrefillTrigger.LAST_CHUNK_DONE
 
 
 @dataclass(slots=True)
@@ -283,7 +290,7 @@ class PrefillRank:
 
     def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
-        if room is None or room.state is _S.FAILED:
+        if room is None or room.state is _S_FAILED:
             out.append(ev.Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
             return
         page = self.cfg.page_size
@@ -350,7 +357,7 @@ class PrefillRank:
             if not chunk.counted:
                 room.outstanding += 1
                 chunk.counted = True
-            if room.state is _S.FAILED:
+            if room.state is _S_FAILED:
                 room.outstanding = 0
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room failed"))
@@ -358,7 +365,7 @@ class PrefillRank:
                     self._tear_down(room, out)
                 self._maybe_ack(room.room, out)
                 continue
-            room.state = prefill_next(room.state, _T.DEQUEUE)
+            room.state = prefill_next(room.state, _T_DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
         out.append(ev.new_worker_idle(worker=index))
@@ -518,15 +525,15 @@ class PrefillRank:
         gate = room.outstanding <= 0 or self.defects.on(TEARDOWN_DROPS_DEFERRED)
         # A failed room also goes once nothing of it is queued: the prefill scheduler polls
         # Failed and clears the sender (CommonKVSender.clear), whichever chunk finished last.
-        failed_done = room.state is _S.FAILED and (chunk.is_last or not self._queued(room.room))
-        if gate and (room.state is _S.SUCCESS or failed_done):
+        failed_done = room.state is _S_FAILED and (chunk.is_last or not self._queued(room.room))
+        if gate and (room.state is _S_SUCCESS or failed_done):
             self._tear_down(room, out)
 
     def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
         del self._rooms[room.room]
         self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
         self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
-        if room.state is _S.FAILED:
+        if room.state is _S_FAILED:
             self._aborted.add(room.room)
         out.append(ev.new_room_torn_down(room=room.room))
 
@@ -543,12 +550,12 @@ class PrefillRank:
                   out: list[ev.Effect], notify: bool = True) -> None:
         """``conclude_transfer``: a room already Failed concludes Failed again, with its first
         reason, and tells decode again (``KV_STATUS`` Failed)."""
-        if room.state is _S.FAILED:
+        if room.state is _S_FAILED:
             if notify:
                 self._send_status(room, wire.KVPoll.Failed, room.fail_reason, out)
             return
         room.state = prefill_next(room.state,
-                                  _T.LAST_CHUNK_DONE if status == "Success" else _T.FAIL)
+                                  _T_LAST_CHUNK_DONE if status == "Success" else _T_FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
         out.append(ev.new_room_concluded(room=room.room, status=status, reason=reason))
@@ -579,7 +586,7 @@ class PrefillRank:
             # The sender exists before its metadata: a late metadata must not revive it.
             self._aborted.add(e.room)
             return
-        if room.state is _S.FAILED:
+        if room.state is _S_FAILED:
             return
         self._abort_room(room, e.reason, out)
 
@@ -587,7 +594,7 @@ class PrefillRank:
         """``_handle_abort_notification``: a decode ABORT fails a room only while it has not
         succeeded; with a generation it also registers where the acknowledgement goes."""
         room = self._rooms.get(msg.room)
-        if room is not None and room.state not in (_S.SUCCESS, _S.FAILED):
+        if room is not None and room.state not in (_S_SUCCESS, _S_FAILED):
             self._abort_room(room, "Aborted by decode-side abort notification.", out)
         if msg.generation is None or not self.cfg.deferred_decode_kv_release:
             return
@@ -597,7 +604,7 @@ class PrefillRank:
         self._maybe_ack(msg.room, out)
 
     def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
-        room.state = prefill_next(room.state, _T.FAIL)
+        room.state = prefill_next(room.state, _T_FAIL)
         room.fail_reason = reason
         out.append(ev.new_room_concluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):

@@ -11,13 +11,13 @@ streams seeded from one root seed, so a seed reproduces a run exactly.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Callable, Generator
 from functools import partial
-from heapq import heappop, heappush
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import simpy
 from simpy.core import EmptySchedule, StopSimulation
@@ -43,18 +43,23 @@ from twin.sim.scheduler import PrefillScheduler
 from twin.sim.stalls import ProcessStalls
 from twin.workloads import Request, Workload
 
-_PREFETCH, _CONTROL = wire.PREFETCH_SOCKET, wire.CONTROL_SOCKET
-_STAGING_REQ = wire.StagingReq
-_ARRIVED = ev.new_message_arrived
-_NORMAL = 1  # simpy.events.NORMAL: the priority of a Timeout
-_log = math.log
+# Read on every frame or call; Final names are C statics when the engine is compiled.
+_PREFETCH: Final = wire.PREFETCH_SOCKET
+_CONTROL: Final = wire.CONTROL_SOCKET
+_STAGING_REQ: Final = wire.StagingReq
+_ARRIVED: Final = ev.new_message_arrived
+_TRANSFER_DONE: Final = ev.new_transfer_done
+_SCATTER_DONE: Final = ev.new_scatter_done
+_NORMAL: Final = 1  # simpy.events.NORMAL: the priority of a Timeout
+heappush: Final = heapq.heappush
+heappop: Final = heapq.heappop
 
 
 def _expovariate_inlinable() -> bool:
     """Whether ``Random.expovariate(rate)`` is ``-log(1 - random()) / rate`` here (it is in
     every CPython 3.x so far): then the frame path draws jitter without the method call."""
     a, b = random.Random(1), random.Random(1)
-    return all(a.expovariate(r) == -_log(1.0 - b.random()) / r for r in (0.5, 2.0, 1e4, 7.3))
+    return all(a.expovariate(r) == -math.log(1.0 - b.random()) / r for r in (0.5, 2.0, 1e4, 7.3))
 
 
 _INLINE_EXPOVARIATE = _expovariate_inlinable()
@@ -268,7 +273,7 @@ class Simulation:
         if not jitter:
             delay = self._zmq_latency_s + 0.0
         elif self._net_random is not None:  # ``expovariate(jitter)``, inlined
-            delay = self._zmq_latency_s + -_log(1.0 - self._net_random()) / jitter
+            delay = self._zmq_latency_s + -math.log(1.0 - self._net_random()) / jitter
         else:
             delay = self._zmq_latency_s + self._expovariate(jitter)
         link = (src, dst, _PREFETCH if msg.__class__ is _STAGING_REQ else _CONTROL)
@@ -344,14 +349,14 @@ class Simulation:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self.sys(node, {"type": "FaultInjected", "fault": failed, "detail": detail})
             self._note_fault(e.room, f"{failed} ({detail})")
-            self.feed(node, ev.new_transfer_done(worker=e.worker, ok=False, error=failed))
+            self.feed(node, _TRANSFER_DONE(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
         req = self.requests.get(e.room)
         if req is not None:
             req.last_transfer_s = self.env._now
         self.metrics.transfer(self.env._now - t0, e.nbytes)
-        self.feed(node, ev.new_transfer_done(worker=e.worker))
+        self.feed(node, _TRANSFER_DONE(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self.params
@@ -363,7 +368,7 @@ class Simulation:
         self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
-            node, finish, ev.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            node, finish, _SCATTER_DONE(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _note_fault(self, room: int, note: str) -> None:
         notes = self.fault_notes.setdefault(room, [])
