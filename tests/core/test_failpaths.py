@@ -210,7 +210,7 @@ def test_simulator_orders_frames_per_socket():
     sim.transmit("p", "d", wire.ChunkReady(room=1, chunk_idx=0, page_start=0, num_pages=1,
                                            writer_id="d", prefill_rank=0))
     sim.transmit("p", "d", wire.StagingReq(room=1, chunk_idx=1, chunk_pages=1, session_id="d"))
-    sim.env.run()
+    sim.run_pending()
     assert [k for _, k in arrived] == ["StagingReq", "ChunkReady"]
     assert arrived[0][0] < 0.01 and arrived[1][0] >= 1.0
 

@@ -348,3 +348,45 @@ def test_a_quiet_gap_between_arrivals_is_not_a_wedge() -> None:
     r = run_sim(TwinConfig(), fixed([(0.0, 1000, 8, 0), (60.0, 1000, 8, 0)]), params=params)
     assert r.status == "completed" and r.summary()["completed"] == 2
     assert r.sim.env.now >= 60.0
+
+
+def test_calendar_calls_and_simpy_events_run_in_simpy_order() -> None:
+    """The engine's own calls and SimPy's events interleave by (time, priority, event id),
+    as they would on one SimPy queue: at one time in the order they were scheduled, except
+    that a process's start (an urgent event) goes before a call scheduled earlier."""
+    from twin.core.config import TwinConfig
+    from twin.workloads import fixed
+
+    sim = Simulation(TwinConfig(), fixed([(0.0, 64, 1, 0)]))
+    env = sim.env
+    order: list[tuple[float, str]] = []
+
+    def note(what: str) -> None:
+        order.append((env.now, what))
+
+    def process() -> Any:
+        note("process started")
+        yield env.timeout(1.0)
+        note("process resumed at 1")
+        sim.at(0.0, note, "call at 1 from the process")
+        yield env.timeout(0.0)
+        note("process after a zero timeout")
+
+    sim.at(0.0, note, "call at 0")
+    sim.at(1.0, note, "call at 1, first")
+    env.process(process())
+    sim.at(1.0, note, "call at 1, after the process started")
+    sim.at(0.5, note, "call at 0.5")
+    sim.at(2.0, note, "call at 2")
+    sim.run_pending()
+    assert order == [
+        (0.0, "process started"),
+        (0.0, "call at 0"),
+        (0.5, "call at 0.5"),
+        (1.0, "call at 1, first"),
+        (1.0, "call at 1, after the process started"),
+        (1.0, "process resumed at 1"),
+        (1.0, "call at 1 from the process"),
+        (1.0, "process after a zero timeout"),
+        (2.0, "call at 2"),
+    ]

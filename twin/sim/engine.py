@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Generator
 from functools import partial
 from operator import attrgetter
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 import simpy
 from simpy.core import EmptySchedule, StopSimulation
@@ -66,46 +66,76 @@ _INLINE_EXPOVARIATE = _expovariate_inlinable()
 
 
 class _Call:
-    """A plain callback scheduled on SimPy's queue: the part of an event ``Environment.step``
-    reads (``callbacks``, ``_ok``), without a Timeout's construction and a closure per call.
-    It takes one event id, like the Timeout it replaces, so the order of events is the same."""
+    """A plain callback at a time: the simulation's own events (frames, completions, timers),
+    kept in its ``Calendar`` beside SimPy's queue. It takes one event id from SimPy's counter,
+    like the Timeout it stands for, so events run in the order SimPy would run them."""
 
-    __slots__ = ("callbacks", "fn", "args")
-    _ok: ClassVar[bool] = True
+    __slots__ = ("eid", "fn", "args")
 
-    def __init__(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    def __init__(self, eid: int, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self.eid = eid
         self.fn = fn
         self.args = args
-        self.callbacks: tuple[Callable[[_Call], None], ...] | None = _RUN
 
 
-def _run(call: _Call) -> None:
-    call.fn(*call.args)
+class Calendar:
+    """The pending ``_Call``s by time: a heap of distinct times (floats, which compare far
+    cheaper than SimPy's ``(time, priority, id, event)`` tuples) and, per time, its calls in
+    the order they were scheduled (so by event id)."""
+
+    __slots__ = ("times", "calls")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.calls: dict[float, list[_Call]] = {}
+
+    def add(self, t: float, call: _Call) -> None:
+        bucket = self.calls.get(t)
+        if bucket is None:
+            self.calls[t] = [call]
+            heappush(self.times, t)
+        else:
+            bucket.append(call)
 
 
-_RUN = (_run,)
-
-
-def _run_until(env: simpy.Environment, stop: simpy.Event) -> None:
-    """``env.run(until=stop)``, with the ``_Call`` events run in place instead of through
-    ``Environment.step`` (the same order and clock; any other event goes through ``step``).
-    Raises ``RuntimeError`` as SimPy does when the queue empties before ``stop``."""
-    if stop.callbacks is None:
-        return
-    stop.callbacks.append(StopSimulation.callback)
-    queue: Any = env._queue  # holds ``_Call``s besides SimPy's events
+def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | None) -> None:
+    """``env.run(until=stop)`` over SimPy's queue and ``calendar`` together: whichever holds
+    the next event by (time, priority, id) runs it, the calendar's calls as Timeouts of
+    normal priority would. Raises ``RuntimeError`` as SimPy does when both empty before
+    ``stop``; with ``stop=None``, returns then."""
+    if stop is not None:
+        if stop.callbacks is None:
+            return
+        stop.callbacks.append(StopSimulation.callback)
+    queue: Any = env._queue
+    times, calls = calendar.times, calendar.calls
     step = env.step
     try:
         while True:
-            if queue:
-                item = queue[0]
-                call = item[3]
-                if call.__class__ is _Call:
-                    heappop(queue)
-                    env._now = item[0]
-                    call.fn(*call.args)
-                    continue
-            step()
+            if times:
+                t = times[0]
+                bucket = calls[t]
+                call = bucket[0]
+                if queue:
+                    head = queue[0]
+                    ht = head[0]
+                    if ht < t or (ht == t and (head[1] < _NORMAL or (head[1] == _NORMAL
+                                                                     and head[2] < call.eid))):
+                        step()
+                        continue
+                if len(bucket) == 1:
+                    del calls[t]
+                    heappop(times)
+                else:
+                    del bucket[0]
+                env._now = t
+                call.fn(*call.args)
+            elif queue:
+                step()
+            elif stop is None:
+                return
+            else:
+                raise EmptySchedule
     except StopSimulation:
         return
     except EmptySchedule:
@@ -131,9 +161,9 @@ class Simulation:
         self.seed = seed
         self.recorder = recorder
         self.env = simpy.Environment()
-        # SimPy's event queue and id counter, pushed to directly (``at``); it also holds
-        # ``_Call``s, which only ``_run_until`` runs
-        self._queue: Any = self.env._queue
+        # The simulation's own calls, beside SimPy's queue; their ids come from SimPy's counter
+        self.calendar = Calendar()
+        self._schedule = self.calendar.add
         self._eid: Any = self.env._eid
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
@@ -222,8 +252,8 @@ class Simulation:
     def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
         with that callback would, one SimPy event)."""
-        heappush(self._queue, (self.env._now + (delay if delay > 0.0 else 0.0), _NORMAL,
-                               next(self._eid), _Call(fn, args)))
+        self._schedule(self.env._now + (delay if delay > 0.0 else 0.0),
+                       _Call(next(self._eid), fn, args))
 
     def _stalled(self, node: str, fn: Callable[..., object], *args: Any) -> bool:
         """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
@@ -252,10 +282,10 @@ class Simulation:
         now = env._now
         delay = at - now
         # An input without a poll token is always wanted: feed it without ``fire``'s check.
-        call = _Call(self._fire, (node, event, token)) if token else _Call(self.feed,
-                                                                            (node, event))
-        heappush(self._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(self._eid),
-                              call))
+        eid = next(self._eid)
+        call = _Call(eid, self._fire, (node, event, token)) if token else _Call(
+            eid, self.feed, (node, event))
+        self._schedule(now + (delay if delay > 0.0 else 0.0), call)
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
@@ -285,8 +315,8 @@ class Simulation:
             t = last
         self.link_last[link] = t
         delay = t - now
-        heappush(self._queue, (now + (delay if delay > 0.0 else 0.0), _NORMAL, next(self._eid),
-                              _Call(self.feed, (dst, _ARRIVED(src=src, msg=msg)))))
+        self._schedule(now + (delay if delay > 0.0 else 0.0),
+                       _Call(next(self._eid), self.feed, (dst, _ARRIVED(src=src, msg=msg))))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
@@ -570,6 +600,11 @@ class Simulation:
         idle = now - self.runtime.last_progress
         return "wedge" if in_flight > 0 and idle >= window else ""
 
+    def run_pending(self) -> None:
+        """Run what is scheduled, and what that schedules, until nothing is left (a test
+        that drives the driver's methods by hand, without requests, uses it)."""
+        _run_until(self.env, self.calendar, None)
+
     def run(self, until: float | None = None, *, monitor: bool = True) -> str:
         """Run to the end; returns the stop reason: ``all requests ended``, ``wedge``,
         ``event queue empty`` or ``until``. ``monitor=False`` runs without the no-progress
@@ -585,7 +620,7 @@ class Simulation:
         stop = self.done if until is None else (self.done | env.timeout(until))
         try:
             with paced_collector():
-                _run_until(env, stop)
+                _run_until(env, self.calendar, stop)
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
                 raise
