@@ -2,7 +2,7 @@
 
 A run allocates and drops several small objects per core input (events, frames, queue entries);
 almost none of them form cycles. At CPython's default pace (a young-generation pass every 700
-net allocations) the collector took about 13% of a simulation's time while finding next to
+net allocations) the collector took about 14% of a simulation's wall time while finding next to
 nothing. ``paced_collector()`` makes those passes rarer for the length of a run and restores
 the previous thresholds after it; collection itself stays on, so any cycles are still freed.
 """
