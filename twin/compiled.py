@@ -31,6 +31,7 @@ from typing import Any
 # Compiled together (calls between them stay native). Events, frames and the config stay
 # Python classes: the trace codec reads their annotations and slots.
 MODULES: tuple[str, ...] = (
+    "twin.core.factories",
     "twin.core.allocator",
     "twin.core.grid",
     "twin.core.layout",

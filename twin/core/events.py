@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from twin.core.fastinit import fast_new, speed_up_module
+from twin.core.fastinit import speed_up_module
 from twin.core.wire import Message
 
 
@@ -418,23 +418,3 @@ Effect = (
 )
 
 speed_up_module(globals())  # cheaper construction; the classes stay frozen dataclasses
-
-# Factories for the classes built on every chunk or frame (``fast_new``: no class call, a
-# third cheaper); each takes the class's own keyword arguments.
-new_message_arrived = fast_new(MessageArrived)
-new_transfer_done = fast_new(TransferDone)
-new_scatter_done = fast_new(ScatterDone)
-new_send = fast_new(Send)
-new_chunk_queued = fast_new(ChunkQueued)
-new_start_transfer = fast_new(StartTransfer)
-new_worker_idle = fast_new(WorkerIdle)
-new_room_torn_down = fast_new(RoomTornDown)
-new_allocated = fast_new(Allocated)
-new_freed = fast_new(Freed)
-new_start_scatter = fast_new(StartScatter)
-new_targets_known = fast_new(TargetsKnown)
-new_room_concluded = fast_new(RoomConcluded)
-new_set_timer = fast_new(SetTimer)
-new_watermark_moved = fast_new(WatermarkMoved)
-new_group_poll = fast_new(GroupPoll)
-new_peer_polled = fast_new(PeerPolled)

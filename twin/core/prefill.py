@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from twin.core import events as ev
-from twin.core import wire
+from twin.core import factories, wire
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
 from twin.core.config import TwinConfig
 from twin.core.defects import (
@@ -263,7 +263,7 @@ class PrefillRank:
         else:
             known = {t.session for t in room.targets}
             room.targets.extend(t for t in targets if t.session not in known)
-        out.append(ev.new_targets_known(room=e.room,
+        out.append(factories.new_targets_known(room=e.room,
                                    sessions=tuple(t.session for t in room.targets)))
 
     def _on_prefetch(self, e: ev.Prefetch, out: list[ev.Effect]) -> None:
@@ -284,7 +284,7 @@ class PrefillRank:
                     continue
                 self._prefetch_requested.add(key)
                 self._requested_at[key] = self.now
-                out.append(ev.new_send(dst=target.session, msg=wire.new_staging_req(
+                out.append(factories.new_send(dst=target.session, msg=factories.new_staging_req(
                     room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session)))
 
@@ -316,7 +316,7 @@ class PrefillRank:
             room.sent_pages += num_pages
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
             self._workers[worker].queue.append(chunk)
-            out.append(ev.new_chunk_queued(worker=worker, room=e.room,
+            out.append(factories.new_chunk_queued(worker=worker, room=e.room,
                                       chunk_idx=chunk_index(chunk.page_start, self._full_pages),
                                       page_start=chunk.page_start, num_pages=num_pages,
                                       is_last=chunk.is_last))
@@ -368,7 +368,7 @@ class PrefillRank:
             room.state = prefill_next(room.state, _T_DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
-        out.append(ev.new_worker_idle(worker=index))
+        out.append(factories.new_worker_idle(worker=index))
 
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
@@ -445,7 +445,7 @@ class PrefillRank:
         self._requested_at[key] = self.now
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
-        out.append(ev.new_send(dst=target.session, msg=wire.new_staging_req(
+        out.append(factories.new_send(dst=target.session, msg=factories.new_staging_req(
             room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session)))
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
@@ -471,7 +471,7 @@ class PrefillRank:
                                  f"({chunk.num_pages} pages, {nbytes} bytes)", out)
                 return None
             staged = False
-        return ev.new_start_transfer(
+        return factories.new_start_transfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
             region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd,
@@ -502,7 +502,7 @@ class PrefillRank:
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         skip_last = chunk.is_last and self._blind_last
         if chunk.staged and not skip_last:
-            out.append(ev.new_send(dst=target.session, msg=wire.new_chunk_ready(
+            out.append(factories.new_send(dst=target.session, msg=factories.new_chunk_ready(
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
                 num_pages=chunk.num_pages, writer_id=target.session,
                 prefill_rank=self.unique_rank)))
@@ -535,7 +535,7 @@ class PrefillRank:
         self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
         if room.state is _S_FAILED:
             self._aborted.add(room.room)
-        out.append(ev.new_room_torn_down(room=room.room))
+        out.append(factories.new_room_torn_down(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
                     out: list[ev.Effect], notify: bool = True) -> None:
@@ -558,14 +558,14 @@ class PrefillRank:
                                   _T_LAST_CHUNK_DONE if status == "Success" else _T_FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
-        out.append(ev.new_room_concluded(room=room.room, status=status, reason=reason))
+        out.append(factories.new_room_concluded(room=room.room, status=status, reason=reason))
         if notify:
             self._send_status(room, poll, reason, out)
 
     def _send_status(self, room: PrefillRoom, poll: wire.KVPoll, reason: str,
                      out: list[ev.Effect]) -> None:
         for target in room.targets:
-            out.append(ev.new_send(dst=target.session, msg=wire.new_transfer_status(
+            out.append(factories.new_send(dst=target.session, msg=factories.new_transfer_status(
                 room=room.room, status=poll, prefill_rank=self.unique_rank,
                 failure_reason=reason)))
 
@@ -606,7 +606,7 @@ class PrefillRank:
     def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T_FAIL)
         room.fail_reason = reason
-        out.append(ev.new_room_concluded(room=room.room, status="Failed", reason=reason))
+        out.append(factories.new_room_concluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
             self._tear_down(room, out)
         self._news(out)  # its queued chunks are skipped at the next pass
@@ -621,7 +621,7 @@ class PrefillRank:
         if not targets or room_id in self._poisoned:
             return
         for (ip, _port), generation in sorted(targets.items()):
-            out.append(ev.new_send(dst=ip, msg=wire.AbortAck(
+            out.append(factories.new_send(dst=ip, msg=wire.AbortAck(
                 room=room_id, prefill_rank=self.unique_rank, generation=generation)))
 
     def _queued(self, room: int) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
 
-from twin.core.fastinit import fast_new, speed_up_module
+from twin.core.fastinit import speed_up_module
 
 
 class KVPoll(IntEnum):
@@ -202,11 +202,3 @@ def _decode_field(kind: str, name: str, raw: bytes) -> object:
         raise ValueError(f"{kind}: field {name!r}: expected a decimal integer, got {text[:32]!r}") from None
 
 speed_up_module(globals())  # cheaper construction; the classes stay frozen dataclasses
-
-# Factories for the classes built on every chunk or frame (``fast_new``: no class call, a
-# third cheaper); each takes the class's own keyword arguments.
-new_staging_req = fast_new(StagingReq)
-new_staging_rsp = fast_new(StagingRsp)
-new_watermark = fast_new(Watermark)
-new_chunk_ready = fast_new(ChunkReady)
-new_transfer_status = fast_new(TransferStatus)

@@ -23,7 +23,7 @@ import simpy
 from simpy.core import EmptySchedule, StopSimulation
 
 from twin.core import events as ev
-from twin.core import wire
+from twin.core import factories, wire
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
@@ -47,9 +47,9 @@ from twin.workloads import Request, Workload
 _PREFETCH: Final = wire.PREFETCH_SOCKET
 _CONTROL: Final = wire.CONTROL_SOCKET
 _STAGING_REQ: Final = wire.StagingReq
-_ARRIVED: Final = ev.new_message_arrived
-_TRANSFER_DONE: Final = ev.new_transfer_done
-_SCATTER_DONE: Final = ev.new_scatter_done
+_ARRIVED: Final = factories.new_message_arrived
+_TRANSFER_DONE: Final = factories.new_transfer_done
+_SCATTER_DONE: Final = factories.new_scatter_done
 _NORMAL: Final = 1  # simpy.events.NORMAL: the priority of a Timeout
 heappush: Final = heapq.heappush
 heappop: Final = heapq.heappop
@@ -316,7 +316,7 @@ class Simulation:
         self.link_last[link] = t
         delay = t - now
         self._schedule(now + (delay if delay > 0.0 else 0.0),
-                       _Call(next(self._eid), self.feed, (dst, _ARRIVED(src=src, msg=msg))))
+                       _Call(next(self._eid), self.feed, (dst, factories.new_message_arrived(src=src, msg=msg))))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
@@ -341,7 +341,7 @@ class Simulation:
             delay += max(0.0, self.busy_until.get(src, 0.0) - self.env._now)
         t = max(self.env._now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        arrived = ev.new_message_arrived(src=src, msg=msg)
+        arrived = factories.new_message_arrived(src=src, msg=msg)
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.env._now, self.feed, dst, arrived)
 
@@ -379,14 +379,14 @@ class Simulation:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self.sys(node, {"type": "FaultInjected", "fault": failed, "detail": detail})
             self._note_fault(e.room, f"{failed} ({detail})")
-            self.feed(node, _TRANSFER_DONE(worker=e.worker, ok=False, error=failed))
+            self.feed(node, factories.new_transfer_done(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
         req = self.requests.get(e.room)
         if req is not None:
             req.last_transfer_s = self.env._now
         self.metrics.transfer(self.env._now - t0, e.nbytes)
-        self.feed(node, _TRANSFER_DONE(worker=e.worker))
+        self.feed(node, factories.new_transfer_done(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self.params
@@ -398,7 +398,7 @@ class Simulation:
         self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
-            node, finish, _SCATTER_DONE(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            node, finish, factories.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _note_fault(self, room: int, note: str) -> None:
         notes = self.fault_notes.setdefault(room, [])
