@@ -43,13 +43,11 @@ from twin.sim.scheduler import PrefillScheduler
 from twin.sim.stalls import ProcessStalls
 from twin.workloads import Request, Workload
 
-# Read on every frame or call; Final names are C statics when the engine is compiled.
+# Read on every frame or call; Final names are C statics when the engine is compiled
+# (a call to a factory of the compiled core is native already).
 _PREFETCH: Final = wire.PREFETCH_SOCKET
 _CONTROL: Final = wire.CONTROL_SOCKET
 _STAGING_REQ: Final = wire.StagingReq
-_ARRIVED: Final = factories.new_message_arrived
-_TRANSFER_DONE: Final = factories.new_transfer_done
-_SCATTER_DONE: Final = factories.new_scatter_done
 _NORMAL: Final = 1  # simpy.events.NORMAL: the priority of a Timeout
 heappush: Final = heapq.heappush
 heappop: Final = heapq.heappop
@@ -316,7 +314,8 @@ class Simulation:
         self.link_last[link] = t
         delay = t - now
         self._schedule(now + (delay if delay > 0.0 else 0.0),
-                       _Call(next(self._eid), self.feed, (dst, factories.new_message_arrived(src=src, msg=msg))))
+                       _Call(next(self._eid), self.feed,
+                             (dst, factories.new_message_arrived(src=src, msg=msg))))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
@@ -398,7 +397,8 @@ class Simulation:
         self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
-            node, finish, factories.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            node, finish,
+            factories.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _note_fault(self, room: int, note: str) -> None:
         notes = self.fault_notes.setdefault(room, [])
