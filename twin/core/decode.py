@@ -223,7 +223,7 @@ class DecodeRank:
             self._register(room, out)
             if self._crashed is not None:
                 return
-        out.append(ev.SendMetadata(
+        out.append(factories.new_send_metadata(
             room=e.room, prefill_ranks=e.prefill_ranks, session=self.session,
             decode_rank=self.rank, decode_prefix_len=e.decode_prefix_len,
             total_pages=e.total_pages,

@@ -13,21 +13,29 @@ from typing import Any, Final
 from twin.core.events import (
     Allocated,
     ChunkQueued,
+    DecodeRoomInit,
     Freed,
     GroupPoll,
     MessageArrived,
     PeerPolled,
+    Prefetch,
+    RoomBootstrapped,
     RoomConcluded,
     RoomTornDown,
     ScatterDone,
     Send,
+    SendKV,
+    SendMetadata,
     SetTimer,
     StartScatter,
     StartTransfer,
+    Target,
     TargetsKnown,
+    Tick,
     TransferDone,
     WatermarkMoved,
     WorkerIdle,
+    WorkerPoll,
 )
 from twin.core.wire import (
     ChunkReady,
@@ -109,6 +117,32 @@ _GroupPoll_peers: Final[Any] = GroupPoll.__dict__["peers"].__set__
 _PeerPolled_room: Final[Any] = PeerPolled.__dict__["room"].__set__
 _PeerPolled_peer: Final[Any] = PeerPolled.__dict__["peer"].__set__
 _PeerPolled_poll: Final[Any] = PeerPolled.__dict__["poll"].__set__
+_WorkerPoll_worker: Final[Any] = WorkerPoll.__dict__["worker"].__set__
+_Target_session: Final[Any] = Target.__dict__["session"].__set__
+_Target_decode_rank: Final[Any] = Target.__dict__["decode_rank"].__set__
+_Target_total_pages: Final[Any] = Target.__dict__["total_pages"].__set__
+_Target_decode_prefix_len: Final[Any] = Target.__dict__["decode_prefix_len"].__set__
+_Target_dst_port: Final[Any] = Target.__dict__["dst_port"].__set__
+_RoomBootstrapped_room: Final[Any] = RoomBootstrapped.__dict__["room"].__set__
+_RoomBootstrapped_targets: Final[Any] = RoomBootstrapped.__dict__["targets"].__set__
+_DecodeRoomInit_room: Final[Any] = DecodeRoomInit.__dict__["room"].__set__
+_DecodeRoomInit_prefill_ranks: Final[Any] = DecodeRoomInit.__dict__["prefill_ranks"].__set__
+_DecodeRoomInit_prefill_attn_tp: Final[Any] = DecodeRoomInit.__dict__["prefill_attn_tp"].__set__
+_DecodeRoomInit_decode_prefix_len: Final[Any] = DecodeRoomInit.__dict__["decode_prefix_len"].__set__
+_DecodeRoomInit_total_pages: Final[Any] = DecodeRoomInit.__dict__["total_pages"].__set__
+_DecodeRoomInit_group: Final[Any] = DecodeRoomInit.__dict__["group"].__set__
+_SendMetadata_room: Final[Any] = SendMetadata.__dict__["room"].__set__
+_SendMetadata_prefill_ranks: Final[Any] = SendMetadata.__dict__["prefill_ranks"].__set__
+_SendMetadata_session: Final[Any] = SendMetadata.__dict__["session"].__set__
+_SendMetadata_decode_rank: Final[Any] = SendMetadata.__dict__["decode_rank"].__set__
+_SendMetadata_decode_prefix_len: Final[Any] = SendMetadata.__dict__["decode_prefix_len"].__set__
+_SendMetadata_total_pages: Final[Any] = SendMetadata.__dict__["total_pages"].__set__
+_SendMetadata_register_at: Final[Any] = SendMetadata.__dict__["register_at"].__set__
+_SendMetadata_dst_port: Final[Any] = SendMetadata.__dict__["dst_port"].__set__
+_Prefetch_room: Final[Any] = Prefetch.__dict__["room"].__set__
+_SendKV_room: Final[Any] = SendKV.__dict__["room"].__set__
+_SendKV_end_idx: Final[Any] = SendKV.__dict__["end_idx"].__set__
+_SendKV_last: Final[Any] = SendKV.__dict__["last"].__set__
 _StagingReq_room: Final[Any] = StagingReq.__dict__["room"].__set__
 _StagingReq_chunk_idx: Final[Any] = StagingReq.__dict__["chunk_idx"].__set__
 _StagingReq_chunk_pages: Final[Any] = StagingReq.__dict__["chunk_pages"].__set__
@@ -354,6 +388,105 @@ def new_peer_polled(*, room: int, peer: str, poll: str) -> PeerPolled:
     _PeerPolled_room(o, room)
     _PeerPolled_peer(o, peer)
     _PeerPolled_poll(o, poll)
+    return o
+
+
+def new_tick() -> Tick:
+    """``Tick(**fields)``."""
+    o: Tick = _new(Tick)
+    return o
+
+
+def new_worker_poll(*, worker: int) -> WorkerPoll:
+    """``WorkerPoll(**fields)``."""
+    o: WorkerPoll = _new(WorkerPoll)
+    _WorkerPoll_worker(o, worker)
+    return o
+
+
+def new_target(
+    *,
+    session: str,
+    decode_rank: int,
+    total_pages: int,
+    decode_prefix_len: int,
+    dst_port: int = -1,
+) -> Target:
+    """``Target(**fields)``."""
+    o: Target = _new(Target)
+    _Target_session(o, session)
+    _Target_decode_rank(o, decode_rank)
+    _Target_total_pages(o, total_pages)
+    _Target_decode_prefix_len(o, decode_prefix_len)
+    _Target_dst_port(o, dst_port)
+    return o
+
+
+def new_room_bootstrapped(*, room: int, targets: tuple[Target, ...]) -> RoomBootstrapped:
+    """``RoomBootstrapped(**fields)``."""
+    o: RoomBootstrapped = _new(RoomBootstrapped)
+    _RoomBootstrapped_room(o, room)
+    _RoomBootstrapped_targets(o, targets)
+    return o
+
+
+def new_decode_room_init(
+    *,
+    room: int,
+    prefill_ranks: tuple[str, ...],
+    prefill_attn_tp: int,
+    decode_prefix_len: int,
+    total_pages: int,
+    group: tuple[str, ...] = (),
+) -> DecodeRoomInit:
+    """``DecodeRoomInit(**fields)``."""
+    o: DecodeRoomInit = _new(DecodeRoomInit)
+    _DecodeRoomInit_room(o, room)
+    _DecodeRoomInit_prefill_ranks(o, prefill_ranks)
+    _DecodeRoomInit_prefill_attn_tp(o, prefill_attn_tp)
+    _DecodeRoomInit_decode_prefix_len(o, decode_prefix_len)
+    _DecodeRoomInit_total_pages(o, total_pages)
+    _DecodeRoomInit_group(o, group)
+    return o
+
+
+def new_send_metadata(
+    *,
+    room: int,
+    prefill_ranks: tuple[str, ...],
+    session: str,
+    decode_rank: int,
+    decode_prefix_len: int,
+    total_pages: int,
+    register_at: float | None = None,
+    dst_port: int = -1,
+) -> SendMetadata:
+    """``SendMetadata(**fields)``."""
+    o: SendMetadata = _new(SendMetadata)
+    _SendMetadata_room(o, room)
+    _SendMetadata_prefill_ranks(o, prefill_ranks)
+    _SendMetadata_session(o, session)
+    _SendMetadata_decode_rank(o, decode_rank)
+    _SendMetadata_decode_prefix_len(o, decode_prefix_len)
+    _SendMetadata_total_pages(o, total_pages)
+    _SendMetadata_register_at(o, register_at)
+    _SendMetadata_dst_port(o, dst_port)
+    return o
+
+
+def new_prefetch(*, room: int) -> Prefetch:
+    """``Prefetch(**fields)``."""
+    o: Prefetch = _new(Prefetch)
+    _Prefetch_room(o, room)
+    return o
+
+
+def new_send_kv(*, room: int, end_idx: int, last: bool) -> SendKV:
+    """``SendKV(**fields)``."""
+    o: SendKV = _new(SendKV)
+    _SendKV_room(o, room)
+    _SendKV_end_idx(o, end_idx)
+    _SendKV_last(o, last)
     return o
 
 

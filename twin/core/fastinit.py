@@ -92,18 +92,28 @@ FACTORY_CLASSES: tuple[tuple[str, str], ...] = (
     *(("twin.core.events", name) for name in (
         "MessageArrived", "TransferDone", "ScatterDone", "Send", "ChunkQueued", "StartTransfer",
         "WorkerIdle", "RoomTornDown", "Allocated", "Freed", "StartScatter", "TargetsKnown",
-        "RoomConcluded", "SetTimer", "WatermarkMoved", "GroupPoll", "PeerPolled")),
+        "RoomConcluded", "SetTimer", "WatermarkMoved", "GroupPoll", "PeerPolled",
+        # ... and per request or timer
+        "Tick", "WorkerPoll", "Target", "RoomBootstrapped", "DecodeRoomInit", "SendMetadata",
+        "Prefetch", "SendKV")),
     *(("twin.core.wire", name) for name in (
         "StagingReq", "StagingRsp", "Watermark", "ChunkReady", "TransferStatus")),
 )
-"""The classes built on every chunk or frame: ``twin/core/factories.py`` has a ``new_<name>``
-for each (module, class name)."""
+"""The classes built on every chunk, frame, request or timer: ``twin/core/factories.py`` has a
+``new_<name>`` for each (module, class name)."""
 FACTORIES_PATH = Path(__file__).with_name("factories.py")
 
 
 def factory_name(cls: type) -> str:
-    """``StartTransfer`` -> ``new_start_transfer``."""
-    return "new" + "".join("_" + ch.lower() if ch.isupper() else ch for ch in cls.__name__)
+    """``StartTransfer`` -> ``new_start_transfer``, ``SendKV`` -> ``new_send_kv``."""
+    name = cls.__name__
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and (name[i - 1].islower()
+                                   or (i + 1 < len(name) and name[i + 1].islower())):
+            out.append("_")
+        out.append(ch.lower())
+    return "new_" + "".join(out)
 
 
 def factories_source(modules: Sequence[Any]) -> str:
@@ -150,7 +160,8 @@ def factories_source(modules: Sequence[Any]) -> str:
         for f in dataclasses.fields(cls):
             default = "" if f.default is dataclasses.MISSING else f" = {f.default!r}"
             params.append(f"{f.name}: {f.type}{default}")
-        head = f"def {factory_name(cls)}(*, {', '.join(params)}) -> {cls.__name__}:"
+        signature = f"*, {', '.join(params)}" if params else ""
+        head = f"def {factory_name(cls)}({signature}) -> {cls.__name__}:"
         if len(head) > 100:
             head = "\n".join([f"def {factory_name(cls)}(", "    *,",
                                *(f"    {p}," for p in params), f") -> {cls.__name__}:"])

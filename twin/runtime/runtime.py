@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from twin.core import events as ev
-from twin.core import wire
+from twin.core import factories, wire
 from twin.core.decode import DecodeRank
 from twin.core.prefill import PrefillRank
 
@@ -135,7 +135,7 @@ class Runtime:
         key = (node, worker)
         token = self._poll_tokens.get(key, 0) + 1
         self._poll_tokens[key] = token
-        self.driver.feed_at(at, node, ev.WorkerPoll(worker=worker), token)
+        self.driver.feed_at(at, node, factories.new_worker_poll(worker=worker), token)
 
     def is_current(self, node: str, event: ev.Input, token: int) -> bool:
         """Whether a scheduled input is still wanted: a poll replaced by a newer one is not."""
@@ -187,10 +187,10 @@ class Runtime:
         return table
 
     def _metadata(self, node: str, e: ev.SendMetadata) -> None:
-        target = ev.Target(session=e.session, decode_rank=e.decode_rank,
-                           total_pages=e.total_pages, decode_prefix_len=e.decode_prefix_len,
-                           dst_port=e.dst_port)
-        boot = ev.RoomBootstrapped(room=e.room, targets=(target,))
+        target = factories.new_target(session=e.session, decode_rank=e.decode_rank,
+                                      total_pages=e.total_pages,
+                                      decode_prefix_len=e.decode_prefix_len, dst_port=e.dst_port)
+        boot = factories.new_room_bootstrapped(room=e.room, targets=(target,))
         for p in e.prefill_ranks:
             self.driver.control(node, p, boot)
         if e.register_at is not None:
@@ -202,7 +202,7 @@ class Runtime:
             self.driver.control(node, d, aborted)
 
     def _group_poll(self, node: str, e: ev.GroupPoll) -> None:
-        polled = ev.PeerPolled(room=e.room, peer=node, poll=e.poll)
+        polled = factories.new_peer_polled(room=e.room, peer=node, poll=e.poll)
         for peer in e.peers:
             if peer in self.ranks:
                 self._local.append((peer, polled))
@@ -226,7 +226,7 @@ class Runtime:
             self.poll(node, w, e.at)
 
     def _timer(self, node: str, e: ev.SetTimer) -> None:
-        self.schedule(node, e.at, ev.Tick())
+        self.schedule(node, e.at, factories.new_tick())
 
     def _crashed(self, node: str, e: ev.RankCrashed) -> None:
         self.crashed[node] = e.reason

@@ -481,7 +481,7 @@ class Simulation:
         init_pages = self.placement.total_pages(req)
         attn_tp = self.cfg.prefill.attn_tp_size
         for node, writers, group in ranks:
-            self.feed(node, ev.DecodeRoomInit(
+            self.feed(node, factories.new_decode_room_init(
                 room=req.room, prefill_ranks=writers, prefill_attn_tp=attn_tp,
                 decode_prefix_len=req.decode_prefix_len, total_pages=init_pages, group=group))
 
