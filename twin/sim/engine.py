@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from functools import partial
 from operator import attrgetter
 from typing import Any, Final
@@ -79,15 +79,18 @@ class _Call:
 class Calendar:
     """The pending ``_Call``s by time: a heap of distinct times (floats, which compare far
     cheaper than SimPy's ``(time, priority, id, event)`` tuples) and, per time, its calls in
-    the order they were scheduled (so by event id)."""
+    the order they were scheduled (so by event id, drawn from SimPy's counter ``eids``)."""
 
-    __slots__ = ("times", "calls")
+    __slots__ = ("times", "calls", "eids")
 
-    def __init__(self) -> None:
+    def __init__(self, eids: Iterator[int]) -> None:
         self.times: list[float] = []
         self.calls: dict[float, list[_Call]] = {}
+        self.eids = eids
 
-    def add(self, t: float, call: _Call) -> None:
+    def add(self, t: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        """Call ``fn(*args)`` at time ``t``, after every call and event scheduled before."""
+        call = _Call(next(self.eids), fn, args)
         bucket = self.calls.get(t)
         if bucket is None:
             self.calls[t] = [call]
@@ -160,9 +163,8 @@ class Simulation:
         self.recorder = recorder
         self.env = simpy.Environment()
         # The simulation's own calls, beside SimPy's queue; their ids come from SimPy's counter
-        self.calendar = Calendar()
+        self.calendar = Calendar(self.env._eid)
         self._schedule = self.calendar.add
-        self._eid: Any = self.env._eid
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
                                hooks={
@@ -250,8 +252,7 @@ class Simulation:
     def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
         with that callback would, one SimPy event)."""
-        self._schedule(self.env._now + (delay if delay > 0.0 else 0.0),
-                       _Call(next(self._eid), fn, args))
+        self._schedule(self.env._now + (delay if delay > 0.0 else 0.0), fn, args)
 
     def _stalled(self, node: str, fn: Callable[..., object], *args: Any) -> bool:
         """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
@@ -280,10 +281,11 @@ class Simulation:
         now = env._now
         delay = at - now
         # An input without a poll token is always wanted: feed it without ``fire``'s check.
-        eid = next(self._eid)
-        call = _Call(eid, self._fire, (node, event, token)) if token else _Call(
-            eid, self.feed, (node, event))
-        self._schedule(now + (delay if delay > 0.0 else 0.0), call)
+        t = now + (delay if delay > 0.0 else 0.0)
+        if token:
+            self._schedule(t, self._fire, (node, event, token))
+        else:
+            self._schedule(t, self.feed, (node, event))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
@@ -313,9 +315,8 @@ class Simulation:
             t = last
         self.link_last[link] = t
         delay = t - now
-        self._schedule(now + (delay if delay > 0.0 else 0.0),
-                       _Call(next(self._eid), self.feed,
-                             (dst, factories.new_message_arrived(src=src, msg=msg))))
+        self._schedule(now + (delay if delay > 0.0 else 0.0), self.feed,
+                       (dst, factories.new_message_arrived(src=src, msg=msg)))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
