@@ -475,7 +475,9 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
 
                     if hub is not None:
                         header["agents"] = hub.records()  # who ran what, and their clocks
-                    writer = TraceWriter(trace_out, header)  # type: ignore[arg-type]
+                    # inline: this process runs zmq and NIXL threads, which a fork would not carry
+                    writer = TraceWriter(trace_out, header,  # type: ignore[arg-type]
+                                         encoder="inline")
             with Launcher(cfg, defects=defects, faults=faults, seed=seed, options=options,
                           writer=writer, hub=hub) as launcher:
                 run = HwRun(launcher, workload, params, request_overrides or {},

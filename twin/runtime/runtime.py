@@ -79,6 +79,9 @@ class Runtime:
         self.ranks = ranks
         self.driver = driver
         self.recorder = recorder
+        # a recorder's ``write_step(t, node, event, effects)``, where it has one: both in a call
+        self._write_step: Callable[[float, str, Any, list[Any]], None] | None = getattr(
+            recorder, "write_step", None)
         self.scripted = scripted
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
@@ -115,7 +118,9 @@ class Runtime:
         self.inputs += 1
         self._now = now
         effects = rank.handle(event, now)
-        if self.recorder is not None:
+        if self._write_step is not None:
+            self._write_step(now, node, event, effects)
+        elif self.recorder is not None:
             self.recorder.write_input(now, node, event)
             self.recorder.write_effects(now, node, effects)
         table = self._table

@@ -226,8 +226,9 @@ def _msg_text(m: Any) -> str:
         raise TypeError(f"not a control message: {type(m).__name__}") from None
 
 
-def _value_fn(spec: Spec) -> Callable[[Any], str]:
-    """``value -> JSON text`` for any field spec (used for the composite kinds)."""
+def _value_fn(spec: Spec, rows: bool = False) -> Callable[[Any], str]:
+    """``value -> JSON text`` for any field spec (used for the composite kinds); ``rows``: the
+    value as a row holds it (``twin.trace.rows``: enums by name, nested objects as rows)."""
     kind = spec[0]
     if kind == "int":
         return repr
@@ -238,28 +239,43 @@ def _value_fn(spec: Spec) -> Callable[[Any], str]:
     if kind == "float":
         return _float_text
     if kind == "opt":
-        inner = _value_fn(spec[1])
+        inner = _value_fn(spec[1], rows)
         return lambda v: "null" if v is None else inner(v)
     if kind == "list":
-        inner = _value_fn(spec[1])
+        inner = _value_fn(spec[1], rows)
         return lambda v: "[" + ",".join(map(inner, v)) + "]"
     if kind == "enum":
+        if rows:
+            return _str_text
         enum_cls = spec[1]
         return lambda v: '"' + enum_cls(v).name + '"'
     if kind == "msg":
-        return _msg_text
+        return _row_msg_text if rows else _msg_text
     if kind == "event":
+        if rows:
+            return lambda v: ROW_TEXT[v[0]](v)
         cls = spec[1]
         return lambda v: _TEXT[cls](v)
     raise AssertionError(spec)
 
 
-def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str:
-    """The inside of an f-string (no quotes) writing ``"tag":..., fields`` of ``o``."""
+ROW_TEXT: dict[int, Callable[[tuple[Any, ...]], str]] = {}
+"""Row tag (``twin.trace.rows.CID``) of a message or nested object -> ``row -> JSON text``
+(with braces); filled by ``twin.trace.rows``."""
+
+
+def _row_msg_text(r: tuple[Any, ...]) -> str:
+    return ROW_TEXT[r[0]](r)
+
+
+def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any],
+                rows: bool = False) -> str:
+    """The inside of an f-string (no quotes) writing ``"tag":..., fields`` of ``o`` (an
+    object), or with ``rows`` of ``r`` (its row: field ``i`` at ``r[i + 1]``)."""
     out = [f'"{tag_key}":"{tag}"']
     for i, f in enumerate(_SPECS[cls]):
         kind = f.spec[0]
-        value = f"o.{f.name}"
+        value = f"r[{i + 1}]" if rows else f"o.{f.name}"
         if kind == "int":
             expr = f"{{{value}}}"
         elif kind == "str":
@@ -268,16 +284,16 @@ def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str
             expr = f'{{"true" if {value} else "false"}}'
         elif kind == "float":
             expr = f"{{_f({value})}}"
-        elif kind == "msg":
+        elif kind == "msg" and not rows:
             expr = f"{{_m[type({value})]({value})}}"
         else:
-            scope[f"_v{i}"] = _value_fn(f.spec)
+            scope[f"_v{i}"] = _value_fn(f.spec, rows)
             expr = f"{{_v{i}({value})}}"
         out.append(f'"{f.name}":{expr}')
     return ",".join(out)
 
 
-def _compile(cls: type, src: str, scope: dict[str, Any], name: str) -> Callable[..., str]:
+def _compile(cls: type, src: str, scope: dict[str, Any], name: str) -> Callable[..., Any]:
     scope.update({"_S": _STR_CACHE, "_f": _float_text, "_m": _TEXT})
     exec(compile(src, f"<trace text {name} {cls.__name__}>", "exec"), scope)  # noqa: S102
     return scope["fn"]
@@ -300,28 +316,12 @@ for _kind, _mcls in MESSAGE_KINDS.items():
 _TEXT[ev.Target] = _object_text(ev.Target, "type", "Target")
 
 
-_EMITTER_FACTORIES: dict[type, Callable[..., Callable[[Any, int, str, str], None]]] = {}
-
-
 def _make_line(cls: type) -> tuple[Callable[[Any, int, str], str], Callable[[Any], str]]:
     scope: dict[str, Any] = {}
     parts = _text_parts(cls, "type", cls.__name__, scope)
     line_src = _fstring('{{"seq":{seq},{head}' + parts + '}}\\n')
     line = _compile(cls, f"def fn(o, seq, head):\n    return {line_src}\n", scope, "line")
     body = _compile(cls, f"def fn(o):\n    return {_fstring(parts)}\n", dict(scope), "body")
-    # The writer's hot path: one call encodes, appends, notes the room and calls a hook.
-    names = {f.name for f in _SPECS[cls]}
-    room = ("    _ra(o.room)\n" if "room" in names else
-            "    _ra(getattr(o.msg, 'room', None))\n" if "msg" in names else "")
-    src = ("def fn(_ap, _ra, _hook):\n"
-           "    def emit(o, seq, head, node):\n"
-           f"        line = {line_src}\n"
-           "        _ap(line)\n"
-           + room.replace("    _ra", "        _ra")
-           + "        if _hook is not None:\n"
-           "            _hook(node, o, seq, line)\n"
-           "    return emit\n")
-    _EMITTER_FACTORIES[cls] = _compile(cls, src, dict(scope), "emitter")
     return line, body
 
 
@@ -332,16 +332,6 @@ BODY_TEXT: dict[type, Callable[[Any], str]] = {}
 """Event class -> ``event -> '"type":"Name",field...'``: the payload of a line without braces."""
 for _ecls in ev.EVENT_TYPES.values():
     LINE_TEXT[_ecls], BODY_TEXT[_ecls] = _make_line(_ecls)
-
-
-def line_emitters(append: Callable[[str], None], rooms_add: Callable[[Any], None],
-                  hooks: dict[type, Callable[[str, Any, int, str], None]]
-                  ) -> dict[type, Callable[[Any, int, str, str], None]]:
-    """Event class -> ``emit(event, seq, head, node)``, which appends the event's trace line
-    (as ``LINE_TEXT``) with ``append``, hands the room it names (or None) to ``rooms_add`` and
-    calls ``hooks[cls](node, event, seq, line)`` when the class has a hook."""
-    return {cls: make(append, rooms_add, hooks.get(cls))
-            for cls, make in _EMITTER_FACTORIES.items()}
 
 
 def event_text(obj: Any) -> str:

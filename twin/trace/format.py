@@ -50,10 +50,11 @@ from twin.trace.codec import (
     TraceError,
     event_from_json,
     field_specs,
-    line_emitters,
 )
 from twin.trace.compat import recorded_config
-from twin.trace.index import STATE_EVERY, Block, BlockMeta, IndexWriter, LiveState, index_path
+from twin.trace.encoder import DRIVER, JSON_TEXT, EncoderProcess, RowEncoder, can_fork
+from twin.trace.index import Block, IndexWriter, index_path
+from twin.trace.rows import REDUCE
 
 try:
     from orjson import loads as _fast_loads
@@ -93,8 +94,7 @@ __all__ = [
 
 FORMAT_NAME = "staging-twin-trace"
 FORMAT_VERSION = 3
-DRIVER = "driver"
-"""The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
+# DRIVER (from twin.trace.encoder): the pseudo node of run-level records (``dir`` "sys")
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
@@ -282,80 +282,84 @@ def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Writer
 # ---------------------------------------------------------------------------------------------
+_REDUCE_CONCLUDED = REDUCE[ev.RoomConcluded]
+_INF = math.inf
+
+
 class TraceWriter:
     """Streams one trace to ``path``: gzip when the name ends in ``.gz``, zstd for ``.zst``,
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
 
-    The header is validated and written at once. Lines are encoded straight from the event
-    objects (one generated emitter per class, ``twin.trace.codec.line_emitters``) into a
-    buffer that becomes one *block* every ``flush_every`` lines (after an input's effects, so
-    an input and its effects share a block; ``2 * flush_every`` lines at most) and on
-    ``flush``/``close``. Each block is compressed (zstd level 1 or gzip level 3 unless
-    ``level`` says otherwise) and written, and the file flushed: a killed process leaves a
-    readable trace that ends at most a block early (a partial last line or block is tolerated
-    by the reader). ``threaded=True`` compresses and writes in a background thread instead,
+    The header is validated and written at once. Each record is checked as it comes (times
+    finite and non-decreasing, nodes declared in the header, events of the core's classes) and
+    its events reduced to rows (``twin.trace.rows``); the rows become text, blocks and index in
+    a ``RowEncoder`` (``twin.trace.encoder``). ``encoder="process"`` runs it in a forked child
+    process, so that the caller pays for reducing, not for encoding; ``"inline"`` runs it here;
+    ``"auto"`` (the default) forks when ``can_fork()`` (no other threads) and otherwise runs
+    inline. Both write the same bytes. A block ends every ``flush_every`` lines (after an
+    input's effects, so an input and its effects share a block; ``2 * flush_every`` lines at
+    most) and on ``flush``/``close``; each block is compressed (zstd level 1 or gzip level 3
+    unless ``level`` says otherwise), written and flushed: a killed process leaves a readable
+    trace that ends at most a block or two early (a partial last line or block is tolerated by
+    the reader). ``threaded=True`` compresses and writes in a background thread of the encoder,
     which only pays when the caller leaves the GIL free. ``index=False`` writes no index (and
     removes a stale one). Used as a context manager, an exception inside the block writes an
     ``Outcome`` with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is
-    re-raised. Times must be finite and non-decreasing; nodes must be declared in the header.
+    re-raised.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any], *,
                  flush_every: int = 1000, level: int | None = None, index: bool = True,
-                 threaded: bool = False) -> None:
+                 threaded: bool = False, encoder: str = "auto") -> None:
+        if encoder not in ("auto", "inline", "process"):
+            raise ValueError(f"encoder must be 'auto', 'inline' or 'process', not {encoder!r}")
         self.path = Path(path)
         self.header = dict(header)
         self.config, nodes = _check_header(self.header, f"{self.path}: header")
         self.flush_every = max(1, flush_every)
-        self._encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False,
-                                        check_circular=False).encode
-        self._pin = {nid: f'"node":{json.dumps(nid)},"dir":"in",' for nid in nodes}
-        self._pout = {nid: f'"node":{json.dumps(nid)},"dir":"out",' for nid in nodes}
-        self._psys = {nid: f'"node":{json.dumps(nid)},"dir":"sys",' for nid in nodes}
-        self._psys[DRIVER] = f'"node":"{DRIVER}","dir":"sys",'
-        self._decode_nodes = frozenset(n for n, v in nodes.items() if v["role"] == "decode")
         self._nodes = nodes
         self._seq = 0
         self._t = 0.0
-        self._tt = '"t":0.0,'
-        self._buf: list[str] = []
-        self._hard_limit = 2 * self.flush_every
         self._closed = False
         self.requests = 0
         self.succeeded: set[int] = set()
         self.failed: set[int] = set()
-        # per block: first seq and time, rooms named; every STATE_EVERY blocks a state snapshot
-        self._live = LiveState()
-        self._rooms: set[Any] = set()
-        self._blk_seq = 0
-        self._blk_t0 = 0.0
-        self._blocks = 0
-        self._state: str | None = '{"alloc":{},"lines":[]}'
-        out_hooks = {**self._live.out_hooks, ev.RoomConcluded: self._concluded}
-        self._in_emit = line_emitters(self._buf.append, self._rooms.add, self._live.in_hooks)
-        self._in_emit = {cls: self._in_emit[cls] for cls in ev.INPUT_TYPES}
-        self._out_emit = line_emitters(self._buf.append, self._rooms.add, out_hooks)
-        self._out_emit = {cls: self._out_emit[cls] for cls in ev.EFFECT_TYPES}
+        # rows go to the encoder in batches of about flush_every lines
+        self._items: list[Any] = []
+        self._lines = 0
+        self._pending: tuple[float, str, Any] | None = None
+        inputs = {cls: REDUCE[cls] for cls in ev.INPUT_TYPES}
+        effects = {cls: REDUCE[cls] for cls in ev.EFFECT_TYPES}
+        decode_effects = {**effects, ev.RoomConcluded: self._concluded}
+        self._in_red = {nid: inputs for nid in nodes}
+        self._sys_nodes = frozenset((*nodes, DRIVER))
+        self._out_red = {nid: decode_effects if v["role"] == "decode" else effects
+                         for nid, v in nodes.items()}
         codec = codec_for_name(self.path.name)
-        header_line = (self._encode(self.header) + "\n").encode("utf-8")
+        header_line = (JSON_TEXT(self.header) + "\n").encode("utf-8")
         if index:
-            self._index: IndexWriter | None = IndexWriter(self.path, codec, header_line)
+            index_writer: IndexWriter | None = IndexWriter(self.path, codec, header_line)
         else:
-            self._index = None
+            index_writer = None
             index_path(self.path).unlink(missing_ok=True)  # an older trace's index
         try:
-            self._sink = BlockSink(self.path, codec, level=level, threaded=threaded,
-                                   on_block=self._index.block if self._index else None)
-            self._sink.write(header_line)
-            self._sink.flush()
+            sink = BlockSink(self.path, codec, level=level, threaded=threaded,
+                             on_block=index_writer.block if index_writer else None)
+            sink.write(header_line)
+            sink.flush()
         except BaseException:
-            if self._index is not None:
-                self._index.close()
+            if index_writer is not None:
+                index_writer.close()
             raise
+        back = RowEncoder(sink, index_writer, nodes, self.flush_every)
+        self.encoder = "process" if encoder == "process" or (
+            encoder == "auto" and can_fork()) else "inline"
+        self._back: RowEncoder | EncoderProcess = (
+            EncoderProcess(back) if self.encoder == "process" else back)
 
-    def _concluded(self, node: str, e: Any, seq: int, line: str) -> None:
-        if node in self._decode_nodes:
-            (self.succeeded if e.status == "Success" else self.failed).add(e.room)
+    def _concluded(self, e: Any) -> Any:
+        (self.succeeded if e.status == "Success" else self.failed).add(e.room)
+        return _REDUCE_CONCLUDED(e)
 
     # -- hot path ----------------------------------------------------------------------------
     def _set_time(self, t: float) -> None:
@@ -364,104 +368,124 @@ class TraceWriter:
             raise TraceError(f"{self.path}:{self._seq + 2}",
                              f"time {t!r} is before {self._t!r} or not finite", "t")
         self._t = t
-        self._tt = f'"t":{t!r},'
 
     def _unknown_node(self, node: str, d: str) -> TraceError:
         return TraceError(f"{self.path}:{self._seq + 2}", f"unknown node {node!r} for dir "
                           f"{d!r}", "node")
+
+    def _settle(self) -> None:
+        """An input whose effects were not written goes on alone."""
+        p = self._pending
+        if p is not None:
+            self._pending = None
+            self._items.append((*p, None))
 
     def write_input(self, t: float, node: str, event: Any) -> None:
         """Record that ``node`` handled input ``event`` at time ``t``."""
         if t != self._t:
             self._set_time(t)
         try:
-            head = self._tt + self._pin[node]
+            reduce = self._in_red[node][type(event)]
         except KeyError:
-            raise self._unknown_node(node, "in") from None
-        try:
-            emit = self._in_emit[type(event)]
-        except KeyError:
+            if node not in self._in_red:
+                raise self._unknown_node(node, "in") from None
             raise TypeError(f"not a core input: {type(event).__name__}") from None
-        seq = self._seq
-        if not self._buf:
-            self._blk_seq, self._blk_t0 = seq, self._t
-        emit(event, seq, head, node)
-        self._seq = seq + 1
-        if len(self._buf) >= self._hard_limit:  # normally the block ends after the effects
-            self._drain()
+        if self._pending is not None:
+            self._settle()
+        self._pending = (t, node, reduce(event))
+        self._seq += 1
+        self._lines += 1
+        if self._lines >= self.flush_every:
+            self._ship()
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
         """Record the effects ``node`` returned for its last input, in order."""
         if t != self._t:
             self._set_time(t)
         try:
-            head = self._tt + self._pout[node]
+            table = self._out_red[node]
         except KeyError:
             raise self._unknown_node(node, "out") from None
-        table, seq = self._out_emit, self._seq
-        if not self._buf:
-            self._blk_seq, self._blk_t0 = seq, self._t
         try:
-            for e in effects:
-                try:
-                    emit = table[type(e)]
-                except KeyError:
-                    raise TypeError(f"not a core effect: {type(e).__name__}") from None
-                emit(e, seq, head, node)
-                seq += 1
-        finally:
-            self._seq = seq
-        if len(self._buf) >= self.flush_every:
-            self._drain()
+            rows = [table[type(e)](e) for e in effects]
+        except KeyError:
+            bad = next(e for e in effects if type(e) not in table)
+            raise TypeError(f"not a core effect: {type(bad).__name__}") from None
+        p = self._pending
+        if p is not None and p[1] == node and p[0] == t:
+            self._pending = None
+            self._items.append((t, node, p[2], rows))
+        else:
+            self._settle()
+            self._items.append((t, node, None, rows))
+        n = len(rows)
+        self._seq += n
+        self._lines += n
+        if self._lines >= self.flush_every:
+            self._ship()
+
+    def write_step(self, t: float, node: str, event: Any, effects: list[Any]) -> None:
+        """``write_input(t, node, event)`` then ``write_effects(t, node, effects)``, in one call
+        (the runtime's)."""
+        if t != self._t:
+            if self._t < t < _INF:
+                self._t = t
+            else:
+                self._set_time(t)  # raises, or converts a time that is not a float
+        try:
+            row = self._in_red[node][type(event)](event)
+            table = self._out_red[node]
+            rows = [table[type(e)](e) for e in effects]
+        except KeyError:
+            self.write_input(t, node, event)  # raises what is wrong
+            self.write_effects(t, node, effects)
+            raise
+        if self._pending is not None:
+            self._settle()
+        self._items.append((t, node, row, rows))
+        n = len(rows) + 1
+        self._seq += n
+        self._lines += n
+        if self._lines >= self.flush_every:
+            self._ship()
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
         if t != self._t:
             self._set_time(t)
-        try:
-            head = self._tt + self._psys[node]
-        except KeyError:
-            raise self._unknown_node(node, "sys") from None
+        if node not in self._sys_nodes:
+            raise self._unknown_node(node, "sys")
         rec = dict(record)
-        rtype = _check_sys(rec, f"{self.path}:{self._seq + 2}", self._nodes)
+        try:
+            rtype = _check_sys(rec, "", self._nodes)
+        except TraceError as exc:
+            raise TraceError(f"{self.path}:{self._seq + 2}", exc.detail, exc.field) from None
         if rtype == "RequestArrived":
             self.requests += 1
-        rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
-        if not self._buf:
-            self._blk_seq, self._blk_t0 = self._seq, self._t
-        line = f'{{"seq":{self._seq},{head}{self._encode(rec)[1:]}\n'
-        self._buf.append(line)
-        if "room" in SYS_TYPES[rtype]:
-            self._rooms.add(rec["room"])
-        hook = self._live.sys_hooks.get(rtype)
-        if hook is not None:
-            hook(node, rec, self._seq, line)
+        if next(iter(rec)) != "type":
+            rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
+        self._settle()
+        self._items.append((t, node, rtype, rec["room"] if "room" in SYS_TYPES[rtype] else None,
+                            rec))
         self._seq += 1
-        if len(self._buf) >= self.flush_every:
-            self._drain()
+        self._lines += 1
+        if self._lines >= self.flush_every:
+            self._ship()
 
     # -- blocks and closing --------------------------------------------------------------------
-    def _drain(self) -> None:
+    def _ship(self) -> None:
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
-        buf = self._buf
-        if not buf:
-            return
-        rooms = self._rooms
-        rooms.discard(None)
-        meta = BlockMeta(self._blk_seq, len(buf), self._blk_t0, self._t,
-                         sorted(rooms), self._state)
-        data = "".join(buf).encode("utf-8")
-        buf.clear()
-        rooms.clear()
-        self._blocks += 1
-        self._state = self._live.snapshot_text() if self._blocks % STATE_EVERY == 0 else None
-        self._sink.write(data, meta)
+        self._settle()
+        items, self._items, self._lines = self._items, [], 0
+        if items:
+            self._back.feed(items)
 
     def flush(self) -> None:
         """Write everything buffered and wait until it is in the file."""
-        self._drain()
-        self._sink.flush()
+        self._ship()
+        self._back.feed([None])
+        self._back.flush()
 
     @property
     def closed(self) -> bool:
@@ -477,14 +501,10 @@ class TraceWriter:
         try:
             if outcome is not None:
                 self.write_sys(self._t, DRIVER, {"type": "Outcome", **outcome})
-            self._drain()
+            self._ship()
         finally:
             self._closed = True
-            try:
-                self._sink.close()
-            finally:
-                if self._index is not None:
-                    self._index.close()
+            self._back.close()
 
     def abort_outcome(self, exc: BaseException) -> dict[str, Any]:
         """The ``Outcome`` written when the run raised ``exc``."""
@@ -506,10 +526,7 @@ class TraceWriter:
         except Exception:  # the run's own exception matters more than a trace error
             self._closed = True
             with contextlib.suppress(Exception):
-                self._sink.close()
-            if self._index is not None:
-                with contextlib.suppress(Exception):
-                    self._index.close()
+                self._back.abandon()
 
 
 # ---------------------------------------------------------------------------------------------

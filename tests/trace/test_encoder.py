@@ -1,0 +1,129 @@
+"""Rows and the encoder process: the text from rows is the text from events, and a trace
+encoded in a forked child is the trace encoded inline, byte for byte."""
+
+from __future__ import annotations
+
+import marshal
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from test_format import ANY_EVENT, NODES, P, small_config
+
+from twin.core import events as ev
+from twin.core.config import TwinConfig
+from twin.runtime.faults import parse_fault
+from twin.sim.runner import run_sim
+from twin.trace import format as fmt
+from twin.trace.codec import LINE_TEXT
+from twin.trace.format import TraceWriter, make_header, read_trace
+from twin.trace.rows import LINE_OF_ROW, REDUCE
+from twin.workloads.spec import parse_workload_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAD = '"t":0.25,"node":"p0g0r0","dir":"out",'
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ANY_EVENT)
+def test_line_from_row_is_line_from_event(event: Any) -> None:
+    row = marshal.loads(marshal.dumps(REDUCE[type(event)](event)))  # what crosses the pipe
+    assert LINE_OF_ROW[row[0]](row, 17, HEAD) == LINE_TEXT[type(event)](event, 17, HEAD)
+
+
+def test_reducing_checks_floats_and_messages() -> None:
+    with pytest.raises(ValueError, match="finite"):
+        REDUCE[ev.SetTimer](ev.SetTimer(at=float("inf")))
+    with pytest.raises(TypeError, match="not a control message"):
+        REDUCE[ev.Send](ev.Send(dst=P, msg="not a frame"))  # type: ignore[arg-type]
+
+
+def _record(path: Path, fork: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulated run recorded through ``run_sim``, whose writer forks its encoder or not."""
+    monkeypatch.setattr(fmt, "can_fork", lambda: fork)
+    workload = parse_workload_spec("poisson:n=40,rate=20,input=6000~3000,output=32,seed=3")
+    cfg = TwinConfig()
+    run_sim(cfg, workload, trace_out=path, faults=[parse_fault("delay:STAGING_REQ:ms=2")])
+
+
+@pytest.mark.parametrize("name", ["run.jsonl", "run.jsonl.gz", "run.jsonl.zst"])
+def test_process_and_inline_encoders_write_the_same_bytes(
+        tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tmp_path / "inline" / name, tmp_path / "process" / name
+    a.parent.mkdir()
+    b.parent.mkdir()
+    _record(a, False, monkeypatch)
+    _record(b, True, monkeypatch)
+    assert a.read_bytes() == b.read_bytes()
+    assert Path(f"{a}.idx").read_bytes() == Path(f"{b}.idx").read_bytes()
+    trace = read_trace(b)
+    assert trace.complete and len(trace.events) > 2000
+    assert {"RequestArrived", "ForwardStart", "FaultInjected", "StartTransfer"} <= {
+        r.type for r in trace.events}
+
+
+def test_process_encoder_flush_puts_everything_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "f.jsonl"
+    w = TraceWriter(path, make_header("sim", small_config(), NODES), encoder="process")
+    for i in range(50):
+        w.write_input(i * 1e-3, P, ev.WorkerPoll(worker=i % 3))
+        w.write_effects(i * 1e-3, P, [ev.WorkerIdle(worker=i % 3)])
+    w.flush()
+    assert len(path.read_text().splitlines()) == 101  # the header and every line so far
+    w.close()
+    assert read_trace(path).status == "incomplete"
+
+
+def test_an_error_in_the_encoder_process_is_raised_in_the_writer(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path / "e.jsonl", make_header("sim", small_config(), NODES),
+                    encoder="process")
+    w.write_sys(0.0, P, {"type": "Note", "text": "x", "blob": b"not json"})
+    with pytest.raises(TypeError, match="bytes is not JSON serializable"):
+        w.close()
+
+
+_SCRIPT = textwrap.dedent("""
+    import sys
+    from twin.cli import main
+    sys.argv = ["twin", "sim", "--workload",
+                "poisson:n=400000,rate=50,input=4000~2000,output=64,seed=1",
+                "--trace-out", sys.argv[1]]
+    main()
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_a_killed_or_interrupted_run_keeps_what_it_recorded(tmp_path: Path, sig: int) -> None:
+    """The encoder outlives a killed run and writes every line it was sent; Ctrl-C (SIGINT to
+    the process group) leaves it running until the run has written its outcome."""
+    path = tmp_path / "k.jsonl.zst"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while (not path.exists() or path.stat().st_size < 200_000) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, sig)
+    proc.wait(timeout=60)
+    while time.monotonic() < deadline:  # the encoder is in the same process group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    trace = read_trace(path)
+    assert not trace.truncated  # the encoder finished the last block and the stream
+    assert [r.seq for r in trace.events] == list(range(len(trace.events)))
+    assert len(trace.events) > 1000
+    if sig == signal.SIGINT:
+        assert trace.status == "interrupted"
+    else:
+        assert trace.outcome is None and "incomplete" in trace.warnings[-1]

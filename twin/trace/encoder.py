@@ -1,0 +1,294 @@
+"""The back half of the trace writer: rows in, trace lines, blocks and index out.
+
+``TraceWriter`` (``twin.trace.format``) checks each record and reduces its events to rows
+(``twin.trace.rows``); a ``RowEncoder`` turns batches of those *items* into lines, cuts the
+lines into blocks, keeps the index's live state and hands the blocks to a ``BlockSink``. It runs
+in the writer's process, or in a forked child (``EncoderProcess``) so that a simulation pays
+for reducing its events and not for their text: the child encodes on another core while the
+simulation goes on.
+
+Items, in trace order:
+
+* ``(t, node, row, effects)``: an input's row (or None) and the rows of the effects it
+  returned (or None), all at time ``t`` on ``node``;
+* ``(t, node, type, room, record)``: a driver record (a dict, ``"type"`` its first key) and
+  the room it names (or None);
+* ``None``: end the block here (``TraceWriter.flush``).
+
+A ``RowEncoder`` fed the same items writes the same bytes, wherever it runs: blocks end after
+an input's effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` lines after
+an input, after a driver record once ``flush_every`` are buffered, and at every ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import json
+import marshal
+import os
+import pickle
+import signal
+import struct
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from twin.trace.blocks import BlockSink
+from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter, LiveState
+from twin.trace.rows import row_emitters
+
+__all__ = ["DRIVER", "JSON_TEXT", "EncoderProcess", "RowEncoder", "can_fork"]
+
+DRIVER = "driver"
+"""The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
+JSON_TEXT = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False).encode
+"""Compact JSON text as the trace writes it (header, driver records)."""
+
+
+class RowEncoder:
+    """Items -> lines -> blocks written to ``sink`` (and described to ``index``)."""
+
+    def __init__(self, sink: BlockSink, index: IndexWriter | None,
+                 nodes: Mapping[str, Any], flush_every: int) -> None:
+        self._sink = sink
+        self._index = index
+        self.flush_every = flush_every
+        self._hard_limit = 2 * flush_every
+        self._pin = {n: f'"node":{json.dumps(n)},"dir":"in",' for n in nodes}
+        self._pout = {n: f'"node":{json.dumps(n)},"dir":"out",' for n in nodes}
+        self._psys = {n: f'"node":{json.dumps(n)},"dir":"sys",' for n in nodes}
+        self._psys[DRIVER] = f'"node":"{DRIVER}","dir":"sys",'
+        self._seq = 0
+        self._t = 0.0
+        self._tt = '"t":0.0,'
+        self._buf: list[str] = []
+        self._rooms: set[Any] = set()
+        self._live = LiveState()
+        self._emit = row_emitters(self._buf.append, self._rooms.add, self._live.hooks)
+        self._blk_seq = 0
+        self._blk_t0 = 0.0
+        self._blocks = 0
+        self._state: str | None = '{"alloc":{},"lines":[]}'
+
+    def feed(self, items: list[Any]) -> None:
+        """Encode ``items`` (see the module docstring), writing every block they complete."""
+        buf, emit, flush_every = self._buf, self._emit, self.flush_every
+        for item in items:
+            if item is None:
+                self._drain()
+                continue
+            t = item[0]
+            if t != self._t:
+                self._t = t = float(t)
+                self._tt = f'"t":{t!r},'
+            if len(item) == 5:
+                self._sys(item)
+                continue
+            _, node, row, effects = item
+            seq = self._seq
+            if row is not None:
+                if not buf:
+                    self._blk_seq, self._blk_t0 = seq, self._t
+                emit[row[0]](row, seq, self._tt + self._pin[node], node)
+                seq += 1
+                if len(buf) >= self._hard_limit:
+                    self._seq = seq
+                    self._drain()
+            if effects is not None:
+                if not buf:
+                    self._blk_seq, self._blk_t0 = seq, self._t
+                head = self._tt + self._pout[node]
+                for r in effects:
+                    emit[r[0]](r, seq, head, node)
+                    seq += 1
+                self._seq = seq
+                if len(buf) >= flush_every:
+                    self._drain()
+            self._seq = seq
+
+    def _sys(self, item: tuple[Any, ...]) -> None:
+        _, node, rtype, room, record = item
+        seq = self._seq
+        if not self._buf:
+            self._blk_seq, self._blk_t0 = seq, self._t
+        line = f'{{"seq":{seq},{self._tt}{self._psys[node]}{JSON_TEXT(record)[1:]}\n'
+        self._buf.append(line)
+        if room is not None:
+            self._rooms.add(room)
+        hook = self._live.sys_hooks.get(rtype)
+        if hook is not None:
+            hook(node, room, seq, line)
+        self._seq = seq + 1
+        if len(self._buf) >= self.flush_every:
+            self._drain()
+
+    def _drain(self) -> None:
+        buf = self._buf
+        if not buf:
+            return
+        rooms = self._rooms
+        rooms.discard(None)
+        meta = BlockMeta(self._blk_seq, len(buf), self._blk_t0, self._t, sorted(rooms),
+                         self._state)
+        data = "".join(buf).encode("utf-8")
+        buf.clear()
+        rooms.clear()
+        self._blocks += 1
+        self._state = self._live.snapshot_text() if self._blocks % STATE_EVERY == 0 else None
+        self._sink.write(data, meta)
+
+    def flush(self) -> None:
+        """End the block here and wait until every block is in the file."""
+        self._drain()
+        self._sink.flush()
+
+    def close(self) -> None:
+        """Write the last block and close the file and the index."""
+        try:
+            self._drain()
+        finally:
+            try:
+                self._sink.close()
+            finally:
+                if self._index is not None:
+                    self._index.close()
+
+    def abandon(self) -> None:
+        """Close the files without writing what is buffered (after an error)."""
+        with contextlib.suppress(Exception):
+            self._sink.close()
+        if self._index is not None:
+            with contextlib.suppress(Exception):
+                self._index.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoder in a child process
+# ---------------------------------------------------------------------------------------------
+_LEN = struct.Struct("<I")
+_FLUSH = b"F"
+_PIPE_SIZE = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def can_fork() -> bool:
+    """Whether this process may fork an encoder: POSIX, and no other thread that could hold a
+    lock the child would need."""
+    return hasattr(os, "fork") and threading.active_count() == 1
+
+
+class EncoderProcess:
+    """Runs ``encoder`` in a forked child, fed batches of items through a pipe.
+
+    The child ignores SIGINT (an interrupted run still writes its outcome through it) and ends
+    when the pipe does: on ``close()``, or when this process dies, after writing every item it
+    received. An error in the child (a full disk, say) is raised here on the next ``feed``,
+    ``flush`` or ``close``; the exception is carried over by pickle.
+    """
+
+    def __init__(self, encoder: RowEncoder) -> None:
+        data_r, data_w = os.pipe()
+        res_r, res_w = os.pipe()
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(data_w, _F_SETPIPE_SZ, _PIPE_SIZE)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(data_w)
+            os.close(res_r)
+            _child(encoder, data_r, res_w)
+        os.close(data_r)
+        os.close(res_w)
+        self.pid = pid
+        self._w = data_w
+        self._r = os.fdopen(res_r, "rb")
+        self._done = False
+
+    def feed(self, items: list[Any]) -> None:
+        try:
+            payload = marshal.dumps(items)
+        except ValueError as exc:
+            raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
+                            ) from None
+        self._send(payload)
+
+    def flush(self) -> None:
+        self._send(_FLUSH)
+        reply = self._r.read(1)
+        if reply != _FLUSH:
+            self._fail(reply + self._r.read())
+
+    def close(self) -> None:
+        """Let the child finish (every item sent is written) and raise its error, if any."""
+        if self._done:
+            return
+        self._done = True
+        os.close(self._w)
+        try:
+            self._fail(self._r.read())
+        finally:
+            self._r.close()
+            os.waitpid(self.pid, 0)
+
+    abandon = close
+
+    def _send(self, payload: bytes) -> None:
+        if self._done:
+            raise ValueError("trace encoder is closed")
+        try:
+            _write_all(self._w, _LEN.pack(len(payload)) + payload)
+        except BrokenPipeError:
+            self._fail(self._r.read())
+
+    def _fail(self, reply: bytes) -> None:
+        """Raise what the child reported (nothing when it reported success)."""
+        if reply == b"ok":
+            return
+        if reply[:1] == b"E":
+            try:
+                exc = pickle.loads(reply[1:])
+            except Exception:  # noqa: BLE001 - an exception that does not unpickle
+                exc = RuntimeError("the trace encoder failed")
+            if isinstance(exc, BaseException):
+                raise exc
+        raise RuntimeError(f"the trace encoder process ended early ({reply[:40]!r})")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gc.freeze()  # the inherited heap is never traversed (nor copied page by page)
+        src = os.fdopen(data_r, "rb")
+        out = os.fdopen(res_w, "wb", buffering=0)
+        try:
+            while True:
+                head = src.read(4)
+                if len(head) < 4:
+                    break
+                payload = src.read(_LEN.unpack(head)[0])
+                if payload == _FLUSH:
+                    encoder.flush()
+                    out.write(_FLUSH)
+                    continue
+                encoder.feed(marshal.loads(payload))
+            encoder.close()
+            out.write(b"ok")
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            code = 1
+            encoder.abandon()
+            try:
+                blob = pickle.dumps(exc)
+            except Exception:  # noqa: BLE001
+                blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+            with contextlib.suppress(OSError):
+                out.write(b"E" + blob)
+    finally:
+        os._exit(code)

@@ -1,0 +1,163 @@
+"""Events as rows: ``(tag, field, ...)`` tuples of plain values, and trace lines from rows.
+
+The trace writer reduces each event it records to a row at once (``REDUCE``: the field values
+in declaration order behind a class tag; nested messages and targets become rows themselves,
+``KVPoll`` members their names, floats are checked finite) and encodes rows into text later,
+possibly in another process: a row holds only ints, floats, strings, bools, None, tuples and
+lists, so ``marshal`` carries it. ``LINE_OF_ROW[row[0]](row, seq, head)`` is exactly the line
+``twin.trace.codec.LINE_TEXT`` writes for the event (``tests/trace/test_rows.py``). Tags are
+positions in ``CLASSES``: they mean something within one process and its forks, never in a file.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from twin.core import events as ev
+from twin.trace import codec
+from twin.trace.codec import _SPECS, _compile, _fstring, _text_parts
+
+__all__ = ["CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "row_emitters"]
+
+Row = tuple[Any, ...]
+Emit = Callable[[Row, int, str, str], None]
+Hook = Callable[[str, Row, int, str], None]
+
+CLASSES: tuple[type, ...] = tuple(_SPECS)
+"""Every event, message and nested class; a row's tag is its class's position here."""
+CID: dict[type, int] = {cls: i for i, cls in enumerate(CLASSES)}
+
+
+def field_pos(cls: type, name: str) -> int:
+    """Where field ``name`` of ``cls`` sits in the class's rows."""
+    for i, f in enumerate(_SPECS[cls]):
+        if f.name == name:
+            return i + 1
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
+def _finite(v: Any) -> Any:
+    if type(v) is float:
+        if v - v == 0.0:
+            return v
+        raise ValueError(f"out of range float value {v!r}: traces hold finite numbers only")
+    if type(v) is int:
+        return v
+    return _finite(float(v))
+
+
+class _MessageReducers(dict):  # type: ignore[type-arg]
+    def __missing__(self, cls: type) -> Any:
+        raise TypeError(f"not a control message: {cls.__name__}")
+
+
+_MSG_REDUCE = _MessageReducers()
+
+
+def _red_expr(spec: tuple[Any, ...], value: str, var: str) -> str:
+    """Source of the row value of ``value`` (an expression read once; ``var`` a free name)."""
+    kind = spec[0]
+    if kind in ("int", "str", "bool"):
+        return value
+    if kind == "float":
+        return f"_fin({value})"
+    if kind == "opt":
+        inner = _red_expr(spec[1], var, var + "_")
+        return value if inner == var else f"(None if ({var} := {value}) is None else {inner})"
+    if kind == "list":
+        inner = _red_expr(spec[1], "x", "x_")
+        return value if inner == "x" else f"[{inner} for x in {value}]"
+    if kind == "enum":
+        return f"{value}.name"
+    if kind == "msg":
+        return f"_mr[type({var} := {value})]({var})"
+    if kind == "event":
+        return f"_R{CID[spec[1]]}({value})"
+    raise AssertionError(spec)
+
+
+_FLAT = frozenset({"int", "str", "bool"})
+
+
+def _flat(spec: tuple[Any, ...]) -> bool:
+    """Whether a field's value goes into a row as it is."""
+    return spec[0] in _FLAT or (spec[0] in ("opt", "list") and spec[1][0] in _FLAT)
+
+
+TAG_ATTR = "_trace_row_tag"
+"""The class attribute that holds a class's row tag, so that ``operator.attrgetter`` (no Python
+frame) reduces the classes whose fields all go into rows as they are."""
+
+
+def _make_reduce(cls: type) -> Callable[[Any], Row]:
+    specs = _SPECS[cls]
+    setattr(cls, TAG_ATTR, CID[cls])
+    if specs and all(_flat(f.spec) for f in specs):
+        return operator.attrgetter(TAG_ATTR, *(f.name for f in specs))
+    parts = [str(CID[cls])]
+    parts += [_red_expr(f.spec, f"o.{f.name}", f"_x{i}") for i, f in enumerate(specs)]
+    src = f"def fn(o):\n    return ({', '.join(parts)},)\n"
+    scope: dict[str, Any] = {"_fin": _finite, "_mr": _MSG_REDUCE}
+    scope.update({f"_R{CID[c]}": REDUCE[c] for c in REDUCE})
+    return _compile(cls, src, scope, "reduce")
+
+
+REDUCE: dict[type, Callable[[Any], Row]] = {}
+"""Event, message or nested class -> ``object -> row``."""
+for _cls in (*codec.MESSAGE_KINDS.values(), ev.Target):  # nested kinds first: events use them
+    REDUCE[_cls] = _make_reduce(_cls)
+_MSG_REDUCE.update({c: REDUCE[c] for c in codec.MESSAGE_KINDS.values()})
+for _cls in CLASSES:
+    if _cls not in REDUCE:
+        REDUCE[_cls] = _make_reduce(_cls)
+
+for _cls in (*codec.MESSAGE_KINDS.values(), ev.Target):
+    _tag_key, _tag = (("type", "Target") if _cls is ev.Target else
+                      ("kind", next(k for k, c in codec.MESSAGE_KINDS.items() if c is _cls)))
+    _scope: dict[str, Any] = {}
+    _parts = _text_parts(_cls, _tag_key, _tag, _scope, rows=True)
+    codec.ROW_TEXT[CID[_cls]] = _compile(
+        _cls, f"def fn(r):\n    return {_fstring('{{' + _parts + '}}')}\n", _scope, "row object")
+
+_MSG_ROOM: dict[int, int] = {CID[c]: field_pos(c, "room") for c in codec.MESSAGE_KINDS.values()
+                             if any(f.name == "room" for f in _SPECS[c])}
+
+
+def _msg_room(m: Row) -> int | None:
+    pos = _MSG_ROOM.get(m[0])
+    return None if pos is None else m[pos]
+
+
+LINE_OF_ROW: dict[int, Callable[[Row, int, str], str]] = {}
+"""Event tag -> ``(row, seq, head) -> line`` (``head`` as for ``codec.LINE_TEXT``)."""
+_EMITTERS: dict[int, Callable[[Any, Any, Hook | None], Emit]] = {}
+for _cls in ev.EVENT_TYPES.values():
+    _scope = {}
+    _parts = _text_parts(_cls, "type", _cls.__name__, _scope, rows=True)
+    _line_src = _fstring('{{"seq":{seq},{head}' + _parts + '}}\\n')
+    LINE_OF_ROW[CID[_cls]] = _compile(_cls, f"def fn(r, seq, head):\n    return {_line_src}\n",
+                                      dict(_scope), "row line")
+    _names = [f.name for f in _SPECS[_cls]]
+    _room = (f"        _ra(r[{field_pos(_cls, 'room')}])\n" if "room" in _names else
+             f"        _ra(_mroom(r[{field_pos(_cls, 'msg')}]))\n" if "msg" in _names else "")
+    # The encoder's hot path: one call writes the line, notes the room and calls a hook.
+    _EMITTERS[CID[_cls]] = _compile(_cls, (
+        "def fn(_ap, _ra, _hook):\n"
+        "    def emit(r, seq, head, node):\n"
+        f"        line = {_line_src}\n"
+        "        _ap(line)\n"
+        + _room +
+        "        if _hook is not None:\n"
+        "            _hook(node, r, seq, line)\n"
+        "    return emit\n"), {**_scope, "_mroom": _msg_room}, "row emitter")
+
+
+def row_emitters(append: Callable[[str], None], rooms_add: Callable[[Any], None],
+                 hooks: dict[type, Hook]) -> dict[int, Emit]:
+    """Event tag -> ``emit(row, seq, head, node)``, which appends the row's trace line (as
+    ``LINE_OF_ROW``) with ``append``, hands the room it names (or None) to ``rooms_add`` and
+    calls ``hooks[cls](node, row, seq, line)`` when the event's class has a hook."""
+    return {cid: make(append, rooms_add, hooks.get(CLASSES[cid]))
+            for cid, make in _EMITTERS.items()}
