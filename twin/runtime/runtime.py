@@ -79,9 +79,16 @@ class Runtime:
         self.ranks = ranks
         self.driver = driver
         self.recorder = recorder
-        # a recorder's ``write_step(t, node, event, effects)``, where it has one: both in a call
-        self._write_step: Callable[[float, str, Any, list[Any]], None] | None = getattr(
-            recorder, "write_step", None)
+        # A recorder with a ``row_sink`` (``TraceWriter``) is handed rows, not calls.
+        self._rows: list[Any] | None = None
+        self._in_rows: dict[str, Any] = {}
+        self._out_rows: dict[str, Any] = {}
+        self._rows_limit = 0
+        self._rows_lines = 0
+        self._ship_rows: Callable[[int], None] | None = None
+        sink = getattr(recorder, "row_sink", None)
+        if sink is not None:
+            self._rows, self._in_rows, self._out_rows, self._rows_limit, self._ship_rows = sink()
         self.scripted = scripted
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
@@ -118,8 +125,9 @@ class Runtime:
         self.inputs += 1
         self._now = now
         effects = rank.handle(event, now)
-        if self._write_step is not None:
-            self._write_step(now, node, event, effects)
+        rows = self._rows
+        if rows is not None:
+            self._record_rows(rows, now, node, event, effects)
         elif self.recorder is not None:
             self.recorder.write_input(now, node, event)
             self.recorder.write_effects(now, node, effects)
@@ -127,6 +135,23 @@ class Runtime:
         for e in effects:
             table[type(e)](node, e)
         return effects
+
+    def _record_rows(self, rows: list[Any], now: float, node: str, event: ev.Input,
+                     effects: list[ev.Effect]) -> None:
+        try:
+            out = self._out_rows[node]
+            rows.append((now, node, self._in_rows[node][type(event)](event),
+                         [out[type(e)](e) for e in effects]))
+        except KeyError:  # not the header's node, or not a core event: the writer says which
+            assert self.recorder is not None
+            self.recorder.write_input(now, node, event)
+            self.recorder.write_effects(now, node, effects)
+            raise
+        self._rows_lines += 1 + len(effects)
+        if len(rows) >= self._rows_limit:
+            assert self._ship_rows is not None
+            lines, self._rows_lines = self._rows_lines, 0
+            self._ship_rows(lines)
 
     def schedule(self, node: str, at: float, event: ev.Input) -> None:
         """Feed ``event`` to ``node`` at time ``at`` (nothing when scripted)."""

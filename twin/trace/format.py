@@ -283,6 +283,15 @@ def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
 # Writer
 # ---------------------------------------------------------------------------------------------
 _REDUCE_CONCLUDED = REDUCE[ev.RoomConcluded]
+
+
+def _item_lines(item: tuple[Any, ...]) -> int:
+    """How many trace lines an encoder item (``twin.trace.encoder``) becomes."""
+    if len(item) == 5:
+        return 1
+    return (item[2] is not None) + (0 if item[3] is None else len(item[3]))
+
+
 _INF = math.inf
 
 
@@ -327,7 +336,6 @@ class TraceWriter:
         # rows go to the encoder in batches of about flush_every lines
         self._items: list[Any] = []
         self._lines = 0
-        self._pending: tuple[float, str, Any] | None = None
         inputs = {cls: REDUCE[cls] for cls in ev.INPUT_TYPES}
         effects = {cls: REDUCE[cls] for cls in ev.EFFECT_TYPES}
         decode_effects = {**effects, ev.RoomConcluded: self._concluded}
@@ -362,23 +370,20 @@ class TraceWriter:
         return _REDUCE_CONCLUDED(e)
 
     # -- hot path ----------------------------------------------------------------------------
+    def _where(self) -> str:
+        """``path:line`` of the next line (exact: counts the items not yet handed on)."""
+        return f"{self.path}:{self._seq + sum(map(_item_lines, self._items)) + 2}"
+
     def _set_time(self, t: float) -> None:
         t = float(t)
         if not t >= self._t or not math.isfinite(t):
-            raise TraceError(f"{self.path}:{self._seq + 2}",
+            raise TraceError(self._where(),
                              f"time {t!r} is before {self._t!r} or not finite", "t")
         self._t = t
 
     def _unknown_node(self, node: str, d: str) -> TraceError:
-        return TraceError(f"{self.path}:{self._seq + 2}", f"unknown node {node!r} for dir "
+        return TraceError(self._where(), f"unknown node {node!r} for dir "
                           f"{d!r}", "node")
-
-    def _settle(self) -> None:
-        """An input whose effects were not written goes on alone."""
-        p = self._pending
-        if p is not None:
-            self._pending = None
-            self._items.append((*p, None))
 
     def write_input(self, t: float, node: str, event: Any) -> None:
         """Record that ``node`` handled input ``event`` at time ``t``."""
@@ -390,12 +395,9 @@ class TraceWriter:
             if node not in self._in_red:
                 raise self._unknown_node(node, "in") from None
             raise TypeError(f"not a core input: {type(event).__name__}") from None
-        if self._pending is not None:
-            self._settle()
-        self._pending = (t, node, reduce(event))
-        self._seq += 1
+        self._items.append((t, node, reduce(event), None))
         self._lines += 1
-        if self._lines >= self.flush_every:
+        if len(self._items) >= self.flush_every:
             self._ship()
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
@@ -411,43 +413,20 @@ class TraceWriter:
         except KeyError:
             bad = next(e for e in effects if type(e) not in table)
             raise TypeError(f"not a core effect: {type(bad).__name__}") from None
-        p = self._pending
-        if p is not None and p[1] == node and p[0] == t:
-            self._pending = None
-            self._items.append((t, node, p[2], rows))
-        else:
-            self._settle()
-            self._items.append((t, node, None, rows))
-        n = len(rows)
-        self._seq += n
-        self._lines += n
-        if self._lines >= self.flush_every:
+        self._items.append((t, node, None, rows))
+        self._lines += len(rows)
+        if len(self._items) >= self.flush_every:
             self._ship()
 
-    def write_step(self, t: float, node: str, event: Any, effects: list[Any]) -> None:
-        """``write_input(t, node, event)`` then ``write_effects(t, node, effects)``, in one call
-        (the runtime's)."""
-        if t != self._t:
-            if self._t < t < _INF:
-                self._t = t
-            else:
-                self._set_time(t)  # raises, or converts a time that is not a float
-        try:
-            row = self._in_red[node][type(event)](event)
-            table = self._out_red[node]
-            rows = [table[type(e)](e) for e in effects]
-        except KeyError:
-            self.write_input(t, node, event)  # raises what is wrong
-            self.write_effects(t, node, effects)
-            raise
-        if self._pending is not None:
-            self._settle()
-        self._items.append((t, node, row, rows))
-        n = len(rows) + 1
-        self._seq += n
-        self._lines += n
-        if self._lines >= self.flush_every:
-            self._ship()
+    def row_sink(self) -> tuple[list[Any], dict[str, Any], dict[str, Any], int,
+                                Callable[[int], None]]:
+        """What a runtime needs to record without a call per input: ``(items, inputs, effects,
+        limit, ship)``. It appends ``(t, node, inputs[node][type(event)](event),
+        [effects[node][type(e)](e) for e in fx])`` to ``items`` (the writer's own list, so the
+        order with ``write_sys`` holds), and calls ``ship(lines)`` once ``items`` holds
+        ``limit`` items, ``lines`` being the trace lines it appended since its last call. Times
+        must be non-decreasing and nodes the header's, as for ``write_input``."""
+        return self._items, self._in_red, self._out_red, self.flush_every, self._ship
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
@@ -459,26 +438,30 @@ class TraceWriter:
         try:
             rtype = _check_sys(rec, "", self._nodes)
         except TraceError as exc:
-            raise TraceError(f"{self.path}:{self._seq + 2}", exc.detail, exc.field) from None
+            raise TraceError(self._where(), exc.detail, exc.field) from None
         if rtype == "RequestArrived":
             self.requests += 1
         if next(iter(rec)) != "type":
             rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
-        self._settle()
         self._items.append((t, node, rtype, rec["room"] if "room" in SYS_TYPES[rtype] else None,
                             rec))
-        self._seq += 1
         self._lines += 1
-        if self._lines >= self.flush_every:
+        if len(self._items) >= self.flush_every:
             self._ship()
 
     # -- blocks and closing --------------------------------------------------------------------
-    def _ship(self) -> None:
+    def _ship(self, lines: int = 0) -> None:
+        """Hand the items to the encoder; ``lines``: those a runtime appended (``row_sink``)."""
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
-        self._settle()
-        items, self._items, self._lines = self._items, [], 0
+        items = self._items[:]  # the list itself stays: a runtime appends to it
+        self._items.clear()
+        self._seq += self._lines + lines
+        self._lines = 0
         if items:
+            t = items[-1][0]
+            if t > self._t:
+                self._t = float(t)
             self._back.feed(items)
 
     def flush(self) -> None:
@@ -500,6 +483,8 @@ class TraceWriter:
             return
         try:
             if outcome is not None:
+                if self._items and self._items[-1][0] > self._t:  # a runtime's rows (row_sink)
+                    self._t = float(self._items[-1][0])
                 self.write_sys(self._t, DRIVER, {"type": "Outcome", **outcome})
             self._ship()
         finally:
