@@ -19,10 +19,13 @@ from test_format import ANY_EVENT, NODES, P, small_config
 
 from twin.core import events as ev
 from twin.core.config import TwinConfig
+from twin.core.defects import Defects
 from twin.runtime.faults import parse_fault
+from twin.runtime.header import trace_header
+from twin.runtime.params import SimParams
 from twin.sim.runner import run_sim
 from twin.trace import format as fmt
-from twin.trace.codec import LINE_TEXT
+from twin.trace.codec import LINE_TEXT, TraceError
 from twin.trace.format import TraceWriter, make_header, read_trace
 from twin.trace.rows import LINE_OF_ROW, REDUCE
 from twin.workloads.spec import parse_workload_spec
@@ -127,3 +130,23 @@ def test_a_killed_or_interrupted_run_keeps_what_it_recorded(tmp_path: Path, sig:
         assert trace.status == "interrupted"
     else:
         assert trace.outcome is None and "incomplete" in trace.warnings[-1]
+
+
+@pytest.mark.parametrize("encoder", ["inline", "process"])
+def test_writer_errors_count_the_lines_a_runtime_appended(tmp_path: Path, encoder: str) -> None:
+    """The runtime appends rows to the writer's list itself (``row_sink``); an error the
+    writer raises afterwards still names the right line."""
+    cfg = TwinConfig()
+    workload = parse_workload_spec("poisson:n=5,rate=20,input=3000~1000,output=8,seed=2")
+    header = trace_header(cfg, workload, defects=Defects(), faults=[], seed=0,
+                          params=SimParams(), request_overrides={}, max_concurrency=None)
+    path = tmp_path / "n.jsonl"
+    w = TraceWriter(path, header, encoder=encoder, flush_every=50)
+    run_sim(cfg, workload, recorder=w)
+    with pytest.raises(TraceError, match=r"n\.jsonl:(\d+): field 'text'") as info:
+        w.write_sys(w._t, "driver", {"type": "Note"})
+    w.flush()
+    lines = len(path.read_text().splitlines())
+    assert lines > 100
+    assert f"n.jsonl:{lines + 1}:" in str(info.value)  # the line the record would have been
+    w.close()

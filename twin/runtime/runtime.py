@@ -84,8 +84,7 @@ class Runtime:
         self._in_rows: dict[str, Any] = {}
         self._out_rows: dict[str, Any] = {}
         self._rows_limit = 0
-        self._rows_lines = 0
-        self._ship_rows: Callable[[int], None] | None = None
+        self._ship_rows: Callable[[], None] | None = None
         sink = getattr(recorder, "row_sink", None)
         if sink is not None:
             self._rows, self._in_rows, self._out_rows, self._rows_limit, self._ship_rows = sink()
@@ -147,11 +146,9 @@ class Runtime:
             self.recorder.write_input(now, node, event)
             self.recorder.write_effects(now, node, effects)
             raise
-        self._rows_lines += 1 + len(effects)
         if len(rows) >= self._rows_limit:
             assert self._ship_rows is not None
-            lines, self._rows_lines = self._rows_lines, 0
-            self._ship_rows(lines)
+            self._ship_rows()
 
     def schedule(self, node: str, at: float, event: ev.Input) -> None:
         """Feed ``event`` to ``node`` at time ``at`` (nothing when scripted)."""

@@ -309,8 +309,9 @@ class TraceWriter:
     input's effects, so an input and its effects share a block; ``2 * flush_every`` lines at
     most) and on ``flush``/``close``; each block is compressed (zstd level 1 or gzip level 3
     unless ``level`` says otherwise), written and flushed: a killed process leaves a readable
-    trace that ends at most a block or two early (a partial last line or block is tolerated by
-    the reader). ``threaded=True`` compresses and writes in a background thread of the encoder,
+    trace that ends a few thousand lines early at most (the items not yet handed to the
+    encoder and the encoder's unfinished block; a forked encoder outlives its writer and writes
+    what it was handed; a partial last line or block is tolerated by the reader). ``threaded=True`` compresses and writes in a background thread of the encoder,
     which only pays when the caller leaves the GIL free. ``index=False`` writes no index (and
     removes a stale one). Used as a context manager, an exception inside the block writes an
     ``Outcome`` with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is
@@ -333,9 +334,8 @@ class TraceWriter:
         self.requests = 0
         self.succeeded: set[int] = set()
         self.failed: set[int] = set()
-        # rows go to the encoder in batches of about flush_every lines
+        # items (twin.trace.encoder) go to the encoder flush_every at a time
         self._items: list[Any] = []
-        self._lines = 0
         inputs = {cls: REDUCE[cls] for cls in ev.INPUT_TYPES}
         effects = {cls: REDUCE[cls] for cls in ev.EFFECT_TYPES}
         decode_effects = {**effects, ev.RoomConcluded: self._concluded}
@@ -396,7 +396,6 @@ class TraceWriter:
                 raise self._unknown_node(node, "in") from None
             raise TypeError(f"not a core input: {type(event).__name__}") from None
         self._items.append((t, node, reduce(event), None))
-        self._lines += 1
         if len(self._items) >= self.flush_every:
             self._ship()
 
@@ -414,18 +413,16 @@ class TraceWriter:
             bad = next(e for e in effects if type(e) not in table)
             raise TypeError(f"not a core effect: {type(bad).__name__}") from None
         self._items.append((t, node, None, rows))
-        self._lines += len(rows)
         if len(self._items) >= self.flush_every:
             self._ship()
 
     def row_sink(self) -> tuple[list[Any], dict[str, Any], dict[str, Any], int,
-                                Callable[[int], None]]:
+                                Callable[[], None]]:
         """What a runtime needs to record without a call per input: ``(items, inputs, effects,
         limit, ship)``. It appends ``(t, node, inputs[node][type(event)](event),
         [effects[node][type(e)](e) for e in fx])`` to ``items`` (the writer's own list, so the
-        order with ``write_sys`` holds), and calls ``ship(lines)`` once ``items`` holds
-        ``limit`` items, ``lines`` being the trace lines it appended since its last call. Times
-        must be non-decreasing and nodes the header's, as for ``write_input``."""
+        order with ``write_sys`` holds), and calls ``ship()`` once ``items`` holds ``limit``
+        items. Times must be non-decreasing and nodes the header's, as for ``write_input``."""
         return self._items, self._in_red, self._out_red, self.flush_every, self._ship
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
@@ -445,20 +442,18 @@ class TraceWriter:
             rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
         self._items.append((t, node, rtype, rec["room"] if "room" in SYS_TYPES[rtype] else None,
                             rec))
-        self._lines += 1
         if len(self._items) >= self.flush_every:
             self._ship()
 
     # -- blocks and closing --------------------------------------------------------------------
-    def _ship(self, lines: int = 0) -> None:
-        """Hand the items to the encoder; ``lines``: those a runtime appended (``row_sink``)."""
+    def _ship(self) -> None:
+        """Hand the items to the encoder."""
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
-        items = self._items[:]  # the list itself stays: a runtime appends to it
+        items = self._items[:]  # the list itself stays: a runtime appends to it (row_sink)
         self._items.clear()
-        self._seq += self._lines + lines
-        self._lines = 0
         if items:
+            self._seq += sum(map(_item_lines, items))
             t = items[-1][0]
             if t > self._t:
                 self._t = float(t)
