@@ -150,3 +150,13 @@ def test_writer_errors_count_the_lines_a_runtime_appended(tmp_path: Path, encode
     assert lines > 100
     assert f"n.jsonl:{lines + 1}:" in str(info.value)  # the line the record would have been
     w.close()
+
+
+def test_a_threaded_sink_is_never_forked(tmp_path: Path) -> None:
+    header = make_header("sim", small_config(), NODES)
+    with pytest.raises(ValueError, match="threaded"):
+        TraceWriter(tmp_path / "a.jsonl", header, encoder="process", threaded=True)
+    with TraceWriter(tmp_path / "b.jsonl", header, threaded=True) as w:
+        assert w.encoder == "inline"
+        w.write_input(0.0, P, ev.Tick())
+    assert [r.type for r in read_trace(tmp_path / "b.jsonl").events] == ["Tick"]

@@ -125,8 +125,16 @@ class Runtime:
         self._now = now
         effects = rank.handle(event, now)
         rows = self._rows
-        if rows is not None:
-            self._record_rows(rows, now, node, event, effects)
+        if rows is not None:  # the trace writer's items (TraceWriter.row_sink)
+            try:
+                out = self._out_rows[node]
+                rows.append((now, node, self._in_rows[node][type(event)](event),
+                             [out[type(e)](e) for e in effects] if effects else ()))
+            except KeyError:
+                self._bad_rows(now, node, event, effects)
+            if len(rows) >= self._rows_limit:
+                assert self._ship_rows is not None
+                self._ship_rows()
         elif self.recorder is not None:
             self.recorder.write_input(now, node, event)
             self.recorder.write_effects(now, node, effects)
@@ -135,20 +143,13 @@ class Runtime:
             table[type(e)](node, e)
         return effects
 
-    def _record_rows(self, rows: list[Any], now: float, node: str, event: ev.Input,
-                     effects: list[ev.Effect]) -> None:
-        try:
-            out = self._out_rows[node]
-            rows.append((now, node, self._in_rows[node][type(event)](event),
-                         [out[type(e)](e) for e in effects]))
-        except KeyError:  # not the header's node, or not a core event: the writer says which
-            assert self.recorder is not None
-            self.recorder.write_input(now, node, event)
-            self.recorder.write_effects(now, node, effects)
-            raise
-        if len(rows) >= self._rows_limit:
-            assert self._ship_rows is not None
-            self._ship_rows()
+    def _bad_rows(self, now: float, node: str, event: ev.Input,
+                  effects: list[ev.Effect]) -> None:
+        """Not the header's node, or not a core event: the writer's own methods say which."""
+        assert self.recorder is not None
+        self.recorder.write_input(now, node, event)
+        self.recorder.write_effects(now, node, effects)
+        raise KeyError(node)  # pragma: no cover - the writer raised first
 
     def schedule(self, node: str, at: float, event: ev.Input) -> None:
         """Feed ``event`` to ``node`` at time ``at`` (nothing when scripted)."""

@@ -323,6 +323,12 @@ class TraceWriter:
                  threaded: bool = False, encoder: str = "auto") -> None:
         if encoder not in ("auto", "inline", "process"):
             raise ValueError(f"encoder must be 'auto', 'inline' or 'process', not {encoder!r}")
+        if encoder == "process" and threaded:
+            raise ValueError("threaded=True compresses in a thread of this process, which a "
+                             "forked encoder would not have: use encoder='inline'")
+        # decided before the sink starts a thread of its own (threaded=True)
+        self.encoder = "process" if encoder == "process" or (
+            encoder == "auto" and not threaded and can_fork()) else "inline"
         self.path = Path(path)
         self.header = dict(header)
         self.config, nodes = _check_header(self.header, f"{self.path}: header")
@@ -360,8 +366,6 @@ class TraceWriter:
                 index_writer.close()
             raise
         back = RowEncoder(sink, index_writer, nodes, self.flush_every)
-        self.encoder = "process" if encoder == "process" or (
-            encoder == "auto" and can_fork()) else "inline"
         self._back: RowEncoder | EncoderProcess = (
             EncoderProcess(back) if self.encoder == "process" else back)
 
