@@ -160,3 +160,26 @@ def test_a_threaded_sink_is_never_forked(tmp_path: Path) -> None:
         assert w.encoder == "inline"
         w.write_input(0.0, P, ev.Tick())
     assert [r.type for r in read_trace(tmp_path / "b.jsonl").events] == ["Tick"]
+
+
+_FULL = textwrap.dedent("""
+    import resource, signal, sys
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, resource.RLIM_INFINITY))
+    from twin.cli import main
+    sys.argv = ["twin", "sim", "--workload",
+                "poisson:n=300,rate=3.3,input=12000~8000,output=256,seed=1",
+                "--trace-out", sys.argv[1]]
+    main()
+""")
+
+
+def test_a_full_disk_in_the_encoder_process_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "full.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", _FULL, str(path)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "cannot write: File too large" in out.stderr and "Traceback" not in out.stderr
+    trace = read_trace(path)  # what fitted is readable
+    assert len(trace.events) > 100 and trace.outcome is None

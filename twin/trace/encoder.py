@@ -204,6 +204,7 @@ class EncoderProcess:
         self._w = data_w
         self._r = os.fdopen(res_r, "rb")
         self._done = False
+        self._error: BaseException | None = None  # the child's, raised once
 
     def feed(self, items: list[Any]) -> None:
         try:
@@ -226,7 +227,8 @@ class EncoderProcess:
         self._done = True
         os.close(self._w)
         try:
-            self._fail(self._r.read())
+            if self._error is None:  # an error already raised is not raised again
+                self._fail(self._r.read())
         finally:
             self._r.close()
             os.waitpid(self.pid, 0)
@@ -234,6 +236,8 @@ class EncoderProcess:
     abandon = close
 
     def _send(self, payload: bytes) -> None:
+        if self._error is not None:
+            raise self._error
         if self._done:
             raise ValueError("trace encoder is closed")
         try:
@@ -250,9 +254,12 @@ class EncoderProcess:
                 exc = pickle.loads(reply[1:])
             except Exception:  # noqa: BLE001 - an exception that does not unpickle
                 exc = RuntimeError("the trace encoder failed")
-            if isinstance(exc, BaseException):
-                raise exc
-        raise RuntimeError(f"the trace encoder process ended early ({reply[:40]!r})")
+            if not isinstance(exc, BaseException):
+                exc = RuntimeError(f"the trace encoder failed: {exc!r:.80}")
+        else:
+            exc = RuntimeError(f"the trace encoder process ended early ({reply[:40]!r})")
+        self._error = exc
+        raise exc
 
 
 def _write_all(fd: int, data: bytes) -> None:
