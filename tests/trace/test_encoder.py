@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_format import ANY_EVENT, NODES, P, small_config
+from test_format import ANY_EVENT, NODES, P, small_config, wait_for_group
 
 from twin.core import events as ev
 from twin.core.config import TwinConfig
@@ -116,12 +116,7 @@ def test_a_killed_or_interrupted_run_keeps_what_it_recorded(tmp_path: Path, sig:
         time.sleep(0.05)
     os.killpg(proc.pid, sig)
     proc.wait(timeout=60)
-    while time.monotonic() < deadline:  # the encoder is in the same process group
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
+    wait_for_group(proc.pid)  # the encoder is in the same process group
     trace = read_trace(path)
     assert not trace.truncated  # the encoder finished the last block and the stream
     assert [r.seq for r in trace.events] == list(range(len(trace.events)))

@@ -447,6 +447,17 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def wait_for_group(pgid: int, timeout: float = 30.0) -> None:
+    """Return once no process is left in process group ``pgid`` (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("name", ["killed.jsonl", "killed.jsonl.gz", "killed.jsonl.zst"])
 @pytest.mark.parametrize("mode", ["wait", "busy"])
 @pytest.mark.parametrize("encoder", ["inline", "process"])
@@ -464,12 +475,7 @@ def test_sigkill_leaves_readable_trace(tmp_path: Path, name: str, mode: str,
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
-    for _ in range(200):  # a forked encoder finishes what it was sent, then exits
-        try:
-            os.killpg(child.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
+    wait_for_group(child.pid)  # a forked encoder finishes what it was sent, then exits
     trace = read_trace(path)
     assert trace.outcome is None and "incomplete" in trace.warnings[-1]
     assert [r.seq for r in trace.events] == list(range(len(trace.events)))
