@@ -23,7 +23,6 @@ an input, after a driver record once ``flush_every`` are buffered, and at every 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import json
 import marshal
@@ -170,7 +169,6 @@ class RowEncoder:
 _LEN = struct.Struct("<I")
 _FLUSH = b"F"
 _PIPE_SIZE = 1 << 20
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def can_fork() -> bool:
@@ -189,10 +187,12 @@ class EncoderProcess:
     """
 
     def __init__(self, encoder: RowEncoder) -> None:
+        import fcntl  # POSIX, as fork is
+
         data_r, data_w = os.pipe()
         res_r, res_w = os.pipe()
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(data_w, _F_SETPIPE_SZ, _PIPE_SIZE)
+        with contextlib.suppress(OSError):  # Linux: room for about 20 batches
+            fcntl.fcntl(data_w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_SIZE)
         pid = os.fork()
         if pid == 0:  # the child: never returns
             os.close(data_w)
@@ -263,9 +263,17 @@ class EncoderProcess:
 
 
 def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data``; a Ctrl-C meanwhile is raised once the frame is whole (the child
+    ignores SIGINT and goes on reading), so the interrupted run can still write its outcome."""
     view = memoryview(data)
+    interrupted: KeyboardInterrupt | None = None
     while view:
-        view = view[os.write(fd, view):]
+        try:
+            view = view[os.write(fd, view):]
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
