@@ -93,7 +93,6 @@ class RowEncoder:
                 emit[row[0]](row, seq, self._tt + self._pin[node], node)
                 seq += 1
                 if len(buf) >= self._hard_limit:
-                    self._seq = seq
                     self._drain()
             if effects is not None:
                 if not buf:
@@ -102,7 +101,6 @@ class RowEncoder:
                 for r in effects:
                     emit[r[0]](r, seq, head, node)
                     seq += 1
-                self._seq = seq
                 if len(buf) >= flush_every:
                     self._drain()
             self._seq = seq

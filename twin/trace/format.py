@@ -292,9 +292,6 @@ def _item_lines(item: tuple[Any, ...]) -> int:
     return (item[2] is not None) + (0 if item[3] is None else len(item[3]))
 
 
-_INF = math.inf
-
-
 class TraceWriter:
     """Streams one trace to ``path``: gzip when the name ends in ``.gz``, zstd for ``.zst``,
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
@@ -311,9 +308,10 @@ class TraceWriter:
     unless ``level`` says otherwise), written and flushed: a killed process leaves a readable
     trace that ends a few thousand lines early at most (the items not yet handed to the
     encoder and the encoder's unfinished block; a forked encoder outlives its writer and writes
-    what it was handed; a partial last line or block is tolerated by the reader). ``threaded=True`` compresses and writes in a background thread (inline
-    only), which only pays when the caller leaves the GIL free. ``index=False`` writes no index (and
-    removes a stale one). Used as a context manager, an exception inside the block writes an
+    what it was handed; a partial last line or block is tolerated by the reader).
+    ``threaded=True`` compresses and writes in a background thread (inline only), which only
+    pays when the caller leaves the GIL free. ``index=False`` writes no index (and removes a
+    stale one). Used as a context manager, an exception inside the block writes an
     ``Outcome`` with status ``"crashed"`` (``"interrupted"`` for ``KeyboardInterrupt``) and is
     re-raised.
     """

@@ -78,14 +78,6 @@ def _red_expr(spec: tuple[Any, ...], value: str, var: str) -> str:
     raise AssertionError(spec)
 
 
-_FLAT = frozenset({"int", "str", "bool"})
-
-
-def _flat(spec: tuple[Any, ...]) -> bool:
-    """Whether a field's value goes into a row as it is."""
-    return spec[0] in _FLAT or (spec[0] in ("opt", "list") and spec[1][0] in _FLAT)
-
-
 TAG_ATTR = "_trace_row_tag"
 """The class attribute that holds a class's row tag, so that ``operator.attrgetter`` (no Python
 frame) reduces the classes whose fields all go into rows as they are."""
@@ -94,7 +86,7 @@ frame) reduces the classes whose fields all go into rows as they are."""
 def _make_reduce(cls: type) -> Callable[[Any], Row]:
     specs = _SPECS[cls]
     setattr(cls, TAG_ATTR, CID[cls])
-    if specs and all(_flat(f.spec) for f in specs):
+    if specs and all(_red_expr(f.spec, "v", "x") == "v" for f in specs):  # values as they are
         return operator.attrgetter(TAG_ATTR, *(f.name for f in specs))
     parts = [str(CID[cls])]
     parts += [_red_expr(f.spec, f"o.{f.name}", f"_x{i}") for i, f in enumerate(specs)]
@@ -114,8 +106,7 @@ for _cls in CLASSES:
         REDUCE[_cls] = _make_reduce(_cls)
 
 for _cls in (*codec.MESSAGE_KINDS.values(), ev.Target):
-    _tag_key, _tag = (("type", "Target") if _cls is ev.Target else
-                      ("kind", next(k for k, c in codec.MESSAGE_KINDS.items() if c is _cls)))
+    _tag_key, _tag = ("type", "Target") if _cls is ev.Target else ("kind", codec._KIND_OF[_cls])
     _scope: dict[str, Any] = {}
     _parts = _text_parts(_cls, _tag_key, _tag, _scope, rows=True)
     codec.ROW_TEXT[CID[_cls]] = _compile(
