@@ -24,7 +24,10 @@ def invoke(*args: str) -> Result:
 
 def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     out = []
-    for name, cmd in sorted(group.commands.items()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None, name
         out.append((*prefix, name))
         if isinstance(cmd, click.Group):
             out += _commands(cmd, (*prefix, name))
@@ -66,6 +69,27 @@ def test_help(path: tuple[str, ...]) -> None:
     assert r.output.startswith("Usage: ")
     for needle in EXPECTED_OPTIONS.get(path, []):
         assert needle in r.output, (path, needle)
+
+
+def test_subcommands_load_from_their_modules_on_first_use(traces: dict[str, Path]) -> None:
+    """``COMMAND_MODULES`` names every module's ``COMMANDS`` (and nothing else), and a trace
+    inspection does not import the simulator or the hardware mode."""
+    import importlib
+
+    from twin.cli import COMMAND_MODULES
+
+    found = {}
+    for module in set(COMMAND_MODULES.values()):
+        for command in importlib.import_module(f"twin.cli.{module}").COMMANDS:
+            found[command.name] = module
+    assert found == COMMAND_MODULES
+    trace = str(next(iter(traces.values())))
+    code = (f"import sys; from twin.cli import cli; cli(['trace', 'summary', {trace!r}], "
+            "standalone_mode=False); print(sorted(m for m in sys.modules if m.startswith("
+            "('twin.sim', 'twin.hw', 'twin.runtime.runtime', 'twin.cli.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip().splitlines()[-1] == "['twin.cli.options', 'twin.cli.trace_cmd']"
 
 
 def test_top_level_help_lists_commands() -> None:

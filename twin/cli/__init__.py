@@ -7,13 +7,42 @@ SIGHUP); 2 bad input; 3 wedge; 4 corruption; 5 requests failed with no wedge and
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from twin import __version__, compiled
-from twin.cli.common import BadInput, one_value_per_option
+from twin.cli.options import BadInput, one_value_per_option
+
+COMMAND_MODULES: dict[str, str] = {
+    "sim": "sim_cmd", "scenarios": "sim_cmd", "config": "sim_cmd",
+    "defects": "info_cmd", "walkthrough": "info_cmd",
+    "trace": "trace_cmd", "perfetto": "trace_cmd", "replay": "trace_cmd",
+    "hw": "hw_cmd", "agent": "agent_cmd", "models": "models_cmd", "calibrate": "calibrate_cmd",
+    "sweep": "sweep_cmd", "advise": "sweep_cmd", "plot": "sweep_cmd", "compile": "compile_cmd",
+}
+"""Each subcommand's module in ``twin.cli`` (its ``COMMANDS``), imported when the subcommand
+runs (or ``--help`` lists them): ``twin trace summary`` does not import the simulator."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _LazyGroup(click.Group):
+    """A group whose subcommands are loaded from ``COMMAND_MODULES`` on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMAND_MODULES)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMAND_MODULES:
+            module = importlib.import_module(f"twin.cli.{COMMAND_MODULES[cmd_name]}")
+            for command in module.COMMANDS:
+                if command.name not in self.commands:
+                    one_value_per_option(command)
+                    self.add_command(command)
+        return self.commands.get(cmd_name)
+
+
+@click.group(cls=_LazyGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="twin",
                       message=f"%(prog)s %(version)s (core: {compiled.state().line()})")
 def cli() -> None:
@@ -26,29 +55,6 @@ def cli() -> None:
     1 a rank died or raised, or the run was interrupted, 2 bad input, 3 wedge,
     4 corruption, 5 requests failed (no wedge, no corruption).
     """
-
-
-def _register() -> None:
-    from twin.cli import (
-        agent_cmd,
-        calibrate_cmd,
-        compile_cmd,
-        hw_cmd,
-        info_cmd,
-        models_cmd,
-        sim_cmd,
-        sweep_cmd,
-        trace_cmd,
-    )
-
-    for module in (sim_cmd, info_cmd, trace_cmd, hw_cmd, agent_cmd, models_cmd, calibrate_cmd,
-                   sweep_cmd, compile_cmd):
-        for command in module.COMMANDS:
-            one_value_per_option(command)
-            cli.add_command(command)
-
-
-_register()
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from twin.cli.common import POSITIVE_FLOAT, BadInput
+from twin.cli.options import POSITIVE_FLOAT, BadInput
 
 
 def _gpus(text: str | None) -> list[int] | None:

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from twin.cli.common import BadInput, emit_json
+from twin.cli.common import emit_json
+from twin.cli.options import BadInput
 
 
 @click.command("calibrate")

@@ -34,7 +34,7 @@ def compile_command(clean: bool, show_status: bool, quick: bool, verbose: bool) 
     TWIN_PURE_PYTHON=1 forces pure Python for one run.
     """
     if clean and show_status:
-        from twin.cli.common import BadInput
+        from twin.cli.options import BadInput
 
         raise BadInput("--clean and --status: choose one")
     if show_status:

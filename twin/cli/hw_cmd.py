@@ -10,16 +10,19 @@ import click
 
 from twin.cli.common import (
     HW_FAULT_EXAMPLES,
-    POSITIVE_FLOAT,
-    POSITIVE_INT,
-    WRITE_ERRNOS,
-    BadInput,
-    check_output_file,
     deployment_options,
     describe,
     emit_json,
     resolve_run,
     run_options,
+)
+from twin.cli.options import (
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    WRITE_ERRNOS,
+    BadInput,
+    agent_options,
+    check_output_file,
     write_error,
 )
 from twin.runtime.outcome import EXIT_CODES_HELP, EXIT_ERROR
@@ -36,37 +39,6 @@ def _gpus(text: str | None, flag: str) -> list[int] | None:
     if any(g < 0 for g in gpus):
         raise BadInput(f"{flag} {text!r}: GPU indices are not negative")
     return gpus
-
-
-def agent_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """--listen, --agents and the rest of a run across nodes (``twin hw``, ``twin replay``)."""
-    for opt in reversed([
-        click.option("--listen", default=None, metavar="HOST:PORT",
-                     help="Run across nodes: listen here for `twin agent --join HOST:PORT` "
-                          "(one per node) instead of starting the ranks on this host. Give a "
-                          "private address; 0.0.0.0 listens on every interface."),
-        click.option("--agents", "n_agents", type=POSITIVE_INT, default=None, metavar="N",
-                     help="How many agents to wait for (default: one per [placement] "
-                          "entry of the config)."),
-        click.option("--agent-timeout", type=POSITIVE_FLOAT, default=120.0,
-                     show_default=True, metavar="S",
-                     help="Give up (exit 1, naming who is missing) if the agents have not all "
-                          "joined within S seconds."),
-        click.option("--heartbeat-timeout", type=POSITIVE_FLOAT, default=10.0,
-                     show_default=True, metavar="S",
-                     help="An agent silent for S seconds (dead, or its network lost) ends the "
-                          "run, named in the verdict; agents stop their ranks after as long "
-                          "without the coordinator."),
-        click.option("--control-ports", default=None, metavar="FIRST-LAST",
-                     help="Ports the ranks' control sockets listen on, on every node (an "
-                          "agent's own --control-ports wins, and also holds the agent's own "
-                          "socket); default: any free port."),
-        click.option("--data-ports", default=None, metavar="FIRST-LAST",
-                     help="Ports UCX's TCP transport listens on (UCX_TCP_PORT_RANGE), on every "
-                          "node (an agent's own --data-ports wins); default: any free port."),
-    ]):
-        f = opt(f)
-    return f
 
 
 def apply_agent_options(options: Any, cfg: Any, *, listen: str | None, n_agents: int | None,
@@ -108,13 +80,6 @@ def apply_agent_options(options: Any, cfg: Any, *, listen: str | None, n_agents:
     options.agents = n_agents or len(options.placement or [])
     options.agent_timeout_s = agent_timeout
     options.heartbeat_timeout_s = heartbeat_timeout
-
-
-def reject_agent_options(across: dict[str, Any]) -> None:
-    """Agent options given to a replay in simulation."""
-    if across.get("listen") is not None or across.get("n_agents") is not None:
-        raise BadInput("--listen/--agents run a replay on hardware across nodes: add "
-                       "--mode hw")
 
 
 def replay_on_hardware(trace: Any, *, echo: Callable[[str], None] | None,
@@ -189,7 +154,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     prints the placement and each node's clock offset, and runs the same way (same verdicts,
     exit codes and trace).
     """
-    from twin.cli.common import check_output_dir
+    from twin.cli.options import check_output_dir
     from twin.hw.launcher import HwOptions, LaunchError, PoolError, plan_pool
     from twin.hw.run import HwInputError, run_hw
 

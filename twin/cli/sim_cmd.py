@@ -9,18 +9,15 @@ import click
 
 from twin.cli.common import (
     SIM_FAULT_EXAMPLES,
-    WRITE_ERRNOS,
     RunInputs,
-    check_output_dir,
-    check_output_file,
     deployment_options,
     describe,
     emit_json,
     resolve_deployment,
     resolve_run,
     run_options,
-    write_error,
 )
+from twin.cli.options import WRITE_ERRNOS, check_output_dir, check_output_file, write_error
 from twin.runtime.outcome import EXIT_CODES_HELP
 from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS

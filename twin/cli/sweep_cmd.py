@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from twin.cli.common import BadInput, defect_option, emit_json, fault_option, resolve_run
+from twin.cli.common import defect_option, emit_json, fault_option, resolve_run
+from twin.cli.options import BadInput
 
 EXIT_NO_ADVICE = 1
 

@@ -8,8 +8,7 @@ from typing import Any
 
 import click
 
-from twin.cli.common import BadInput, writing
-from twin.cli.hw_cmd import agent_options, reject_agent_options
+from twin.cli.options import BadInput, agent_options, reject_agent_options, writing
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
