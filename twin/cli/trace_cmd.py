@@ -58,11 +58,16 @@ def trace_group() -> None:
 @click.argument("trace_path", type=click.Path(exists=True, dir_okay=False))
 def trace_summary(trace_path: str) -> None:
     """Counts, outcome and per-room timing of a trace."""
-    from twin.trace.inspect import _SUMMARY_TYPES, summary
+    from twin.trace.codec import TraceError
+    from twin.trace.inspect import summary_of_file
 
-    with _streaming() as open_reader:
-        text = summary(open_reader(trace_path, select=_SUMMARY_TYPES))
+    try:
+        text, warnings = summary_of_file(trace_path)
+    except (TraceError, OSError) as exc:
+        raise BadInput(str(exc)) from None
     click.echo(text, nl=False)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
 
 
 @trace_group.command("room")

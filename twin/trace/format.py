@@ -720,23 +720,7 @@ class TraceReader:
     def __init__(self, path: str | os.PathLike[str], *, lazy: bool = False,
                  span: tuple[Block, Block | None] | None = None,
                  select: Container[str] | None = None) -> None:
-        self.path = Path(path)
-        self.name = str(path)
-        self.lazy = lazy or select is not None
-        self.select = select
-        self.counts: Counter[tuple[str, str, str]] = Counter()
-        """Lines read so far by (node, dir, type); final after iteration."""
-        self.first_t: float | None = None
-        self.last_t: float | None = None
-        self.warnings: list[str] = []
-        self.outcome: dict[str, Any] | None = None
-        self.truncated = False
-        self.rooms: set[int] = set()
-        self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
-        """Recently decoded events and the rooms they name, by their lines' payload text
-        (``Record.event``)."""
-        self.partial = span is not None
-        self._span = span
+        self._setup(path, lazy or select is not None, select)
         try:
             self._source = BlockSource(self.path)
             self._gen = self._it = _batches(self._source)
@@ -759,16 +743,52 @@ class TraceReader:
                              + ("; truncated" if not first[1] else "") + ")") from None
         self.config, self.nodes = _check_header(header, where, self.warnings)
         self.header: dict[str, Any] = header
+        if span is not None:
+            self._gen.close()
+            self._open_span(span)
+
+    def _setup(self, path: str | os.PathLike[str], lazy: bool,
+               select: Container[str] | None) -> None:
+        self.path = Path(path)
+        self.name = str(path)
+        self.lazy = lazy
+        self.select = select
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        """Lines read so far by (node, dir, type); final after iteration."""
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.warnings: list[str] = []
+        self.outcome: dict[str, Any] | None = None
+        self.truncated = False
+        self.rooms: set[int] = set()
+        self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
+        """Recently decoded events and the rooms they name, by their lines' payload text
+        (``Record.event``)."""
+        self.partial = False
+        self._span: tuple[Block, Block | None] | None = None
         self._started = False
         self._first_seq = 0
         self._first_t = 0.0
-        if span is not None:
-            self._gen.close()
-            first_blk, last_blk = span
-            self._source = BlockSource(self.path, start=first_blk.off,
-                                       end=None if last_blk is None else last_blk.end)
-            self._gen = self._it = _batches(self._source)
-            self._first_seq, self._first_t = first_blk.seq, first_blk.t0
+
+    def _open_span(self, span: tuple[Block, Block | None]) -> None:
+        first_blk, last_blk = span
+        self.partial = True
+        self._span = span
+        self._source = BlockSource(self.path, start=first_blk.off,
+                                   end=None if last_blk is None else last_blk.end)
+        self._gen = self._it = _batches(self._source)
+        self._first_seq, self._first_t = first_blk.seq, first_blk.t0
+
+    def part(self, span: tuple[Block, Block | None], *,
+             select: Container[str] | None = None) -> TraceReader:
+        """A lazy reader of the blocks ``span`` (as the ``span`` argument) of this reader's
+        trace that shares its header, config and nodes instead of reading them again."""
+        part = TraceReader.__new__(TraceReader)
+        part._setup(self.path, True, select)
+        part.header_line, part.header = self.header_line, self.header
+        part.config, part.nodes = self.config, self.nodes
+        part._open_span(span)
+        return part
 
     def __iter__(self) -> Iterator[Record]:
         if self._started:

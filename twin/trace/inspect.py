@@ -20,7 +20,7 @@ from typing import Any
 from twin.trace.format import DRIVER, Record, Trace, TraceReader, TraceSource, open_trace
 
 __all__ = ["DiffResult", "compare", "diff", "event_text", "first_divergence", "room_timeline",
-           "summary"]
+           "summary", "summary_of_file"]
 
 WIDTH = 100
 _IGNORED_HEADER_KEYS = frozenset({"created", "software"})
@@ -122,16 +122,32 @@ class _RoomRow:
         self.decode: list[tuple[float, str]] = []
 
 
-def _summary_records(source: TraceSource) -> Trace | TraceReader:
-    if isinstance(source, (Trace, TraceReader)):
-        return source
-    return TraceReader(source, select=_SUMMARY_TYPES)
-
-
 def summary(trace: TraceSource, *, max_rooms: int = 200) -> str:
     """Header facts, outcome, event counts by type and node, and a per-room timing table (the
     first ``max_rooms`` rooms to arrive)."""
-    src = _summary_records(trace)
+    if isinstance(trace, (Trace, TraceReader)):
+        return _summary(trace, max_rooms)
+    return summary_of_file(trace, max_rooms=max_rooms)[0]
+
+
+def summary_of_file(path: str | os.PathLike[str], *, max_rooms: int = 200
+                    ) -> tuple[str, list[str]]:
+    """``summary`` of a trace file and the reader's warnings. A file with an index is scanned
+    in two processes (``twin.trace.parallel``) when that pays; whatever that scan cannot
+    vouch for is read again sequentially, so the text is the same either way."""
+    from twin.trace.parallel import Fallback, parallel_scan
+
+    scan = parallel_scan(path, _SUMMARY_TYPES)
+    if scan is not None:
+        try:
+            return _summary(scan, max_rooms), scan.warnings
+        except Fallback:
+            pass
+    reader = TraceReader(path, select=_SUMMARY_TYPES)
+    return _summary(reader, max_rooms), reader.warnings
+
+
+def _summary(src: Any, max_rooms: int) -> str:
     roles_of = {nid: n["role"] for nid, n in src.nodes.items()}
     rooms: dict[int, _RoomRow] = {}
     more_rooms = 0
