@@ -265,6 +265,13 @@ class TraceIndex:
                 blocks.append(blk)
         return cls(path, blocks)
 
+    def tail(self) -> Block:
+        """A block from the end of the last indexed one to the end of the file (the lines a
+        killed writer did not index; none in a complete trace), for ``TraceReader`` spans."""
+        last = self.blocks[-1]
+        return Block(last.b + 1, last.end, last.end, last.seq + last.n, 0, last.t1, last.t1,
+                     False)
+
     def _scan(self, want: Callable[[dict[str, Any]], Any]) -> Iterable[tuple[Block, Any]]:
         with open(self.path, "rb") as f:
             f.readline()

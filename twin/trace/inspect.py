@@ -252,7 +252,7 @@ def _room_source(source: TraceSource, room: int) -> tuple[Trace | TraceReader, I
     the index does not cover yet); otherwise everything."""
     if isinstance(source, (Trace, TraceReader)):
         return source, source
-    from twin.trace.index import Block, TraceIndex
+    from twin.trace.index import TraceIndex
 
     head = TraceReader(source, lazy=True)
     head.close()
@@ -261,9 +261,7 @@ def _room_source(source: TraceSource, room: int) -> tuple[Trace | TraceReader, I
         full = TraceReader(source, lazy=True)
         return full, full
     blocks = index.blocks
-    last_blk = blocks[-1]
-    tail = Block(last_blk.b + 1, last_blk.end, last_blk.end, last_blk.seq + last_blk.n, 0,
-                 last_blk.t1, last_blk.t1, False)
+    tail = index.tail()
     found = index.room_blocks(room)
     if found is None:
         first_blk, end_blk = tail, None
@@ -271,7 +269,7 @@ def _room_source(source: TraceSource, room: int) -> tuple[Trace | TraceReader, I
         first, last = found
         first_blk = blocks[first]
         end_blk = blocks[last + 1] if last + 1 < len(blocks) - 1 else None
-    part = TraceReader(source, lazy=True, span=(first_blk, end_blk))
+    part = head.part((first_blk, end_blk))
     return part, part
 
 

@@ -55,7 +55,7 @@ def parallel_scan(path: str | os.PathLike[str], select: Container[str]) -> Paral
     index = TraceIndex.load(path, head.header_line, os.path.getsize(path))
     if index is None or len(index.blocks) < MIN_BLOCKS or not _contiguous(index.blocks):
         return None
-    return ParallelScan(head, index.blocks, select)
+    return ParallelScan(head, index, select)
 
 
 def _contiguous(blocks: list[Block]) -> bool:
@@ -69,7 +69,7 @@ class ParallelScan:
     ``outcome``, ``truncated`` and ``warnings``, read in two processes (module docstring).
     Iterating raises ``Fallback`` when the result cannot be trusted."""
 
-    def __init__(self, head: TraceReader, blocks: list[Block], select: Container[str]) -> None:
+    def __init__(self, head: TraceReader, index: TraceIndex, select: Container[str]) -> None:
         self.path: Path = head.path
         self.name = head.name
         self.header_line = head.header_line
@@ -87,11 +87,9 @@ class ParallelScan:
         self.partial = False  # for the records' lazy checks (Record.event)
         self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
         self._head = head
-        self._blocks = blocks
+        self._blocks = blocks = index.blocks
+        self._tail = index.tail()
         self._groups = [blocks[i:i + GROUP_BLOCKS] for i in range(0, len(blocks), GROUP_BLOCKS)]
-        last = blocks[-1]
-        self._tail = Block(last.b + 1, last.end, last.end, last.seq + last.n, 0, last.t1,
-                           last.t1, False)
         self._started = False
         self.helper_pid: int | None = None
         """The helper process while iterating (reaped when the iteration ends or is closed)."""

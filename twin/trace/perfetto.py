@@ -675,7 +675,7 @@ def _plan(source: TraceSource, t_from: float | None, t_to: float | None,
     windowed = t_from is not None or t_to is not None or room is not None
     if not windowed or not isinstance(src, TraceReader) or src.partial:
         return src, [], {}
-    from twin.trace.index import Block, TraceIndex
+    from twin.trace.index import TraceIndex
 
     index = TraceIndex.load(src.path, src.header_line, os.path.getsize(src.path))
     if index is None or not index.blocks:
@@ -686,17 +686,14 @@ def _plan(source: TraceSource, t_from: float | None, t_to: float | None,
     if room is not None:
         found = index.room_blocks(room)
         if found is None:
-            last_blk = blocks[-1]
-            tail = Block(last_blk.b + 1, last_blk.end, last_blk.end, last_blk.seq + last_blk.n,
-                         0, last_blk.t1, last_blk.t1, False)
             src.close()
-            return TraceReader(src.path, lazy=True, span=(tail, None)), [], {}
+            return src.part((index.tail(), None)), [], {}
         first = max(first, found[0]) if t_from is not None else found[0]
         last = min(last, found[1] + 1) if t_to is not None else found[1] + 1
     start, state = index.state_before(min(first, len(blocks) - 1))
     end = blocks[last] if last < len(blocks) - 1 else None
     src.close()
-    part = TraceReader(src.path, lazy=True, span=(blocks[start], end))
+    part = src.part((blocks[start], end))
     return part, _state_records(state, part), state.get("alloc", {})
 
 
