@@ -8,15 +8,13 @@ import os
 from pathlib import Path
 
 import pytest
+from test_streaming import record_sim_run
 
-from twin.sim.runner import outcome_record, run_sim, trace_header
-from twin.sim.scenarios import SCENARIOS
 from twin.trace import parallel
 from twin.trace.codec import TraceError
-from twin.trace.format import TraceReader, TraceWriter
+from twin.trace.format import TraceReader
 from twin.trace.index import TraceIndex, index_path
 from twin.trace.inspect import _SUMMARY_TYPES, _summary, summary_of_file
-from twin.workloads import poisson
 
 NAMES = ["run.jsonl", "run.jsonl.gz", "run.jsonl.zst"]
 
@@ -26,19 +24,6 @@ def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups of two 200-line blocks, so a small trace has many of them."""
     monkeypatch.setattr(parallel, "GROUP_BLOCKS", 2)
     monkeypatch.setattr(parallel, "MIN_BLOCKS", 8)
-
-
-def record(path: Path, n: int = 60) -> Path:
-    from twin.core.defects import Defects
-
-    sc = SCENARIOS["default"]
-    wl = poisson(n, 40.0, 700, 4, seed=3)
-    header = trace_header(sc.config, wl, defects=Defects(), faults=[], seed=0, params=sc.params,
-                          request_overrides={}, max_concurrency=None)
-    with TraceWriter(path, header, flush_every=200) as w:
-        result = run_sim(sc.config, wl, params=sc.params, recorder=w)
-        w.close(outcome_record(result))
-    return path
 
 
 def sequential(path: Path) -> tuple[str, list[str]]:
@@ -56,7 +41,7 @@ def blocks(path: Path) -> list:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("name", NAMES)
 def test_same_records_counts_and_summary(tmp_path: Path, name: str) -> None:
-    path = record(tmp_path / name)
+    path = record_sim_run(tmp_path / name)
     assert len(blocks(path)) >= 16
     scan = parallel.parallel_scan(path, _SUMMARY_TYPES)
     assert scan is not None
@@ -75,7 +60,7 @@ def test_same_records_counts_and_summary(tmp_path: Path, name: str) -> None:
 
 
 def test_short_traces_and_unindexed_ones_are_read_sequentially(tmp_path: Path) -> None:
-    path = record(tmp_path / "run.jsonl.zst")
+    path = record_sim_run(tmp_path / "run.jsonl.zst")
     plain = tmp_path / "noindex.jsonl.zst"
     plain.write_bytes(path.read_bytes())
     assert parallel.parallel_scan(plain, _SUMMARY_TYPES) is None
@@ -85,7 +70,7 @@ def test_short_traces_and_unindexed_ones_are_read_sequentially(tmp_path: Path) -
 
 
 def test_a_consumer_that_stops_early_reaps_the_helper(tmp_path: Path) -> None:
-    path = record(tmp_path / "run.jsonl.zst")
+    path = record_sim_run(tmp_path / "run.jsonl.zst")
     scan = parallel.parallel_scan(path, _SUMMARY_TYPES)
     assert scan is not None
     it = iter(scan)
@@ -109,7 +94,7 @@ def _edit_line(path: Path, lineno: int, old: bytes, new: bytes) -> None:
 @pytest.mark.parametrize("group", [1, 2], ids=["helper", "own"])
 def test_a_bad_line_gives_the_sequential_error(tmp_path: Path, group: int) -> None:
     """In a group the helper reads (odd) and in one this process reads (even)."""
-    path = record(tmp_path / "run.jsonl")
+    path = record_sim_run(tmp_path / "run.jsonl")
     blk = blocks(path)[group * parallel.GROUP_BLOCKS + 1]
     seq = blk.seq + 7
     other = seq - 1 if seq % 10 == 9 else seq + 1
@@ -127,7 +112,7 @@ def test_a_bad_line_gives_the_sequential_error(tmp_path: Path, group: int) -> No
 
 
 def test_a_room_introduced_in_two_groups_gives_the_sequential_error(tmp_path: Path) -> None:
-    path = record(tmp_path / "run.jsonl")
+    path = record_sim_run(tmp_path / "run.jsonl")
     arrivals = [r for r in TraceReader(path, select=_SUMMARY_TYPES)
                 if r.type == "RequestArrived"]
     first, late = arrivals[10], arrivals[-5]  # rooms of two digits, far apart
@@ -145,7 +130,7 @@ def test_a_room_introduced_in_two_groups_gives_the_sequential_error(tmp_path: Pa
 @pytest.mark.parametrize("name", NAMES)
 def test_blocks_past_the_index_and_a_missing_outcome(tmp_path: Path, name: str) -> None:
     """A killed writer's index ends before its trace: the rest is read as the tail."""
-    path = record(tmp_path / name)
+    path = record_sim_run(tmp_path / name)
     idx = index_path(path)
     lines = idx.read_bytes().splitlines(keepends=True)
     idx.write_bytes(b"".join(lines[:-5]))

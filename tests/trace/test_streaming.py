@@ -211,11 +211,15 @@ def test_lazy_reader_checks_payloads_when_used(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sim_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A simulated run of 60 requests on the default scenario, recorded with small blocks."""
+    return record_sim_run(tmp_path_factory.mktemp("sim") / "run.jsonl.zst")
+
+
+def record_sim_run(path: Path) -> Path:
+    """A simulated run of 60 requests on the default scenario, recorded with small blocks
+    (200 lines) to ``path``."""
     from twin.core.defects import Defects
     from twin.sim.runner import outcome_record, trace_header
 
-    path = tmp_path_factory.mktemp("sim") / "run.jsonl.zst"
     sc = SCENARIOS["default"]
     wl = poisson(60, 40.0, 700, 4, seed=3)
     header = trace_header(sc.config, wl, defects=Defects(), faults=[], seed=0, params=sc.params,
