@@ -3,6 +3,7 @@ encoded in a forked child is the trace encoded inline, byte for byte."""
 
 from __future__ import annotations
 
+import json
 import marshal
 import os
 import signal
@@ -25,9 +26,9 @@ from twin.runtime.header import trace_header
 from twin.runtime.params import SimParams
 from twin.sim.runner import run_sim
 from twin.trace import format as fmt
-from twin.trace.codec import LINE_TEXT, TraceError
+from twin.trace.codec import FAST_LINE_DECODERS, FAST_LINE_ROWS, LINE_TEXT, TraceError
 from twin.trace.format import TraceWriter, make_header, read_trace
-from twin.trace.rows import LINE_OF_ROW, REDUCE
+from twin.trace.rows import BUILD, LINE_OF_ROW, REDUCE
 from twin.workloads.spec import parse_workload_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,55 @@ HEAD = '"t":0.25,"node":"p0g0r0","dir":"out",'
 def test_line_from_row_is_line_from_event(event: Any) -> None:
     row = marshal.loads(marshal.dumps(REDUCE[type(event)](event)))  # what crosses the pipe
     assert LINE_OF_ROW[row[0]](row, 17, HEAD) == LINE_TEXT[type(event)](event, 17, HEAD)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ANY_EVENT)
+def test_rows_build_back_their_objects(event: Any) -> None:
+    row = marshal.loads(marshal.dumps(REDUCE[type(event)](event)))
+    built = BUILD[row[0]](row)
+    assert type(built) is type(event) and built == event
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ANY_EVENT)
+def test_a_lines_row_is_its_events_row(event: Any) -> None:
+    """The fast row decoders accept what the fast event decoders accept, and give its row."""
+    d = json.loads(LINE_TEXT[type(event)](event, 3, HEAD))
+    name = type(event).__name__
+    fast_event = FAST_LINE_DECODERS.get(name)
+    fast_row = FAST_LINE_ROWS.get(name)
+    assert (fast_event is None) == (fast_row is None)
+    if fast_event is not None and fast_row is not None:
+        decoded = fast_event(d)
+        row = fast_row(d)
+        assert (decoded is None) == (row is None)
+        if decoded is not None:
+            assert decoded == event and row == REDUCE[type(event)](event)
+        d["extra"] = 1  # anything unexpected: neither vouches for it
+        assert fast_event(d) is None and fast_row(d) is None
+
+
+def test_record_rows_are_their_events_rows(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    workload = parse_workload_spec("poisson:n=12,rate=20,input=6000~3000,output=8,seed=3")
+    run_sim(TwinConfig(), workload, trace_out=path)
+    rows = [r.row for r in fmt.TraceReader(path, lazy=True) if r.dir != "sys"]
+    events = [r.event for r in fmt.TraceReader(path, lazy=True) if r.dir != "sys"]
+    assert len(rows) > 500
+    assert rows == [REDUCE[type(e)](e) for e in events]
+    # a room never introduced: the error the event names
+    lines = path.read_text().splitlines(keepends=True)
+    i = next(k for k, x in enumerate(lines) if '"dir":"in","type":"ScatterDone","room":' in x)
+    room = json.loads(lines[i])["room"]
+    lines[i] = lines[i].replace(f'"room":{room},', '"room":99999,', 1)
+    path.write_text("".join(lines))
+    for attr in ("event", "row"):
+        with pytest.raises(TraceError, match=f"r.jsonl:{i + 1}: field 'room': room 99999 was "
+                                             "never introduced"):
+            for r in fmt.TraceReader(path, lazy=True):
+                if r.dir != "sys":
+                    getattr(r, attr)
 
 
 def test_reducing_checks_floats_and_messages() -> None:

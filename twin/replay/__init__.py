@@ -91,6 +91,10 @@ class ReplayResult:
         return exit_code(status)
 
 
+_FOLLOWED = frozenset({"RequestArrived", "FaultInjected"})
+"""The driver records the replay follows (``Replayer._sys``)."""
+
+
 def _body(lines: list[str]) -> list[str]:
     return [x for x in lines if not x.startswith("wedge:")]
 
@@ -132,17 +136,29 @@ class Replayer:
         self._observers = frozenset({ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
                                      ev.RankCrashed})
 
-    def _sys(self, rec: Record) -> None:
-        if rec.type == "RequestArrived":
-            d = rec.data
+    def _sys(self, rtype: str, d: dict[str, Any]) -> None:
+        """Note what the replay follows of a driver record (rooms, crashes by fault)."""
+        if rtype == "RequestArrived":
             total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
             self.rooms[d["room"]] = (len(d["decode_node"]), total)
-        elif rec.type == "FaultInjected" and rec.data.get("fault", "").startswith(
-                ("crash:", "restart:")):
-            node = rec.data["fault"].split(":")[1]
-            self.crashed[node] = f"crashed by fault {rec.data['fault']}"
+        elif rtype == "FaultInjected" and d.get("fault", "").startswith(("crash:", "restart:")):
+            node = d["fault"].split(":")[1]
+            self.crashed[node] = f"crashed by fault {d['fault']}"
 
     def run(self) -> ReplayResult:
+        """Replay the whole trace: with the trace read in a forked process when that can run
+        (``twin.replay.forked``), else (or when that path hands back) sequentially here."""
+        from twin.replay import forked
+
+        if forked.can_run(self):
+            try:
+                return forked.run(self)
+            except forked.Fallback:
+                return Replayer(self.trace).run_here()
+        return self.run_here()
+
+    def run_here(self) -> ReplayResult:
+        """Replay the whole trace in this process, reading it as it goes."""
         records = RecordStream(self.trace)
         skip_effects = records.skip_effects
         pending: tuple[Record, list[ev.Effect]] | None = None  # fed; its effect lines follow
@@ -163,11 +179,11 @@ class Replayer:
                     if effects is None:
                         pass
                     elif effects and skip_effects(effects):  # recorded exactly so: checked
-                        self._observe_all(rec.node, effects)
+                        self.observe_all(rec.node, effects)
                     else:
                         pending, recorded = (rec, effects), []
-            else:
-                self._sys(rec)
+            elif rec.type in _FOLLOWED:
+                self._sys(rec.type, rec.data)
         if pending is not None:
             self._check(*pending, recorded)
         return self._result()
@@ -177,13 +193,17 @@ class Replayer:
         rank = self.ranks.get(rec.node)
         if rank is None:
             return None
+        return self.feed(rank, rec.node, rec.event, rec.t)
+
+    def feed(self, rank: PrefillRank | DecodeRank, node: str, event: Any, t: float
+             ) -> list[ev.Effect]:
+        """Hand ``event`` to ``rank`` (of ``node``) at time ``t``; its effects."""
         self.inputs += 1
-        event = rec.event
         if type(event) is ev.TransferDone and event.ok:
-            t = self.in_flight.pop((rec.node, event.worker), None)
-            if t is not None:
-                self.integrity.on_transfer(t.session, t)
-        return rank.handle(event, rec.t)
+            st = self.in_flight.pop((node, event.worker), None)
+            if st is not None:
+                self.integrity.on_transfer(st.session, st)
+        return rank.handle(event, t)
 
     def _check(self, rec: Record, effects: list[ev.Effect], recorded: list[Record]) -> bool:
         """Compare the effects of input ``rec`` with its recorded effect lines; on a difference
@@ -208,10 +228,10 @@ class Replayer:
                     line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
                     got[i] if i < len(got) else "(no further effect)")
                 return False
-        self._observe_all(rec.node, effects)
+        self.observe_all(rec.node, effects)
         return True
 
-    def _observe_all(self, node: str, effects: list[ev.Effect]) -> None:
+    def observe_all(self, node: str, effects: list[ev.Effect]) -> None:
         """Note what the replay tracks (transfers, scatters, conclusions, crashes) of the
         checked ``effects`` of ``node``."""
         observers = self._observers

@@ -454,8 +454,10 @@ def message_from_json(d: Any, *, where: str, path: str = "msg") -> Any:
 
 # Fast decoders: generated per class; they accept only complete, well-typed objects and return
 # None for anything else, which then takes the checking path above for a precise error.
-def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | None:
-    """Append checks of ``var`` to ``lines``; return the expression of its decoded value."""
+def _fast_check(spec: Spec, var: str, lines: list[str], depth: int, rows: bool = False
+                ) -> str | None:
+    """Append checks of ``var`` to ``lines``; return the expression of its decoded value (with
+    ``rows``: of its value in the object's row, as ``twin.trace.rows.REDUCE`` gives it)."""
     kind = spec[0]
     pad = "    "
     if kind in ("int", "str", "bool"):
@@ -476,7 +478,7 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | Non
         return f"tuple({var})"
     if kind == "enum":
         lines.append(f"{pad}if type({var}) is not str or {var} not in _KVPOLL: return None")
-        return f"_KVPOLL[{var}]"
+        return var if rows else f"_KVPOLL[{var}]"
     if kind == "msg":
         tmp = f"m{depth}"
         lines.append(f"{pad}{tmp} = _fast_msg({var})")
@@ -485,34 +487,46 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int) -> str | Non
     if kind == "list" and spec[1][0] == "event" and spec[1][1] in _FAST_NESTED:
         tmp = f"l{depth}"
         lines.append(f"{pad}if type({var}) is not list: return None")
-        lines.append(f"{pad}{tmp} = tuple(map(_fast_{spec[1][1].__name__}, {var}))")
+        lines.append(f"{pad}{tmp} = {'list' if rows else 'tuple'}(map("
+                     f"_fast_{spec[1][1].__name__}, {var}))")
         lines.append(f"{pad}if None in {tmp}: return None")
         return tmp
     return None
 
 
-def _make_fast(cls: type, extra: int = 0) -> Callable[[dict[str, Any]], Any] | None:
+def _make_fast(cls: type, extra: int = 0, rows: bool = False
+               ) -> Callable[[dict[str, Any]], Any] | None:
+    """A fast decoder of ``cls`` from a parsed dict (``extra`` more keys: a line's envelope):
+    the object, or with ``rows`` its row (``ROW_TAG``); None where it cannot vouch."""
     specs = _SPECS[cls]
     lines = [f"    if len(d) != {len(specs) + 1 + extra}: return None"]
     args = []
     for i, f in enumerate(specs):
         var = f"v{i}"
         lines.append(f"    {var} = d.get({f.name!r}, _MISSING)")
-        expr = _fast_check(f.spec, var, lines, i)
+        expr = _fast_check(f.spec, var, lines, i, rows)
         if expr is None:
             return None
-        args.append(f"{f.name}={expr}")
-    lines.append(f"    return _cls({', '.join(args)})")
+        args.append(expr if rows else f"{f.name}={expr}")
+    lines.append(f"    return ({', '.join([str(ROW_TAG[cls]), *args])},)" if rows else
+                 f"    return _cls({', '.join(args)})")
     src = "def dec(d):\n" + "\n".join(lines) + "\n"
+    nested = _FAST_NESTED_ROW if rows else _FAST_NESTED
     scope: dict[str, Any] = {"_cls": cls, "_isfinite": math.isfinite, "_MISSING": object(),
-                             "_KVPOLL": KVPoll.__members__, "_fast_msg": _fast_msg}
-    scope.update({f"_fast_{c.__name__}": fn for c, fn in _FAST_NESTED.items()})
-    exec(compile(src, f"<trace decoder {cls.__name__}>", "exec"), scope)  # noqa: S102
+                             "_KVPOLL": KVPoll.__members__,
+                             "_fast_msg": _fast_msg_row if rows else _fast_msg}
+    scope.update({f"_fast_{c.__name__}": fn for c, fn in nested.items()})
+    kind = "row decoder" if rows else "decoder"
+    exec(compile(src, f"<trace {kind} {cls.__name__}>", "exec"), scope)  # noqa: S102
     return scope["dec"]
 
 
+ROW_TAG: dict[type, int] = {cls: i for i, cls in enumerate(_SPECS)}
+"""Every event, message and nested class -> its tag in rows (``twin.trace.rows``)."""
 _FAST_MSG: dict[str, Callable[[dict[str, Any]], Any]] = {}
+_FAST_MSG_ROW: dict[str, Callable[[dict[str, Any]], Any]] = {}
 _FAST_NESTED: dict[type, Callable[[Any], Any]] = {}
+_FAST_NESTED_ROW: dict[type, Callable[[Any], Any]] = {}
 
 
 def _fast_msg(x: Any) -> Any:
@@ -523,25 +537,36 @@ def _fast_msg(x: Any) -> Any:
     return None if dec is None else dec(x)
 
 
-for _kind, _mcls in MESSAGE_KINDS.items():
-    _dec = _make_fast(_mcls)
+def _fast_msg_row(x: Any) -> Any:
+    if type(x) is not dict:
+        return None
+    kind = x.get("kind")
+    dec = _FAST_MSG_ROW.get(kind) if type(kind) is str else None
+    return None if dec is None else dec(x)
+
+
+for _rows, _msgs, _nested in ((False, _FAST_MSG, _FAST_NESTED),
+                              (True, _FAST_MSG_ROW, _FAST_NESTED_ROW)):
+    for _kind, _mcls in MESSAGE_KINDS.items():
+        _dec = _make_fast(_mcls, rows=_rows)
+        if _dec is not None:
+            _msgs[_kind] = _dec
+    _dec = _make_fast(ev.Target, rows=_rows)
     if _dec is not None:
-        _FAST_MSG[_kind] = _dec
-_dec = _make_fast(ev.Target)
-if _dec is not None:
-    _target_dec = _dec
+        def _fast_target(x: Any, _dec: Callable[[dict[str, Any]], Any] = _dec) -> Any:
+            if type(x) is not dict or x.get("type") != "Target":
+                return None
+            return _dec(x)
 
-    def _fast_target(x: Any, _dec: Callable[[dict[str, Any]], Any] = _target_dec) -> Any:
-        if type(x) is not dict or x.get("type") != "Target":
-            return None
-        return _dec(x)
-
-    _FAST_NESTED[ev.Target] = _fast_target
+        _nested[ev.Target] = _fast_target
 _FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = {}
 FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
 """Type name -> ``decode(line dict)``: the event of a whole parsed line (envelope keys ``seq``,
 ``t``, ``node``, ``dir`` included) when it is complete and well typed, else None (then
 ``event_from_json`` on the payload names the problem)."""
+FAST_LINE_ROWS: dict[str, Callable[[dict[str, Any]], Any]] = {}
+"""Type name -> ``row(line dict)``: as ``FAST_LINE_DECODERS``, the event's row instead
+(``REDUCE`` of the event it would decode), or None."""
 for _name, _ecls in ev.EVENT_TYPES.items():
     _dec = _make_fast(_ecls)
     if _dec is not None:
@@ -549,6 +574,9 @@ for _name, _ecls in ev.EVENT_TYPES.items():
     _dec = _make_fast(_ecls, extra=4)
     if _dec is not None:
         FAST_LINE_DECODERS[_name] = _dec
+    _dec = _make_fast(_ecls, extra=4, rows=True)
+    if _dec is not None:
+        FAST_LINE_ROWS[_name] = _dec
 
 
 def event_from_json(d: Any, *, where: str) -> Any:

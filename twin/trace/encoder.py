@@ -185,12 +185,8 @@ class EncoderProcess:
     """
 
     def __init__(self, encoder: RowEncoder) -> None:
-        import fcntl  # POSIX, as fork is
-
-        data_r, data_w = os.pipe()
+        data_r, data_w = open_pipe()  # room for about 20 batches
         res_r, res_w = os.pipe()
-        with contextlib.suppress(OSError):  # Linux: room for about 20 batches
-            fcntl.fcntl(data_w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_SIZE)
         pid = os.fork()
         if pid == 0:  # the child: never returns
             os.close(data_w)
@@ -239,7 +235,7 @@ class EncoderProcess:
         if self._done:
             raise ValueError("trace encoder is closed")
         try:
-            _write_all(self._w, _LEN.pack(len(payload)) + payload)
+            write_frame(self._w, payload)
         except BrokenPipeError:
             self._fail(self._r.read())
 
@@ -258,6 +254,32 @@ class EncoderProcess:
             exc = RuntimeError(f"the trace encoder process ended early ({reply[:40]!r})")
         self._error = exc
         raise exc
+
+
+def open_pipe() -> tuple[int, int]:
+    """A pipe (read end, write end) with room for about a megabyte where Linux allows it."""
+    r, w = os.pipe()
+    with contextlib.suppress(OSError):
+        import fcntl  # POSIX, as fork is
+
+        fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_SIZE)
+    return r, w
+
+
+def write_frame(fd: int, payload: bytes) -> None:
+    """Write ``payload`` as one length-prefixed frame (``read_frame`` reads it)."""
+    _write_all(fd, _LEN.pack(len(payload)) + payload)
+
+
+def read_frame(src: Any) -> bytes | None:
+    """The next frame's payload from the binary file ``src``; None at the end of the pipe (or
+    a frame cut short by a writer that died)."""
+    head = src.read(4)
+    if len(head) < 4:
+        return None
+    n = _LEN.unpack(head)[0]
+    payload = src.read(n)
+    return payload if len(payload) == n else None
 
 
 def _write_all(fd: int, data: bytes) -> None:

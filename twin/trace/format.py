@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import math
+import operator
 import os
 import platform
 import re
@@ -44,6 +45,7 @@ from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
     FAST_LINE_DECODERS,
+    FAST_LINE_ROWS,
     INPUT_NAMES,
     LINE_TEXT,
     MESSAGE_KINDS,
@@ -54,7 +56,7 @@ from twin.trace.codec import (
 from twin.trace.compat import recorded_config
 from twin.trace.encoder import DRIVER, JSON_TEXT, EncoderProcess, RowEncoder, can_fork
 from twin.trace.index import Block, IndexWriter, index_path
-from twin.trace.rows import REDUCE
+from twin.trace.rows import CID, REDUCE, field_pos, msg_room
 
 try:
     from orjson import loads as _fast_loads
@@ -589,6 +591,38 @@ class Record:
             self._event = event
         return self._event
 
+    @property
+    def row(self) -> tuple[Any, ...]:
+        """The core event as a row (``twin.trace.rows``: ``REDUCE`` of ``event``), decoded
+        straight from the line when it is complete and typed, checked as ``event`` checks it
+        (a room never introduced raises the same error)."""
+        src = self._src
+        if self._event is not None or not self._body_at or src is None:
+            event = self.event
+            return REDUCE[type(event)](event)
+        cache = src.payload_rows
+        key = self.raw[self._body_at:]  # type: ignore[index]
+        row = cache.get(key)
+        if row is None:
+            try:
+                d = _fast_loads(self.raw)
+            except ValueError:
+                d = None
+            dec = FAST_LINE_ROWS.get(self.type)
+            row = dec(d) if type(d) is dict and dec is not None else None
+            if row is None:  # the checking path names the problem
+                event = self.event
+                return REDUCE[type(event)](event)
+            if len(cache) >= _PAYLOAD_EVENTS:
+                cache.clear()
+            cache[key] = row
+        room_of = _ROW_ROOM.get(row[0])
+        if room_of is not None:
+            room = room_of(row)
+            if room is not None and room not in src.rooms and not src.partial:
+                _ = self.event  # raises the error naming the room
+        return row
+
     def _decode(self) -> Any:
         """The core event of this in/out line, checked as the strict reader checks it."""
         event = None
@@ -764,7 +798,12 @@ class TraceReader:
         self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
         """Recently decoded events and the rooms they name, by their lines' payload text
         (``Record.event``)."""
+        self.payload_rows: dict[bytes, tuple[Any, ...]] = {}
+        """The same for rows (``Record.row``)."""
         self.partial = False
+        self.passed_effects: Callable[[str, bytes], None] | None = None
+        """Set before iterating a select reader: called with the node and the payload text
+        (``Record.body``) of every effect line it passes over, in order."""
         self._span: tuple[Block, Block | None] | None = None
         self._started = False
         self._first_seq = 0
@@ -901,6 +940,7 @@ class TraceReader:
         by_key: dict[bytes, int] = {}  # fast-path lines by their node/dir/type text
         counts: dict[tuple[str, str, str], int] = {}  # strict-path lines
         select = self.select
+        passed = self.passed_effects
         last_t, last_tb = self._first_t, b""
         lineno = last_ok = self._first_seq + 1
         strict = self._strict
@@ -930,9 +970,11 @@ class TraceReader:
                         k = (rec.node, rec.dir, rec.type)
                         counts[k] = counts.get(k, 0) + 1
                         done = self.outcome is not None
-                        if (select is None or rec.dir == "sys" or rec.type in select) and (
-                                (yield rec) is not None):  # skip_effects: not after a strict line
-                            yield False
+                        if select is None or rec.dir == "sys" or rec.type in select:
+                            if (yield rec) is not None:  # skip_effects: not after a strict line
+                                yield False
+                        elif passed is not None and rec.dir == "out":
+                            passed(rec.node, rec.body)
                         continue
                     seq_b, t_b, key = m.groups()
                     if int(seq_b) != lineno - 2:
@@ -965,7 +1007,10 @@ class TraceReader:
                         done = self.outcome is not None
                         if (yield rec) is not None:  # skip_effects: not after a sys record
                             yield False
-                    elif wanted:
+                    elif not wanted:
+                        if passed is not None and direction == "out":
+                            passed(node, raw[m.start(3) + body_from_key:-1])
+                    else:
                         effects = yield Record(lineno - 2, last_t, node, direction, rtype, None,
                                                None, lineno, raw, m.start(3) + body_from_key,
                                                self)
@@ -1094,6 +1139,22 @@ _ROOM_FIELD = {cls for cls in ev.EVENT_TYPES.values()
                if any(f.name == "room" for f in field_specs(cls))}
 _MSG_FIELD = {cls for cls in ev.EVENT_TYPES.values()
               if any(f.name == "msg" for f in field_specs(cls))}
+
+
+def _row_room(cls: type) -> Callable[[tuple[Any, ...]], Any] | None:
+    """How to read the room ``_room_of`` checks from a row of ``cls`` (None: not checked)."""
+    if cls in _EXEMPT_ROOM_CHECK:
+        return None
+    if cls in _ROOM_FIELD:
+        return operator.itemgetter(field_pos(cls, "room"))
+    if cls in _MSG_FIELD:
+        pos = field_pos(cls, "msg")
+        return lambda r: msg_room(r[pos])
+    return None
+
+
+_ROW_ROOM = {CID[cls]: fn for cls in ev.EVENT_TYPES.values()
+             if (fn := _row_room(cls)) is not None}
 
 
 def _room_of(event: Any) -> int | None:

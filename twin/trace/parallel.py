@@ -27,7 +27,7 @@ from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
-from twin.trace.encoder import _LEN, _PIPE_SIZE, _write_all, can_fork
+from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import Record, TraceReader
 from twin.trace.index import Block, TraceIndex
 
@@ -86,6 +86,7 @@ class ParallelScan:
         self.rooms: set[int] = set()
         self.partial = False  # for the records' lazy checks (Record.event)
         self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
+        self.payload_rows: dict[bytes, tuple[Any, ...]] = {}
         self._head = head
         self._blocks = blocks = index.blocks
         self._tail = index.tail()
@@ -102,11 +103,7 @@ class ParallelScan:
 
     # -- this process ------------------------------------------------------------------------
     def _records(self) -> Iterator[Record]:
-        r, w = os.pipe()
-        with contextlib.suppress(OSError):
-            import fcntl
-
-            fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_SIZE)
+        r, w = open_pipe()
         pid = os.fork()
         if pid == 0:  # the helper: never returns
             os.close(r)
@@ -190,10 +187,9 @@ class ParallelScan:
             self.outcome = rec.data
 
     def _receive(self, src: Any) -> Any:
-        head = src.read(4)
-        if len(head) < 4:
+        payload = read_frame(src)
+        if payload is None:
             raise Fallback("the helper ended early")
-        payload = src.read(_LEN.unpack(head)[0])
         msg = marshal.loads(payload)
         if msg[0] != "ok":
             raise Fallback(f"the helper failed: {msg[1]}")
@@ -229,8 +225,7 @@ class ParallelScan:
                         part.last_t, part.truncated, part.warnings)
                 except Exception as exc:  # noqa: BLE001 - the parent falls back
                     msg = ("error", f"{type(exc).__name__}: {exc}")
-                payload = marshal.dumps(msg)
-                _write_all(w, _LEN.pack(len(payload)) + payload)
+                write_frame(w, marshal.dumps(msg))
                 if msg[0] != "ok":
                     break
         except BaseException:  # noqa: BLE001 - a closed pipe: the parent is done with us

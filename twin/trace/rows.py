@@ -16,10 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from twin.core import events as ev
+from twin.core import wire
 from twin.trace import codec
 from twin.trace.codec import _SPECS, _compile, _fstring, _text_parts
 
-__all__ = ["CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "row_emitters"]
+__all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "msg_room",
+           "row_emitters"]
 
 Row = tuple[Any, ...]
 Emit = Callable[[Row, int, str, str], None]
@@ -27,7 +29,7 @@ Hook = Callable[[str, Row, int, str], None]
 
 CLASSES: tuple[type, ...] = tuple(_SPECS)
 """Every event, message and nested class; a row's tag is its class's position here."""
-CID: dict[type, int] = {cls: i for i, cls in enumerate(CLASSES)}
+CID: dict[type, int] = codec.ROW_TAG
 
 
 def field_pos(cls: type, name: str) -> int:
@@ -116,9 +118,48 @@ _MSG_ROOM: dict[int, int] = {CID[c]: field_pos(c, "room") for c in codec.MESSAGE
                              if any(f.name == "room" for f in _SPECS[c])}
 
 
-def _msg_room(m: Row) -> int | None:
+def msg_room(m: Row) -> int | None:
+    """The room a message's row names (None: a kind without one)."""
     pos = _MSG_ROOM.get(m[0])
     return None if pos is None else m[pos]
+
+
+def _build_expr(spec: tuple[Any, ...], value: str, var: str) -> str:
+    """Source of the field value of row value ``value`` (the inverse of ``_red_expr``)."""
+    kind = spec[0]
+    if kind in ("int", "str", "bool", "float"):
+        return value
+    if kind == "opt":
+        inner = _build_expr(spec[1], var, var + "_")
+        return value if inner == var else f"(None if ({var} := {value}) is None else {inner})"
+    if kind == "list":
+        inner = _build_expr(spec[1], "x", "x_")
+        return f"tuple({value})" if inner == "x" else f"tuple([{inner} for x in {value}])"
+    if kind == "enum":
+        return f"_KVPOLL[{value}]"
+    if kind in ("msg", "event"):
+        return f"_B[({var} := {value})[0]]({var})"
+    raise AssertionError(spec)
+
+
+def _make_build(cls: type) -> Callable[[Row], Any]:
+    """``row -> object`` for ``cls``: a new instance whose slots are set from the row, as the
+    generated factories of ``twin.core.factories`` build them (no ``__init__`` call)."""
+    specs = _SPECS[cls]
+    lines = ["def fn(r):", "    o = _new(_cls)"]
+    scope: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_B": BUILD,
+                             "_KVPOLL": wire.KVPoll.__members__}
+    for i, f in enumerate(specs):
+        scope[f"_s{i}"] = cls.__dict__[f.name].__set__
+        lines.append(f"    _s{i}(o, {_build_expr(f.spec, f'r[{i + 1}]', f'_x{i}')})")
+    lines.append("    return o")
+    return _compile(cls, "\n".join(lines) + "\n", scope, "build")
+
+
+BUILD: dict[int, Callable[[Row], Any]] = {}
+"""Tag -> ``row -> object``: the inverse of ``REDUCE`` (``BUILD[r[0]](r)`` equals the object
+the row was reduced from), for a process that receives events as rows."""
+BUILD.update({CID[_cls]: _make_build(_cls) for _cls in CLASSES})
 
 
 LINE_OF_ROW: dict[int, Callable[[Row, int, str], str]] = {}
@@ -142,7 +183,7 @@ for _cls in ev.EVENT_TYPES.values():
         + _room +
         "        if _hook is not None:\n"
         "            _hook(node, r, seq, line)\n"
-        "    return emit\n"), {**_scope, "_mroom": _msg_room}, "row emitter")
+        "    return emit\n"), {**_scope, "_mroom": msg_room}, "row emitter")
 
 
 def row_emitters(append: Callable[[str], None], rooms_add: Callable[[Any], None],

@@ -1,0 +1,206 @@
+"""Replay with the trace read in a forked process.
+
+The sequential replay (``Replayer.run_here``) spends more than half its time reading: checking
+every line's envelope and decoding every input's payload. ``run`` forks a reader that opens its
+own ``TraceReader`` of the same file (every check of the sequential reader, in the same order),
+reduces each input to a row (``twin.trace.rows``) and sends, in batches, each input with the
+payload text of the effect lines recorded after it, and the driver records the replay follows.
+This process rebuilds the inputs (``rows.BUILD``), feeds the cores and compares the text of
+every effect with the recorded text, as the sequential replay does, while the reader reads on.
+
+An error the reader meets (a ``TraceError``) is raised here, as the sequential replay raises
+it (which would have fed the inputs before it first, to no visible end). Whatever this path leaves to the sequential one
+raises ``Fallback``: effects whose text differs from the recording (a divergence, or a
+hand-edited line) and a reader that failed otherwise. The replay then starts over with fresh
+cores in this process, so a divergence and its report are always the sequential replay's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import marshal
+import os
+import pickle
+import signal
+from typing import TYPE_CHECKING, Any
+
+from twin.core import events as ev
+from twin.trace.codec import BODY_TEXT
+from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
+from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
+from twin.trace.rows import BUILD
+
+if TYPE_CHECKING:
+    from twin.replay import Replayer, ReplayResult
+
+__all__ = ["MIN_BYTES", "Fallback", "can_run", "run"]
+
+MIN_BYTES = 1 << 20
+"""Smaller trace files are replayed in one process (forking would cost more than it saves)."""
+BATCH = 500
+"""Inputs per message from the reader."""
+_INPUT, _SYS = 1, 2
+SEP = "\x1e"
+"""Ends an input's effect payloads in a batch's text (``_replay``)."""
+
+
+class Fallback(Exception):  # noqa: N818 - a signal to the caller, not an error
+    """Replay this trace sequentially instead."""
+
+
+def can_run(replayer: Replayer) -> bool:
+    """Whether ``replayer``'s trace can be replayed with a forked reader: an unread, whole,
+    lazy reader of a current-format file of at least ``MIN_BYTES``, in a process that may fork."""
+    trace = replayer.trace
+    if (not isinstance(trace, TraceReader) or trace.partial or not trace.lazy
+            or trace._started or replayer.version != FORMAT_VERSION or not can_fork()):
+        return False
+    try:
+        return os.path.getsize(trace.path) >= MIN_BYTES
+    except OSError:
+        return False
+
+
+def run(replayer: Replayer) -> ReplayResult:
+    """Replay ``replayer``'s whole trace with a forked reader (module docstring)."""
+    trace = replayer.trace
+    assert isinstance(trace, TraceReader)
+    r, w = open_pipe()
+    pid = os.fork()
+    if pid == 0:  # the reader: never returns
+        os.close(r)
+        _reader(str(trace.path), frozenset(replayer.ranks), w)
+    os.close(w)
+    src = os.fdopen(r, "rb")
+    try:
+        while True:
+            payload = read_frame(src)
+            if payload is None:
+                raise Fallback("the trace reader ended early")
+            msg = marshal.loads(payload)
+            if msg[0] == "items":
+                _replay(replayer, msg[1], msg[2])
+            elif msg[0] == "end":
+                _, outcome, warnings, truncated, counts, first_t, last_t = msg
+                break
+            elif msg[0] == "error":
+                raise pickle.loads(msg[1])  # a TraceError, after every input before it
+            else:
+                raise Fallback(f"the trace reader failed: {msg[1]}")
+    finally:
+        src.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # gone already unless we stop early
+        os.waitpid(pid, 0)
+    # what the reader learnt, on the reader the caller holds (outcome, warnings, counts)
+    trace.outcome = outcome
+    trace.warnings += warnings
+    trace.truncated = truncated
+    trace.counts.update({(n, d, t): k for n, d, t, k in counts})
+    trace.first_t, trace.last_t = first_t, last_t
+    return replayer._result()
+
+
+def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -> None:
+    """Feed one batch; its effects' text must be ``recorded``: every input's effect payloads
+    one per line, then a line holding only ``SEP`` (JSON text holds no raw control character,
+    so the grouping is unambiguous). One comparison per batch: on a difference the replay
+    starts over sequentially anyway, which finds the input."""
+    ranks = replayer.ranks
+    in_flight = replayer.in_flight
+    on_transfer = replayer.integrity.on_transfer
+    observers = replayer._observers
+    observe = replayer._observe
+    transfer_done = ev.TransferDone
+    text: list[str] = []
+    add = text.append
+    inputs = 0
+    try:
+        for item in items:
+            if item[0] == _INPUT:  # Replayer.feed and observe_all, inlined (the hot loop)
+                _, t, node, row = item
+                event = BUILD[row[0]](row)
+                if type(event) is transfer_done and event.ok:
+                    st = in_flight.pop((node, event.worker), None)
+                    if st is not None:
+                        on_transfer(st.session, st)
+                inputs += 1
+                for e in ranks[node].handle(event, t):
+                    cls = type(e)
+                    add(BODY_TEXT[cls](e))
+                    if cls in observers:
+                        observe(node, e)
+                add(SEP)
+            else:
+                replayer._sys(item[1], item[2])
+    except Exception as exc:  # the sequential replay raises it again, or finds a divergence
+        raise Fallback(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        replayer.inputs += inputs
+    if "\n".join(text).encode() != recorded:
+        raise Fallback("not the recorded effects")
+
+
+def _reader(path: str, replayed: frozenset[str], w: int) -> None:
+    """The forked reader: the trace's inputs for nodes in ``replayed`` (rows, with their effect
+    lines' payload text) and the followed driver records, to ``w``; then the end or the error."""
+    from twin.replay import _FOLLOWED
+
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the replaying process decides
+        gc.freeze()
+        items: list[tuple[Any, ...]] = []
+        text: list[bytes] = []  # the batch's recorded effect payloads, as _replay writes them
+        add = text.append
+        sep = SEP.encode()
+        node = None  # of the input whose effect lines come next
+        inputs = 0
+        reader = TraceReader(path, select=INPUT_NAMES)
+
+        def passed(of: str, body: bytes) -> None:
+            if of == node:
+                add(body)
+
+        reader.passed_effects = passed
+
+        def ship() -> None:
+            nonlocal items, text, add, inputs
+            write_frame(w, marshal.dumps(("items", items, b"\n".join(text))))
+            items, text, inputs = [], [], 0
+            add = text.append
+
+        try:
+            for rec in reader:  # inputs and driver records; effect lines go to passed()
+                if node is not None:
+                    add(sep)
+                    node = None
+                    if inputs >= BATCH:
+                        ship()
+                if rec.dir == "in":
+                    if rec.node in replayed:
+                        node = rec.node
+                        items.append((_INPUT, rec.t, node, rec.row))
+                        inputs += 1
+                elif rec.type in _FOLLOWED:
+                    items.append((_SYS, rec.type, rec.data))
+            if node is not None:
+                add(sep)
+            ship()
+            write_frame(w, marshal.dumps((
+                "end", reader.outcome, reader.warnings, reader.truncated,
+                [(*k, n) for k, n in reader.counts.items()], reader.first_t, reader.last_t)))
+        except Exception as exc:  # noqa: BLE001 - the replaying process decides
+            from twin.trace.codec import TraceError
+
+            if isinstance(exc, TraceError):  # raised there at once: nothing replayed since
+                # shows (the sequential replay would have fed the inputs before it, unseen)
+                write_frame(w, marshal.dumps(("error", pickle.dumps(exc))))
+            else:
+                write_frame(w, marshal.dumps(("failed", f"{type(exc).__name__}: {exc}")))
+    except BaseException:  # noqa: BLE001 - a closed pipe: the replay is over
+        code = 1
+    finally:
+        os._exit(code)
+
