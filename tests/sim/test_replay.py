@@ -57,6 +57,20 @@ def test_replay_reaches_the_recorded_outcome(tmp_path: Path, name: str, defects_
         assert result.corruption == trace.outcome["corruption"][:len(result.corruption)]
 
 
+@pytest.mark.parametrize("defects_on", [True, False], ids=["defects", "fixed"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_scenario_replays_to_its_recorded_outcome(tmp_path: Path, name: str,
+                                                        defects_on: bool) -> None:
+    """Diagnosis included: a root's injected faults (from the ``FaultInjected`` records) and
+    the inputs the ranks dropped (from their ``Dropped`` effects) are named as the run named
+    them."""
+    path = _record(name, tmp_path / "t.jsonl", defects_on)
+    result = replay_sim(path)
+    assert result.divergence is None and result.same_outcome, (result.status,
+                                                               result.diagnosis[:3])
+    assert result.recorded is not None and result.status == result.recorded["status"]
+
+
 def _tamper_first(path: Path, out: Path, rtype: str, key: str, delta: int) -> tuple[int, int]:
     """Change ``key`` of the first ``rtype`` effect line; returns (line number, old value)."""
     lines = path.read_text().splitlines(keepends=True)

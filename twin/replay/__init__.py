@@ -24,9 +24,10 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
-from twin.runtime.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose, note_fault
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
+from twin.runtime.runtime import note_dropped
 from twin.trace.codec import BODY_TEXT, event_to_json
 from twin.trace.compat import comparable
 from twin.trace.format import (
@@ -129,21 +130,27 @@ class Replayer:
         self.completed = 0
         self.failed = 0
         self.crashed: dict[str, str] = {}
+        self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
         self.divergence: Divergence | None = None
         self.inputs = 0
         self._decode_nodes = {nid for nid, n in self.topo.nodes.items() if n.role == "decode"}
         self.version: int = trace.header["version"]
         self._observers = frozenset({ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
-                                     ev.RankCrashed})
+                                     ev.RankCrashed, ev.Dropped})
+        self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
 
     def _sys(self, rtype: str, d: dict[str, Any]) -> None:
         """Note what the replay follows of a driver record (rooms, crashes by fault)."""
         if rtype == "RequestArrived":
             total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
             self.rooms[d["room"]] = (len(d["decode_node"]), total)
-        elif rtype == "FaultInjected" and d.get("fault", "").startswith(("crash:", "restart:")):
-            node = d["fault"].split(":")[1]
-            self.crashed[node] = f"crashed by fault {d['fault']}"
+        elif rtype == "FaultInjected":
+            if d["fault"].startswith(("crash:", "restart:")):
+                node = d["fault"].split(":")[1]
+                self.crashed[node] = f"crashed by fault {d['fault']}"
+            room = d.get("room")
+            if type(room) is int:  # a fault that touched a room: named on its wedge's root
+                note_fault(self.fault_notes, room, d["fault"], d["detail"])
 
     def run(self) -> ReplayResult:
         """Replay the whole trace: with the trace read in a forked process when that can run
@@ -260,13 +267,16 @@ class Replayer:
                 del self.rooms[e.room], self.concluded[e.room]
         elif t is ev.RankCrashed:
             self.crashed[node] = e.reason
+        elif t is ev.Dropped:
+            note_dropped(self.dropped, node, e)
 
     def _result(self) -> ReplayResult:
         corruption = [str(v) for v in self.integrity.violations]
         unfinished = set(self.rooms)
         status = _status(len(unfinished), corruption, self.trace.outcome, self.failed)
         snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
-        diagnosis = diagnose(snapshots, self.crashed, unfinished).lines() if unfinished else []
+        diagnosis = (diagnose(snapshots, self.crashed, unfinished, self.dropped,
+                              self.fault_notes).lines() if unfinished else [])
         return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
                             diagnosis, corruption, self.trace.outcome, version=self.version)
 

@@ -202,6 +202,17 @@ def _pinning(dec: DecodeSnapshot) -> str:
             f"[{a.offset}, {a.offset + a.size}) round {a.round}: {owner}")
 
 
+def note_fault(notes: dict[int, list[str]], room: int, fault: str, detail: str) -> None:
+    """Add fault ``fault`` that fired on ``detail`` to ``notes`` of ``room`` (the ``faults``
+    of ``diagnose``): each distinct note once, at most eight per room, none for room -1."""
+    if room < 0:
+        return
+    have = notes.setdefault(room, [])
+    note = f"{fault} ({detail})"
+    if note not in have and len(have) < 8:
+        have.append(note)
+
+
 def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
              unfinished: set[int], dropped: Mapping[int, list[str]] | None = None,
              faults: Mapping[int, list[str]] | None = None) -> Diagnosis:

@@ -42,6 +42,15 @@ PROGRESS_EFFECTS = (ev.Allocated, ev.StartTransfer, ev.StartScatter, ev.RoomConc
 DROPPED_NOTES_PER_ROOM = 8
 
 
+def note_dropped(notes: dict[int, list[str]], node: str, e: ev.Dropped) -> None:
+    """Note input ``e`` that ``node`` dropped for its room's wedge diagnosis (the ``dropped`` of
+    ``twin.runtime.diagnosis.diagnose``): at most ``DROPPED_NOTES_PER_ROOM`` per room."""
+    if e.room >= 0:
+        have = notes.setdefault(e.room, [])
+        if len(have) < DROPPED_NOTES_PER_ROOM:
+            have.append(f"{node} dropped {e.what}: {e.reason}")
+
+
 class Driver(Protocol):
     """What a driver supplies to the runtime: clock, transport and data plane."""
 
@@ -260,10 +269,7 @@ class Runtime:
         self.crashed[node] = e.reason
 
     def _dropped(self, node: str, e: ev.Dropped) -> None:
-        if e.room >= 0:
-            notes = self.dropped.setdefault(e.room, [])
-            if len(notes) < DROPPED_NOTES_PER_ROOM:
-                notes.append(f"{node} dropped {e.what}: {e.reason}")
+        note_dropped(self.dropped, node, e)
 
     def _progress(self, node: str, e: ev.Effect) -> None:
         self.last_progress = self._now

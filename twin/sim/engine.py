@@ -32,6 +32,7 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
 from twin.runtime.collector import paced_collector
+from twin.runtime.diagnosis import note_fault
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
@@ -323,9 +324,7 @@ class Simulation:
         fate = self.injector.message(src, dst, msg)
         if fate.applied:
             detail = f"{msg.TAG.decode()} {src}->{dst}"
-            self.sys(src, {"type": "FaultInjected", "fault": ";".join(fate.applied),
-                           "detail": detail})
-            self._note_fault(getattr(msg, "room", -1), f"{';'.join(fate.applied)} ({detail})")
+            self._fault(src, ";".join(fate.applied), detail, getattr(msg, "room", -1))
             if fate.send_failed:
                 self.feed(src, ev.SendFailed(dst=dst, msg=msg))
                 return
@@ -377,8 +376,7 @@ class Simulation:
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
         if failed:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
-            self.sys(node, {"type": "FaultInjected", "fault": failed, "detail": detail})
-            self._note_fault(e.room, f"{failed} ({detail})")
+            self._fault(node, failed, detail, e.room)
             self.feed(node, factories.new_transfer_done(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
@@ -401,10 +399,14 @@ class Simulation:
             node, finish,
             factories.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
-    def _note_fault(self, room: int, note: str) -> None:
-        notes = self.fault_notes.setdefault(room, [])
-        if room >= 0 and note not in notes and len(notes) < 8:
-            notes.append(note)
+    def _fault(self, node: str, fault: str, detail: str, room: int) -> None:
+        """Record a fault that fired (with the room it touched, when one) and note it for the
+        wedge diagnosis (``note_fault``; a replay notes it again from the record)."""
+        rec: dict[str, Any] = {"type": "FaultInjected", "fault": fault, "detail": detail}
+        if room >= 0:
+            rec["room"] = room
+        self.sys(node, rec)
+        note_fault(self.fault_notes, room, fault, detail)
 
     # -- hooks: metrics, integrity and requests ------------------------------------------------
     def _on_deferred(self, node: str, e: ev.Deferred) -> None:

@@ -128,7 +128,9 @@ SYS_DOCS: dict[str, str] = {
                     "of ``room``.",
     "ForwardEnd": "That forward pass finished (the matching ``ForwardStart`` has the same room).",
     "FaultInjected": "The driver injected fault ``fault`` (a fault spec string); ``detail`` "
-                     "says what it hit.",
+                     "says what it hit and ``room`` (an int, only when it touched one) which "
+                     "room: a replay names the fault on that room's wedge root, as the run "
+                     "did.",
     "Note": "Free text from the driver.",
     "Metric": "A named number measured by the driver.",
     "Outcome": "The run's verdict; the last line of a complete trace. ``status`` is one of "
