@@ -93,7 +93,7 @@ def test_a_divergence_is_reported_by_the_sequential_replay(tmp_path: Path) -> No
     want, _ = _sequential(path)
     assert want.divergence is not None and want.divergence.line == line
     got = Replayer(TraceReader(path, lazy=True)).run()  # forked, then sequential
-    assert _fields(got) == _fields(want) and want.same_outcome
+    assert _fields(got) == _fields(want)
     r = CliRunner().invoke(cli, ["replay", str(path)])
     assert r.exit_code == 1 and f"trace line {line}" in r.output
 
@@ -123,7 +123,7 @@ def test_a_cut_trace_warns_as_the_sequential_reader(tmp_path: Path) -> None:
     want, seq_reader = _sequential(path)
     reader = TraceReader(path, lazy=True)
     got = forked.run(Replayer(reader))
-    assert _fields(got) == _fields(want) and want.same_outcome
+    assert _fields(got) == _fields(want)
     assert reader.warnings == seq_reader.warnings and reader.truncated
     assert any("truncated" in w for w in reader.warnings)
 
