@@ -152,6 +152,20 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_a_ctrl_c_while_a_batch_is_shipped_is_raised_after_it() -> None:
+    """``sigint_deferred`` (around ``TraceWriter._ship`` and every frame written to a pipe):
+    a SIGINT inside the block is raised once the block is done, never in the middle (where it
+    could land between a write and the note of what was written: a batch sent twice)."""
+    from twin.trace.encoder import sigint_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt), sigint_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # a signal not held off would interrupt here
+        done.append("the whole block")
+    assert done == ["the whole block"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_killed_or_interrupted_run_keeps_what_it_recorded(tmp_path: Path, sig: int) -> None:
     """The encoder outlives a killed run and writes every line it was sent; Ctrl-C (SIGINT to

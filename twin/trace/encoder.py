@@ -31,7 +31,7 @@ import pickle
 import signal
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from twin.trace.blocks import BlockSink
@@ -282,18 +282,35 @@ def read_frame(src: Any) -> bytes | None:
     return payload if len(payload) == n else None
 
 
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) off for the block, then act on it as the handler before would
+    have (``KeyboardInterrupt`` by default). An interrupt raised between bytecodes could
+    otherwise land between a write and the bookkeeping of what it wrote (a batch sent twice, or
+    dropped). Outside the main thread (no handler can be set there) the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if caught:
+            if callable(old):
+                old(signal.SIGINT, caught[0])  # default_int_handler: KeyboardInterrupt
+            elif old == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """Write all of ``data``; a Ctrl-C meanwhile is raised once the frame is whole (the child
     ignores SIGINT and goes on reading), so the interrupted run can still write its outcome."""
     view = memoryview(data)
-    interrupted: KeyboardInterrupt | None = None
-    while view:
-        try:
+    with sigint_deferred():
+        while view:
             view = view[os.write(fd, view):]
-        except KeyboardInterrupt as exc:
-            interrupted = exc
-    if interrupted is not None:
-        raise interrupted
 
 
 def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:

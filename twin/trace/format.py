@@ -54,7 +54,14 @@ from twin.trace.codec import (
     field_specs,
 )
 from twin.trace.compat import recorded_config
-from twin.trace.encoder import DRIVER, JSON_TEXT, EncoderProcess, RowEncoder, can_fork
+from twin.trace.encoder import (
+    DRIVER,
+    JSON_TEXT,
+    EncoderProcess,
+    RowEncoder,
+    can_fork,
+    sigint_deferred,
+)
 from twin.trace.index import Block, IndexWriter, index_path
 from twin.trace.rows import CID, REDUCE, field_pos, msg_room
 
@@ -456,14 +463,15 @@ class TraceWriter:
         """Hand the items to the encoder."""
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
-        items = self._items[:]  # the list itself stays: a runtime appends to it (row_sink)
-        self._items.clear()
-        if items:
-            self._seq += sum(map(_item_lines, items))
-            t = items[-1][0]
-            if t > self._t:
-                self._t = float(t)
-            self._back.feed(items)
+        with sigint_deferred():  # a Ctrl-C here would drop the batch or send it twice
+            items = self._items[:]  # the list itself stays: a runtime appends to it (row_sink)
+            self._items.clear()
+            if items:
+                self._seq += sum(map(_item_lines, items))
+                t = items[-1][0]
+                if t > self._t:
+                    self._t = float(t)
+                self._back.feed(items)
 
     def flush(self) -> None:
         """Write everything buffered and wait until it is in the file."""
