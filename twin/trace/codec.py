@@ -529,20 +529,21 @@ _FAST_NESTED: dict[type, Callable[[Any], Any]] = {}
 _FAST_NESTED_ROW: dict[type, Callable[[Any], Any]] = {}
 
 
-def _fast_msg(x: Any) -> Any:
-    if type(x) is not dict:
-        return None
-    kind = x.get("kind")
-    dec = _FAST_MSG.get(kind) if type(kind) is str else None
-    return None if dec is None else dec(x)
+def _message_decoder(by_kind: dict[str, Callable[[dict[str, Any]], Any]]
+                     ) -> Callable[[Any], Any]:
+    """A fast decoder of any message, by its ``kind``, from ``by_kind`` (objects or rows)."""
+    def dec(x: Any) -> Any:
+        if type(x) is not dict:
+            return None
+        kind = x.get("kind")
+        fn = by_kind.get(kind) if type(kind) is str else None
+        return None if fn is None else fn(x)
+
+    return dec
 
 
-def _fast_msg_row(x: Any) -> Any:
-    if type(x) is not dict:
-        return None
-    kind = x.get("kind")
-    dec = _FAST_MSG_ROW.get(kind) if type(kind) is str else None
-    return None if dec is None else dec(x)
+_fast_msg = _message_decoder(_FAST_MSG)
+_fast_msg_row = _message_decoder(_FAST_MSG_ROW)
 
 
 for _rows, _msgs, _nested in ((False, _FAST_MSG, _FAST_NESTED),
