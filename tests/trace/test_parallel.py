@@ -147,3 +147,22 @@ def test_blocks_past_the_index_and_a_missing_outcome(tmp_path: Path, name: str) 
         text, warnings = summary_of_file(path)
         assert (text, warnings) == sequential(path)
         assert any("no Outcome record" in w for w in warnings)
+
+
+@pytest.mark.parametrize("max_rooms", [1, 5, 59, 60, 200])
+def test_past_the_first_rooms_only_driver_records_are_selected(tmp_path: Path,
+                                                               max_rooms: int) -> None:
+    """The summary's table needs the first ``max_rooms`` rooms only: later groups yield driver
+    records alone, and the text is still the sequential reader's."""
+    path = record_sim_run(tmp_path / "run.jsonl.zst")
+    scan = parallel.parallel_scan(path, _SUMMARY_TYPES, first_rooms=max_rooms)
+    assert scan is not None
+    if max_rooms <= 5:
+        assert scan._full_groups < len(scan._groups) // 2
+    elif max_rooms > 60:  # fewer rooms than that: everything selected
+        assert scan._full_groups == len(scan._groups)
+    got = [r for r in scan if r.dir != "sys"]
+    assert got and {r.type for r in got} <= _SUMMARY_TYPES
+    reader = TraceReader(path, select=_SUMMARY_TYPES)
+    want = (_summary(reader, max_rooms), reader.warnings)
+    assert summary_of_file(path, max_rooms=max_rooms) == want

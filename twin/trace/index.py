@@ -278,6 +278,22 @@ class TraceIndex:
             for blk, raw in zip(self.blocks, f, strict=False):
                 yield blk, want(json.loads(raw))
 
+    def last_block_of_first_rooms(self, n: int) -> int | None:
+        """Position of the last block naming any of the first ``n`` rooms to appear (a room
+        appears first with its ``RequestArrived``; all rooms first named in the block where the
+        count reaches ``n`` are included); None when fewer than ``n`` rooms appear."""
+        first: set[int] = set()
+        last = None
+        for i, (_, rooms) in enumerate(self._scan(lambda d: d["rooms"])):
+            if len(first) < n:
+                first.update(rooms)
+                if len(first) < n:
+                    continue
+                last = i
+            elif not first.isdisjoint(rooms):
+                last = i
+        return last if len(first) >= n else None
+
     def room_blocks(self, room: int) -> tuple[int, int] | None:
         """Positions (in ``blocks``) of the first and last block naming ``room``."""
         first = last = None

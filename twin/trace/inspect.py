@@ -137,7 +137,7 @@ def summary_of_file(path: str | os.PathLike[str], *, max_rooms: int = 200
     vouch for is read again sequentially, so the text is the same either way."""
     from twin.trace.parallel import Fallback, parallel_scan
 
-    scan = parallel_scan(path, _SUMMARY_TYPES)
+    scan = parallel_scan(path, _SUMMARY_TYPES, first_rooms=max_rooms)
     if scan is not None:
         try:
             return _summary(scan, max_rooms), scan.warnings

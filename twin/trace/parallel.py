@@ -41,13 +41,22 @@ MIN_BLOCKS = 4 * GROUP_BLOCKS * OWN_EVERY
 """Fewer blocks than this are read sequentially (forking would cost more than it saves)."""
 
 
+_DRIVER_ONLY: frozenset[str] = frozenset()
+
+
 class Fallback(Exception):  # noqa: N818 - a signal to the caller, not an error
     """The parallel scan cannot vouch for what it read: read the trace sequentially."""
 
 
-def parallel_scan(path: str | os.PathLike[str], select: Container[str]) -> ParallelScan | None:
+def parallel_scan(path: str | os.PathLike[str], select: Container[str], *,
+                  first_rooms: int | None = None) -> ParallelScan | None:
     """A ``ParallelScan`` of the trace file ``path``, or None where one does not pay or
-    cannot run (no usable index, a short trace, no ``fork``, other threads running)."""
+    cannot run (no usable index, a short trace, no ``fork``, other threads running).
+
+    With ``first_rooms`` the caller needs the selected records only of the first
+    ``first_rooms`` rooms to arrive (the summary's table): past the last block the index says
+    names one of them, only driver records are yielded (every line is still read, checked and
+    counted)."""
     if not can_fork():
         return None
     head = TraceReader(path, lazy=True)
@@ -55,7 +64,7 @@ def parallel_scan(path: str | os.PathLike[str], select: Container[str]) -> Paral
     index = TraceIndex.load(path, head.header_line, os.path.getsize(path))
     if index is None or len(index.blocks) < MIN_BLOCKS or not _contiguous(index.blocks):
         return None
-    return ParallelScan(head, index, select)
+    return ParallelScan(head, index, select, first_rooms)
 
 
 def _contiguous(blocks: list[Block]) -> bool:
@@ -69,7 +78,8 @@ class ParallelScan:
     ``outcome``, ``truncated`` and ``warnings``, read in two processes (module docstring).
     Iterating raises ``Fallback`` when the result cannot be trusted."""
 
-    def __init__(self, head: TraceReader, index: TraceIndex, select: Container[str]) -> None:
+    def __init__(self, head: TraceReader, index: TraceIndex, select: Container[str],
+                 first_rooms: int | None = None) -> None:
         self.path: Path = head.path
         self.name = head.name
         self.header_line = head.header_line
@@ -91,6 +101,9 @@ class ParallelScan:
         self._blocks = blocks = index.blocks
         self._tail = index.tail()
         self._groups = [blocks[i:i + GROUP_BLOCKS] for i in range(0, len(blocks), GROUP_BLOCKS)]
+        last = None if first_rooms is None else index.last_block_of_first_rooms(first_rooms)
+        self._full_groups = len(self._groups) if last is None else last // GROUP_BLOCKS + 1
+        """Groups read with ``select``; the later ones yield driver records only."""
         self._started = False
         self.helper_pid: int | None = None
         """The helper process while iterating (reaped when the iteration ends or is closed)."""
@@ -118,7 +131,7 @@ class ParallelScan:
                 if self.outcome is not None:
                     raise Fallback("lines after the Outcome record")
                 if g % OWN_EVERY == 0:
-                    part = self._head.part((group[0], group[-1]), select=self.select)
+                    part = self._head.part((group[0], group[-1]), select=self._select(g))
                     for rec in part:
                         self._sys(rec)
                         rec._src = self  # type: ignore[assignment]
@@ -159,6 +172,9 @@ class ParallelScan:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+    def _select(self, g: int) -> Container[str]:
+        return self.select if g < self._full_groups else _DRIVER_ONLY
 
     def _seam(self, group: list[Block], got: tuple[Any, ...], last_t: float) -> float:
         """Merge one group's counts and times; check it carries on from the one before."""
@@ -215,7 +231,7 @@ class ParallelScan:
                 if g % OWN_EVERY == 0:
                     continue
                 try:
-                    part = self._head.part((group[0], group[-1]), select=self.select)
+                    part = self._head.part((group[0], group[-1]), select=self._select(g))
                     recs = [(1, rec.seq, rec.t, rec.node, rec.type, rec.data)
                             if rec.dir == "sys" else
                             (0, rec.seq, rec.t, rec.node, rec.dir, rec.type, rec.raw,
