@@ -85,7 +85,7 @@ def run(replayer: Replayer) -> ReplayResult:
                 _, outcome, warnings, truncated, counts, first_t, last_t = msg
                 break
             elif msg[0] == "error":
-                raise pickle.loads(msg[1])  # a TraceError, after every input before it
+                raise pickle.loads(msg[1])  # a TraceError, as the sequential replay raises it
             else:
                 raise Fallback(f"the trace reader failed: {msg[1]}")
     finally:
