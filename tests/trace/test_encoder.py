@@ -57,7 +57,7 @@ def test_a_lines_row_is_its_events_row(event: Any) -> None:
     d = json.loads(LINE_TEXT[type(event)](event, 3, HEAD))
     name = type(event).__name__
     fast_event = FAST_LINE_DECODERS.get(name)
-    fast_row = FAST_LINE_ROWS.get(name)
+    fast_row = FAST_LINE_ROWS[name]
     assert (fast_event is None) == (fast_row is None)
     if fast_event is not None and fast_row is not None:
         decoded = fast_event(d)

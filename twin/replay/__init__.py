@@ -140,7 +140,7 @@ class Replayer:
         self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
 
     def _sys(self, rtype: str, d: dict[str, Any]) -> None:
-        """Note what the replay follows of a driver record (rooms, crashes by fault)."""
+        """Note what the replay follows of a driver record (rooms, crashes and faults)."""
         if rtype == "RequestArrived":
             total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
             self.rooms[d["room"]] = (len(d["decode_node"]), total)
@@ -186,7 +186,7 @@ class Replayer:
                     if effects is None:
                         pass
                     elif effects and skip_effects(effects):  # recorded exactly so: checked
-                        self.observe_all(rec.node, effects)
+                        self._observe_all(rec.node, effects)
                     else:
                         pending, recorded = (rec, effects), []
             elif rec.type in _FOLLOWED:
@@ -235,10 +235,10 @@ class Replayer:
                     line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
                     got[i] if i < len(got) else "(no further effect)")
                 return False
-        self.observe_all(rec.node, effects)
+        self._observe_all(rec.node, effects)
         return True
 
-    def observe_all(self, node: str, effects: list[ev.Effect]) -> None:
+    def _observe_all(self, node: str, effects: list[ev.Effect]) -> None:
         """Note what the replay tracks (transfers, scatters, conclusions, crashes) of the
         checked ``effects`` of ``node``."""
         observers = self._observers

@@ -25,7 +25,6 @@ import pickle
 import signal
 from typing import TYPE_CHECKING, Any
 
-from twin.core import events as ev
 from twin.trace.codec import BODY_TEXT
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
@@ -108,25 +107,16 @@ def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -
     so the grouping is unambiguous). One comparison per batch: on a difference the replay
     starts over sequentially anyway, which finds the input."""
     ranks = replayer.ranks
-    in_flight = replayer.in_flight
-    on_transfer = replayer.integrity.on_transfer
+    feed = replayer.feed
     observers = replayer._observers
     observe = replayer._observe
-    transfer_done = ev.TransferDone
     text: list[str] = []
     add = text.append
-    inputs = 0
     try:
         for item in items:
-            if item[0] == _INPUT:  # Replayer.feed and observe_all, inlined (the hot loop)
+            if item[0] == _INPUT:  # the effects' text, and what the replay observes of them
                 _, t, node, row = item
-                event = BUILD[row[0]](row)
-                if type(event) is transfer_done and event.ok:
-                    st = in_flight.pop((node, event.worker), None)
-                    if st is not None:
-                        on_transfer(st.session, st)
-                inputs += 1
-                for e in ranks[node].handle(event, t):
+                for e in feed(ranks[node], node, BUILD[row[0]](row), t):
                     cls = type(e)
                     add(BODY_TEXT[cls](e))
                     if cls in observers:
@@ -136,8 +126,6 @@ def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -
                 replayer._sys(item[1], item[2])
     except Exception as exc:  # the sequential replay raises it again, or finds a divergence
         raise Fallback(f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        replayer.inputs += inputs
     if "\n".join(text).encode() != recorded:
         raise Fallback("not the recorded effects")
 

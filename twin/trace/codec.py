@@ -565,9 +565,21 @@ FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
 """Type name -> ``decode(line dict)``: the event of a whole parsed line (envelope keys ``seq``,
 ``t``, ``node``, ``dir`` included) when it is complete and well typed, else None (then
 ``event_from_json`` on the payload names the problem)."""
-FAST_LINE_ROWS: dict[str, Callable[[dict[str, Any]], Any]] = {}
+
+
+class _LineRowDecoders(dict):  # type: ignore[type-arg]
+    """Made on first use: only a replay's reader decodes lines to rows."""
+
+    def __missing__(self, name: str) -> Callable[[dict[str, Any]], Any] | None:
+        cls = ev.EVENT_TYPES.get(name)
+        dec = self[name] = None if cls is None else _make_fast(cls, extra=4, rows=True)
+        return dec
+
+
+FAST_LINE_ROWS: dict[str, Callable[[dict[str, Any]], Any] | None] = _LineRowDecoders()
 """Type name -> ``row(line dict)``: as ``FAST_LINE_DECODERS``, the event's row instead
-(``REDUCE`` of the event it would decode), or None."""
+(``REDUCE`` of the event it would decode), or None; the entry itself is None for a type
+without a fast decoder. Look up with ``[]`` (made on first use)."""
 for _name, _ecls in ev.EVENT_TYPES.items():
     _dec = _make_fast(_ecls)
     if _dec is not None:
@@ -575,9 +587,6 @@ for _name, _ecls in ev.EVENT_TYPES.items():
     _dec = _make_fast(_ecls, extra=4)
     if _dec is not None:
         FAST_LINE_DECODERS[_name] = _dec
-    _dec = _make_fast(_ecls, extra=4, rows=True)
-    if _dec is not None:
-        FAST_LINE_ROWS[_name] = _dec
 
 
 def event_from_json(d: Any, *, where: str) -> Any:

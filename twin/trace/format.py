@@ -618,7 +618,7 @@ class Record:
                 d = _fast_loads(self.raw)
             except ValueError:
                 d = None
-            dec = FAST_LINE_ROWS.get(self.type)
+            dec = FAST_LINE_ROWS[self.type]
             row = dec(d) if type(d) is dict and dec is not None else None
             if row is None:  # the checking path names the problem
                 event = self.event

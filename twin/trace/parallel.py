@@ -29,7 +29,7 @@ from typing import Any
 
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import Record, TraceReader
-from twin.trace.index import Block, TraceIndex
+from twin.trace.index import Block, TraceIndex, index_path
 
 __all__ = ["Fallback", "ParallelScan", "parallel_scan"]
 
@@ -57,7 +57,7 @@ def parallel_scan(path: str | os.PathLike[str], select: Container[str], *,
     ``first_rooms`` rooms to arrive (the summary's table): past the last block the index says
     names one of them, only driver records are yielded (every line is still read, checked and
     counted)."""
-    if not can_fork():
+    if not can_fork() or not index_path(path).exists():  # no header read for nothing
         return None
     head = TraceReader(path, lazy=True)
     head.close()
@@ -93,10 +93,9 @@ class ParallelScan:
         self.outcome: dict[str, Any] | None = None
         self.truncated = False
         self.warnings: list[str] = []
-        self.rooms: set[int] = set()
-        self.partial = False  # for the records' lazy checks (Record.event)
-        self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
-        self.payload_rows: dict[bytes, tuple[Any, ...]] = {}
+        self.rooms = head.rooms
+        """Rooms introduced so far; the records' own lazy checks (``Record.event``) read them
+        through their source, the header reader (its payload caches too)."""
         self._head = head
         self._blocks = blocks = index.blocks
         self._tail = index.tail()
@@ -134,7 +133,7 @@ class ParallelScan:
                     part = self._head.part((group[0], group[-1]), select=self._select(g))
                     for rec in part:
                         self._sys(rec)
-                        rec._src = self  # type: ignore[assignment]
+                        rec._src = self._head
                         yield rec
                     got = (part.counts, part.first_t, part.last_t, part.truncated,
                            part.warnings)
@@ -151,7 +150,7 @@ class ParallelScan:
             tail = self._head.part((self._tail, None), select=self.select)
             for rec in tail:
                 self._sys(rec)
-                rec._src = self  # type: ignore[assignment]
+                rec._src = self._head
                 yield rec
             if tail.first_t is not None and (tail.first_t < last_t or ended):
                 raise Fallback("the tail does not follow the indexed blocks")
@@ -219,7 +218,7 @@ class ParallelScan:
             else:  # (0, seq, t, node, dir, type, raw, body_at)
                 _, seq, t, node, direction, rtype, raw, body_at = r
                 yield Record(seq, t, node, direction, rtype, None, None, seq + 2, raw, body_at,
-                             self)  # type: ignore[arg-type]
+                             self._head)
 
     # -- the helper --------------------------------------------------------------------------
     def _helper(self, w: int) -> None:

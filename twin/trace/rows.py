@@ -156,10 +156,17 @@ def _make_build(cls: type) -> Callable[[Row], Any]:
     return _compile(cls, "\n".join(lines) + "\n", scope, "build")
 
 
-BUILD: dict[int, Callable[[Row], Any]] = {}
+class _Builders(dict):  # type: ignore[type-arg]
+    """Made on first use: only a replay builds objects from rows."""
+
+    def __missing__(self, tag: int) -> Callable[[Row], Any]:
+        fn = self[tag] = _make_build(CLASSES[tag])
+        return fn
+
+
+BUILD: dict[int, Callable[[Row], Any]] = _Builders()
 """Tag -> ``row -> object``: the inverse of ``REDUCE`` (``BUILD[r[0]](r)`` equals the object
 the row was reduced from), for a process that receives events as rows."""
-BUILD.update({CID[_cls]: _make_build(_cls) for _cls in CLASSES})
 
 
 LINE_OF_ROW: dict[int, Callable[[Row, int, str], str]] = {}
