@@ -189,6 +189,29 @@ def test_late_staging_req_wedges_real_ranks_and_the_trace_explains_it(tmp_path: 
     assert any("arrived after they were scattered" in line for line in replayed.diagnosis)
 
 
+def test_a_lost_control_frame_is_named_on_its_root_by_the_run_and_both_replays(
+        tmp_path: Path) -> None:
+    """The faults that dropped room 1's STAGING_RSPs are named on the wedge's root: by the
+    hardware run, by its replay on real ranks (which injects nothing and reads the faults from
+    the trace) and by its replay in simulation."""
+    from twin.replay import replay_sim
+
+    sc = SCENARIOS["lost-staging-rsp"]
+    options = _options()
+    options.wedge_window_s = 6.0
+    out = tmp_path / "lost.jsonl.gz"
+    result = run_hw(sc.config, sc.workload(), faults=list(sc.faults), params=sc.params,
+                    options=options, trace_out=str(out))
+    assert result.summary()["status"] == "wedged", result.summary()
+    fault = "drop:STAGING_RSP:dst=p0g0r0:room=1:chunk=0:nth=1"
+    trace = read_trace(out)
+    for diagnosis in (result.diagnosis, replay_hw(trace, options).diagnosis,
+                      replay_sim(trace).diagnosis):
+        roots = [line for line in diagnosis if line.startswith("root: ")]
+        assert roots and all(f"injected fault on this path: {fault}" in r for r in roots), \
+            diagnosis
+
+
 def test_an_injected_transfer_failure_fails_its_request_only() -> None:
     """``fail-transfer:nth=1`` on hardware: the first WRITE of one prefill rank ends in error,
     its request fails on every side (status failed, exit 5), and every other request completes

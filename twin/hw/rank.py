@@ -381,7 +381,8 @@ class RankProcess:
             if fate.applied:
                 self.reports.append({"kind": "fault", "node": self.spec.node,
                                      "fault": ";".join(fate.applied),
-                                     "detail": f"{msg.TAG.decode()} -> {dst}"})
+                                     "detail": f"{msg.TAG.decode()} -> {dst}",
+                                     "room": getattr(msg, "room", -1)})
             if fate.send_failed:
                 self.feed(ev.SendFailed(dst=dst, msg=msg))
                 return
@@ -457,7 +458,7 @@ class RankProcess:
             # An injected error, as NIXL reports a WRITE that ended in ERR: settled, not posted.
             self.reports.append({"kind": "fault", "node": node, "fault": failed,
                                  "detail": f"WRITE room {e.room} chunk {e.chunk_idx} -> "
-                                           f"{e.session}"})
+                                           f"{e.session}", "room": e.room})
             self.in_flight[e.worker] = ("error", f"injected transfer failure ({failed})")
             return
         try:

@@ -14,18 +14,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from twin.core import events as ev
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.hw.launcher import HwOptions, Launcher, check_fits, open_hub, rank_allocations
 from twin.hw.run import check_supported
 from twin.replay import Divergence, ReplayResult, verdict
-from twin.runtime.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose, note_fault_record
+from twin.runtime.runtime import note_dropped
 from twin.trace.codec import event_to_json
 from twin.trace.format import Trace
 
 
-def _scripts(trace: Trace) -> tuple[dict[str, list[Any]], dict[str, list[dict[str, Any]]],
-                                     dict[int, dict[str, Any]]]:
+def _scripts(trace: Trace, fault_notes: dict[int, list[str]]
+             ) -> tuple[dict[str, list[Any]], dict[str, list[dict[str, Any]]],
+                        dict[int, dict[str, Any]]]:
+    """Each rank's recorded inputs, each rank's requests to set up and the rooms by number;
+    the recorded faults that touched a room are noted in ``fault_notes``."""
     scripts: dict[str, list[Any]] = {n: [] for n in trace.nodes}
     requests: dict[str, list[dict[str, Any]]] = {n: [] for n in trace.nodes}
     rooms: dict[int, dict[str, Any]] = {}
@@ -39,6 +44,8 @@ def _scripts(trace: Trace) -> tuple[dict[str, list[Any]], dict[str, list[dict[st
                      "input_len": d["input_len"], "decode_prefix_len": d["decode_prefix_len"]}
             for n in (*d["prefill_node"], *d["decode_node"]):
                 requests[n].append(setup)
+        elif rec.dir == "sys" and rec.type == "FaultInjected":
+            note_fault_record(fault_notes, rec.data)
     return scripts, requests, rooms
 
 
@@ -50,7 +57,9 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     options = options or HwOptions()
     defects = Defects.of(trace.header.get("defects", []))
     check_supported(defects, [])
-    scripts, requests, rooms = _scripts(trace)
+    fault_notes: dict[int, list[str]] = {}  # room -> recorded faults that touched it
+    dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
+    scripts, requests, rooms = _scripts(trace, fault_notes)
     page = trace.config.page_size
     need = max((sum(pages_for_tokens(r["input_len"], page) for r in reqs)
                 for reqs in requests.values()), default=0)
@@ -81,6 +90,10 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     def on_records(node: str, records: list[Any]) -> None:
         if records:
             last[0] = time.monotonic()
+        for _t, _event, effects in records:
+            for e in effects:
+                if type(e) is ev.Dropped:
+                    note_dropped(dropped, node, e)
 
     hub = open_hub(trace.config, options, echo)
     with Launcher(trace.config, defects=defects, faults=[], seed=trace.header.get("seed") or 0,
@@ -109,6 +122,7 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
                  if not errors else errors[0][:2000]))
     snapshots = {n: st["snapshot"] for n, st in states.items()}
     status, completed, failed, unfinished = verdict(rooms, concluded, corruption, trace.outcome)
-    diagnosis = diagnose(snapshots, crashed, unfinished).lines() if unfinished else []
+    diagnosis = (diagnose(snapshots, crashed, unfinished, dropped, fault_notes).lines()
+                 if unfinished else [])
     return ReplayResult(inputs, divergence, status, completed, failed, diagnosis, corruption,
                         trace.outcome, version=trace.header["version"])

@@ -31,13 +31,13 @@ from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.sendplan import early_send_end
 from twin.hw.launcher import HwOptions, Launcher, open_hub
-from twin.runtime.diagnosis import diagnose
+from twin.runtime.diagnosis import diagnose, fault_record
 from twin.runtime.faults import FaultSpec, fault_report, parse_fault
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
-from twin.runtime.runtime import PROGRESS_EFFECTS
+from twin.runtime.runtime import PROGRESS_EFFECTS, note_dropped
 from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.workloads import Workload
 
@@ -150,7 +150,8 @@ class HwRun:
         self.verified: dict[int, set[str]] = {}  # room -> decode nodes whose byte check passed
         self.corrupted_rooms: set[int] = set()
         self.crashed: dict[str, str] = {}
-        self.dropped: dict[int, list[str]] = {}
+        self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
+        self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
         self.notes: list[str] = []
         self.echo = echo
         self.faults = list(faults or [])
@@ -179,9 +180,8 @@ class HwRun:
                     self.last_progress = t
                 if type(e) is ev.TargetsKnown:
                     self._bootstrapped(node, e.room, len(e.sessions))
-                if type(e) is ev.Dropped and e.room >= 0:
-                    self.dropped.setdefault(e.room, []).append(f"{node} dropped {e.what}: "
-                                                               f"{e.reason}")
+                if type(e) is ev.Dropped:
+                    note_dropped(self.dropped, node, e)
                 if type(e) is ev.RoomTornDown:
                     self._release(node, e.room)
 
@@ -210,7 +210,8 @@ class HwRun:
         elif kind == "crashed":
             self.crashed[r["node"]] = r["reason"]
         elif kind == "fault":
-            self.launcher.sys({"type": "FaultInjected", "fault": r["fault"], "detail": r["detail"]})
+            self.launcher.sys(fault_record(self.fault_notes, r["fault"], r["detail"],
+                                           r.get("room", -1)))
             for text in r["fault"].split(";"):
                 for i, spec in enumerate(self.faults):
                     if spec.text == text:
@@ -249,7 +250,7 @@ class HwRun:
             return
         self.fired[i] += 1
         reason = f"aborted by fault {spec.text}"
-        self.launcher.sys({"type": "FaultInjected", "fault": spec.text, "detail": ""})
+        self.launcher.sys(fault_record(self.fault_notes, spec.text, "", req.room))
         pg = self.topo.prefill_groups[req.prefill_group]
         dg = self.topo.decode_groups[req.decode_group]
         for n in (*pg.nodes, *dg.nodes):
@@ -392,7 +393,8 @@ class HwRun:
         if wedged:
             states = lau.request_states()
             snapshots = {n: st["snapshot"] for n, st in states.items()}
-            diagnosis = diagnose(snapshots, self.crashed, set(unfinished), self.dropped).lines()
+            diagnosis = diagnose(snapshots, self.crashed, set(unfinished), self.dropped,
+                                 self.fault_notes).lines()
             # Wrong bytes the decode ranks' per-scatter checks found in rooms that never
             # finished: the run corrupted them before it wedged.
             for node, st in sorted(states.items()):

@@ -24,7 +24,7 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
-from twin.runtime.diagnosis import diagnose, note_fault
+from twin.runtime.diagnosis import diagnose, note_fault_record
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
@@ -148,9 +148,7 @@ class Replayer:
             if d["fault"].startswith(("crash:", "restart:")):
                 node = d["fault"].split(":")[1]
                 self.crashed[node] = f"crashed by fault {d['fault']}"
-            room = d.get("room")
-            if type(room) is int:  # a fault that touched a room: named on its wedge's root
-                note_fault(self.fault_notes, room, d["fault"], d["detail"])
+            note_fault_record(self.fault_notes, d)  # named on its room's wedge root
 
     def run(self) -> ReplayResult:
         """Replay the whole trace: with the trace read in a forked process when that can run

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from twin.core.allocator import is_watermark_ready
 from twin.core.fixes import DROP_LATE_STAGING_REQ
@@ -211,6 +212,25 @@ def note_fault(notes: dict[int, list[str]], room: int, fault: str, detail: str) 
     note = f"{fault} ({detail})"
     if note not in have and len(have) < 8:
         have.append(note)
+
+
+def fault_record(notes: dict[int, list[str]], fault: str, detail: str,
+                 room: int) -> dict[str, Any]:
+    """The ``FaultInjected`` driver record of fault ``fault`` that fired on ``detail``, with the
+    ``room`` it touched when one (>= 0), noted in ``notes`` for that room's wedge diagnosis."""
+    rec: dict[str, Any] = {"type": "FaultInjected", "fault": fault, "detail": detail}
+    if room >= 0:
+        rec["room"] = room
+    note_fault(notes, room, fault, detail)
+    return rec
+
+
+def note_fault_record(notes: dict[int, list[str]], d: Mapping[str, Any]) -> None:
+    """Note the fault of a recorded ``FaultInjected`` record ``d`` (as ``fault_record`` wrote it)
+    in ``notes``; records without a room (older traces, faults on no room) note nothing."""
+    room = d.get("room")
+    if type(room) is int:
+        note_fault(notes, room, d["fault"], d["detail"])
 
 
 def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],

@@ -32,7 +32,7 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
 from twin.runtime.collector import paced_collector
-from twin.runtime.diagnosis import note_fault
+from twin.runtime.diagnosis import fault_record
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
@@ -401,12 +401,8 @@ class Simulation:
 
     def _fault(self, node: str, fault: str, detail: str, room: int) -> None:
         """Record a fault that fired (with the room it touched, when one) and note it for the
-        wedge diagnosis (``note_fault``; a replay notes it again from the record)."""
-        rec: dict[str, Any] = {"type": "FaultInjected", "fault": fault, "detail": detail}
-        if room >= 0:
-            rec["room"] = room
-        self.sys(node, rec)
-        note_fault(self.fault_notes, room, fault, detail)
+        wedge diagnosis (``fault_record``; a replay notes it again from the record)."""
+        self.sys(node, fault_record(self.fault_notes, fault, detail, room))
 
     # -- hooks: metrics, integrity and requests ------------------------------------------------
     def _on_deferred(self, node: str, e: ev.Deferred) -> None:
