@@ -203,7 +203,7 @@ def _pinning(dec: DecodeSnapshot) -> str:
             f"[{a.offset}, {a.offset + a.size}) round {a.round}: {owner}")
 
 
-def note_fault(notes: dict[int, list[str]], room: int, fault: str, detail: str) -> None:
+def _note_fault(notes: dict[int, list[str]], room: int, fault: str, detail: str) -> None:
     """Add fault ``fault`` that fired on ``detail`` to ``notes`` of ``room`` (the ``faults``
     of ``diagnose``): each distinct note once, at most eight per room, none for room -1."""
     if room < 0:
@@ -221,7 +221,7 @@ def fault_record(notes: dict[int, list[str]], fault: str, detail: str,
     rec: dict[str, Any] = {"type": "FaultInjected", "fault": fault, "detail": detail}
     if room >= 0:
         rec["room"] = room
-    note_fault(notes, room, fault, detail)
+    _note_fault(notes, room, fault, detail)
     return rec
 
 
@@ -230,7 +230,7 @@ def note_fault_record(notes: dict[int, list[str]], d: Mapping[str, Any]) -> None
     in ``notes``; records without a room (older traces, faults on no room) note nothing."""
     room = d.get("room")
     if type(room) is int:
-        note_fault(notes, room, d["fault"], d["detail"])
+        _note_fault(notes, room, d["fault"], d["detail"])
 
 
 def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
