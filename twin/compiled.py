@@ -28,9 +28,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-# Compiled together (calls between them stay native). Events, frames and the config stay
-# Python classes: the trace codec reads their annotations and slots.
+# Compiled together (calls between them stay native). The events and frames become native
+# classes (their fields read and stored directly by the compiled modules; the trace codec reads
+# their dataclass fields and, for their types, their sources); the config stays a Python class.
 MODULES: tuple[str, ...] = (
+    "twin.core.wire",
+    "twin.core.events",
     "twin.core.factories",
     "twin.core.allocator",
     "twin.core.grid",
@@ -70,7 +73,8 @@ class CompiledState:
 _state = CompiledState("pure", "not compiled; twin compile builds it")
 
 
-def _source(module: str) -> Path:
+def source_path(module: str) -> Path:
+    """The Python source of ``module`` (a compiled module's ``__file__`` names its extension)."""
     return _ROOT / (module.replace(".", "/") + ".py")
 
 
@@ -106,8 +110,8 @@ def _stale(manifest: dict[str, Any] | None, extensions: list[Path]) -> str | Non
         want = sources.get(module)
         if want is None:
             return f"{module} was not compiled"
-        if want != _digest(_source(module)):
-            return f"{_source(module).relative_to(_ROOT)} changed since it was compiled"
+        if want != _digest(source_path(module)):
+            return f"{source_path(module).relative_to(_ROOT)} changed since it was compiled"
     return None
 
 
@@ -128,9 +132,9 @@ class _PureFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         del path, target
-        if fullname not in self.modules or not _source(fullname).exists():
+        if fullname not in self.modules or not source_path(fullname).exists():
             return None
-        return importlib.util.spec_from_file_location(fullname, _source(fullname))
+        return importlib.util.spec_from_file_location(fullname, source_path(fullname))
 
 
 def activate() -> CompiledState:
@@ -185,8 +189,8 @@ def build(*, verbose: bool = False, quick: bool = False) -> list[Path]:
         raise RuntimeError(f"building the compiled core needs mypy and setuptools "
                            f"(pip install 'staging-twin[fast]'): {e}") from None
     remove()
-    sources = {m: _digest(_source(m)) for m in MODULES}
-    paths = [str(_source(m).relative_to(_ROOT)) for m in MODULES]
+    sources = {m: _digest(source_path(m)) for m in MODULES}
+    paths = [str(source_path(m).relative_to(_ROOT)) for m in MODULES]
     opt = "0" if quick else "3"
     script = (
         "import sys\n"

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twin.core.wire import (
+    TAGS,
     ChunkReady,
     KVPoll,
     StagingReq,
@@ -156,7 +157,7 @@ messages = st.one_of(
 def test_round_trip(msg):
     frames = encode(msg)
     assert all(type(f) is bytes for f in frames)
-    assert frames[0] == type(msg).TAG
+    assert frames[0] == TAGS[type(msg)]
     back = decode(frames)
     assert back == msg
     assert type(back) is type(msg)

@@ -53,10 +53,10 @@ _T_COMPLETE: Final = DecodeTrigger.COMPLETE
 _T_FAIL: Final = DecodeTrigger.FAIL
 _T_GROUP_SUCCESS: Final = DecodeTrigger.GROUP_SUCCESS
 
-POLL_SUCCESS = "Success"
-POLL_FAILED = "Failed"
-POLL_RELEASE_READY = "ReleaseReady"
-_FAILED_POLLS = (POLL_FAILED, POLL_RELEASE_READY)
+POLL_SUCCESS: Final = "Success"
+POLL_FAILED: Final = "Failed"
+POLL_RELEASE_READY: Final = "ReleaseReady"
+_FAILED_POLLS: Final = (POLL_FAILED, POLL_RELEASE_READY)
 
 
 @dataclass(slots=True)
@@ -113,6 +113,7 @@ class DecodeRank:
     def __init__(self, cfg: TwinConfig, session: str, attn_tp_rank: int,
                  defects: Defects | None = None, port: int = -1) -> None:
         self.cfg = cfg
+        self._waiting_timeout_s = cfg.waiting_timeout_s  # read on every poll of a room
         self.session = session
         self.rank = attn_tp_rank
         self.port = port
@@ -422,18 +423,17 @@ class DecodeRank:
         dirty = sorted(self._dirty)
         self._dirty.clear()
         rooms = self._rooms
-        local_poll, share, reduce = self._local_poll, self._share, self._reduce
         for room_id in dirty:
             room = rooms.get(room_id)
             if room is None:
                 continue
-            local_poll(room, out)
-            share(room, out)
-            reduce(room, out)
-            share(room, out)
+            self._local_poll(room, out)
+            self._share(room, out)
+            self._reduce(room, out)
+            self._share(room, out)
 
     def _local_poll(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
-        timeout = self.cfg.waiting_timeout_s
+        timeout = self._waiting_timeout_s
         if room.state is _S_ALL_SUCCESS:
             pending = room.chunks and not self._blind_last
             if not room.scattering and not pending:

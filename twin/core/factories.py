@@ -48,129 +48,169 @@ from twin.core.wire import (
 )
 
 _new: Final[Any] = object.__new__
-_MessageArrived_src: Final[Any] = MessageArrived.__dict__["src"].__set__
-_MessageArrived_msg: Final[Any] = MessageArrived.__dict__["msg"].__set__
-_TransferDone_worker: Final[Any] = TransferDone.__dict__["worker"].__set__
-_TransferDone_ok: Final[Any] = TransferDone.__dict__["ok"].__set__
-_TransferDone_error: Final[Any] = TransferDone.__dict__["error"].__set__
-_TransferDone_settled: Final[Any] = TransferDone.__dict__["settled"].__set__
-_ScatterDone_room: Final[Any] = ScatterDone.__dict__["room"].__set__
-_ScatterDone_chunk_idx: Final[Any] = ScatterDone.__dict__["chunk_idx"].__set__
-_ScatterDone_alloc_id: Final[Any] = ScatterDone.__dict__["alloc_id"].__set__
-_Send_dst: Final[Any] = Send.__dict__["dst"].__set__
-_Send_msg: Final[Any] = Send.__dict__["msg"].__set__
-_ChunkQueued_worker: Final[Any] = ChunkQueued.__dict__["worker"].__set__
-_ChunkQueued_room: Final[Any] = ChunkQueued.__dict__["room"].__set__
-_ChunkQueued_chunk_idx: Final[Any] = ChunkQueued.__dict__["chunk_idx"].__set__
-_ChunkQueued_page_start: Final[Any] = ChunkQueued.__dict__["page_start"].__set__
-_ChunkQueued_num_pages: Final[Any] = ChunkQueued.__dict__["num_pages"].__set__
-_ChunkQueued_is_last: Final[Any] = ChunkQueued.__dict__["is_last"].__set__
-_StartTransfer_worker: Final[Any] = StartTransfer.__dict__["worker"].__set__
-_StartTransfer_room: Final[Any] = StartTransfer.__dict__["room"].__set__
-_StartTransfer_chunk_idx: Final[Any] = StartTransfer.__dict__["chunk_idx"].__set__
-_StartTransfer_session: Final[Any] = StartTransfer.__dict__["session"].__set__
-_StartTransfer_page_start: Final[Any] = StartTransfer.__dict__["page_start"].__set__
-_StartTransfer_num_pages: Final[Any] = StartTransfer.__dict__["num_pages"].__set__
-_StartTransfer_region_offset: Final[Any] = StartTransfer.__dict__["region_offset"].__set__
-_StartTransfer_region_end: Final[Any] = StartTransfer.__dict__["region_end"].__set__
-_StartTransfer_dst_offset: Final[Any] = StartTransfer.__dict__["dst_offset"].__set__
-_StartTransfer_nbytes: Final[Any] = StartTransfer.__dict__["nbytes"].__set__
-_StartTransfer_writer: Final[Any] = StartTransfer.__dict__["writer"].__set__
-_StartTransfer_round: Final[Any] = StartTransfer.__dict__["round"].__set__
-_StartTransfer_staged: Final[Any] = StartTransfer.__dict__["staged"].__set__
-_StartTransfer_is_last: Final[Any] = StartTransfer.__dict__["is_last"].__set__
-_StartTransfer_decode_rank: Final[Any] = StartTransfer.__dict__["decode_rank"].__set__
-_WorkerIdle_worker: Final[Any] = WorkerIdle.__dict__["worker"].__set__
-_RoomTornDown_room: Final[Any] = RoomTornDown.__dict__["room"].__set__
-_Allocated_room: Final[Any] = Allocated.__dict__["room"].__set__
-_Allocated_chunk_idx: Final[Any] = Allocated.__dict__["chunk_idx"].__set__
-_Allocated_alloc_id: Final[Any] = Allocated.__dict__["alloc_id"].__set__
-_Allocated_offset: Final[Any] = Allocated.__dict__["offset"].__set__
-_Allocated_round: Final[Any] = Allocated.__dict__["round"].__set__
-_Allocated_size: Final[Any] = Allocated.__dict__["size"].__set__
-_Freed_alloc_id: Final[Any] = Freed.__dict__["alloc_id"].__set__
-_Freed_room: Final[Any] = Freed.__dict__["room"].__set__
-_Freed_chunk_idx: Final[Any] = Freed.__dict__["chunk_idx"].__set__
-_Freed_reason: Final[Any] = Freed.__dict__["reason"].__set__
-_StartScatter_room: Final[Any] = StartScatter.__dict__["room"].__set__
-_StartScatter_chunk_idx: Final[Any] = StartScatter.__dict__["chunk_idx"].__set__
-_StartScatter_alloc_id: Final[Any] = StartScatter.__dict__["alloc_id"].__set__
-_StartScatter_offset: Final[Any] = StartScatter.__dict__["offset"].__set__
-_StartScatter_nbytes: Final[Any] = StartScatter.__dict__["nbytes"].__set__
-_StartScatter_page_start: Final[Any] = StartScatter.__dict__["page_start"].__set__
-_StartScatter_num_pages: Final[Any] = StartScatter.__dict__["num_pages"].__set__
-_StartScatter_blind: Final[Any] = StartScatter.__dict__["blind"].__set__
-_StartScatter_prefill_attn_tp: Final[Any] = StartScatter.__dict__["prefill_attn_tp"].__set__
-_StartScatter_writer_bytes: Final[Any] = StartScatter.__dict__["writer_bytes"].__set__
-_TargetsKnown_room: Final[Any] = TargetsKnown.__dict__["room"].__set__
-_TargetsKnown_sessions: Final[Any] = TargetsKnown.__dict__["sessions"].__set__
-_RoomConcluded_room: Final[Any] = RoomConcluded.__dict__["room"].__set__
-_RoomConcluded_status: Final[Any] = RoomConcluded.__dict__["status"].__set__
-_RoomConcluded_reason: Final[Any] = RoomConcluded.__dict__["reason"].__set__
-_SetTimer_at: Final[Any] = SetTimer.__dict__["at"].__set__
-_WatermarkMoved_round: Final[Any] = WatermarkMoved.__dict__["round"].__set__
-_WatermarkMoved_tail: Final[Any] = WatermarkMoved.__dict__["tail"].__set__
-_WatermarkMoved_lag_bytes: Final[Any] = WatermarkMoved.__dict__["lag_bytes"].__set__
-_GroupPoll_room: Final[Any] = GroupPoll.__dict__["room"].__set__
-_GroupPoll_poll: Final[Any] = GroupPoll.__dict__["poll"].__set__
-_GroupPoll_peers: Final[Any] = GroupPoll.__dict__["peers"].__set__
-_PeerPolled_room: Final[Any] = PeerPolled.__dict__["room"].__set__
-_PeerPolled_peer: Final[Any] = PeerPolled.__dict__["peer"].__set__
-_PeerPolled_poll: Final[Any] = PeerPolled.__dict__["poll"].__set__
-_WorkerPoll_worker: Final[Any] = WorkerPoll.__dict__["worker"].__set__
-_Target_session: Final[Any] = Target.__dict__["session"].__set__
-_Target_decode_rank: Final[Any] = Target.__dict__["decode_rank"].__set__
-_Target_total_pages: Final[Any] = Target.__dict__["total_pages"].__set__
-_Target_decode_prefix_len: Final[Any] = Target.__dict__["decode_prefix_len"].__set__
-_Target_dst_port: Final[Any] = Target.__dict__["dst_port"].__set__
-_RoomBootstrapped_room: Final[Any] = RoomBootstrapped.__dict__["room"].__set__
-_RoomBootstrapped_targets: Final[Any] = RoomBootstrapped.__dict__["targets"].__set__
-_DecodeRoomInit_room: Final[Any] = DecodeRoomInit.__dict__["room"].__set__
-_DecodeRoomInit_prefill_ranks: Final[Any] = DecodeRoomInit.__dict__["prefill_ranks"].__set__
-_DecodeRoomInit_prefill_attn_tp: Final[Any] = DecodeRoomInit.__dict__["prefill_attn_tp"].__set__
-_DecodeRoomInit_decode_prefix_len: Final[Any] = DecodeRoomInit.__dict__["decode_prefix_len"].__set__
-_DecodeRoomInit_total_pages: Final[Any] = DecodeRoomInit.__dict__["total_pages"].__set__
-_DecodeRoomInit_group: Final[Any] = DecodeRoomInit.__dict__["group"].__set__
-_SendMetadata_room: Final[Any] = SendMetadata.__dict__["room"].__set__
-_SendMetadata_prefill_ranks: Final[Any] = SendMetadata.__dict__["prefill_ranks"].__set__
-_SendMetadata_session: Final[Any] = SendMetadata.__dict__["session"].__set__
-_SendMetadata_decode_rank: Final[Any] = SendMetadata.__dict__["decode_rank"].__set__
-_SendMetadata_decode_prefix_len: Final[Any] = SendMetadata.__dict__["decode_prefix_len"].__set__
-_SendMetadata_total_pages: Final[Any] = SendMetadata.__dict__["total_pages"].__set__
-_SendMetadata_register_at: Final[Any] = SendMetadata.__dict__["register_at"].__set__
-_SendMetadata_dst_port: Final[Any] = SendMetadata.__dict__["dst_port"].__set__
-_Prefetch_room: Final[Any] = Prefetch.__dict__["room"].__set__
-_SendKV_room: Final[Any] = SendKV.__dict__["room"].__set__
-_SendKV_end_idx: Final[Any] = SendKV.__dict__["end_idx"].__set__
-_SendKV_last: Final[Any] = SendKV.__dict__["last"].__set__
-_StagingReq_room: Final[Any] = StagingReq.__dict__["room"].__set__
-_StagingReq_chunk_idx: Final[Any] = StagingReq.__dict__["chunk_idx"].__set__
-_StagingReq_chunk_pages: Final[Any] = StagingReq.__dict__["chunk_pages"].__set__
-_StagingReq_session_id: Final[Any] = StagingReq.__dict__["session_id"].__set__
-_StagingReq_pp_rank: Final[Any] = StagingReq.__dict__["pp_rank"].__set__
-_StagingRsp_room: Final[Any] = StagingRsp.__dict__["room"].__set__
-_StagingRsp_chunk_idx: Final[Any] = StagingRsp.__dict__["chunk_idx"].__set__
-_StagingRsp_offset: Final[Any] = StagingRsp.__dict__["offset"].__set__
-_StagingRsp_round: Final[Any] = StagingRsp.__dict__["round"].__set__
-_StagingRsp_end: Final[Any] = StagingRsp.__dict__["end"].__set__
-_StagingRsp_session_id: Final[Any] = StagingRsp.__dict__["session_id"].__set__
-_Watermark_round: Final[Any] = Watermark.__dict__["round"].__set__
-_Watermark_tail: Final[Any] = Watermark.__dict__["tail"].__set__
-_Watermark_session_id: Final[Any] = Watermark.__dict__["session_id"].__set__
-_ChunkReady_room: Final[Any] = ChunkReady.__dict__["room"].__set__
-_ChunkReady_chunk_idx: Final[Any] = ChunkReady.__dict__["chunk_idx"].__set__
-_ChunkReady_page_start: Final[Any] = ChunkReady.__dict__["page_start"].__set__
-_ChunkReady_num_pages: Final[Any] = ChunkReady.__dict__["num_pages"].__set__
-_ChunkReady_writer_id: Final[Any] = ChunkReady.__dict__["writer_id"].__set__
-_ChunkReady_prefill_rank: Final[Any] = ChunkReady.__dict__["prefill_rank"].__set__
-_TransferStatus_room: Final[Any] = TransferStatus.__dict__["room"].__set__
-_TransferStatus_status: Final[Any] = TransferStatus.__dict__["status"].__set__
-_TransferStatus_prefill_rank: Final[Any] = TransferStatus.__dict__["prefill_rank"].__set__
-_TransferStatus_failure_reason: Final[Any] = TransferStatus.__dict__["failure_reason"].__set__
+NATIVE_EVENTS: Final[bool] = "__slots__" not in vars(MessageArrived)
+"""Whether the events and frames are compiled classes (``twin compile``): their
+factories then allocate with the class's own ``__new__`` and store each field
+directly (a native store, which a frozen class allows its compiled code); the
+pure-Python classes are built through their slot descriptors."""
+_MessageArrived_new: Final[Any] = MessageArrived.__new__
+_MessageArrived_src: Final[Any] = vars(MessageArrived)["src"].__set__
+_MessageArrived_msg: Final[Any] = vars(MessageArrived)["msg"].__set__
+_TransferDone_new: Final[Any] = TransferDone.__new__
+_TransferDone_worker: Final[Any] = vars(TransferDone)["worker"].__set__
+_TransferDone_ok: Final[Any] = vars(TransferDone)["ok"].__set__
+_TransferDone_error: Final[Any] = vars(TransferDone)["error"].__set__
+_TransferDone_settled: Final[Any] = vars(TransferDone)["settled"].__set__
+_ScatterDone_new: Final[Any] = ScatterDone.__new__
+_ScatterDone_room: Final[Any] = vars(ScatterDone)["room"].__set__
+_ScatterDone_chunk_idx: Final[Any] = vars(ScatterDone)["chunk_idx"].__set__
+_ScatterDone_alloc_id: Final[Any] = vars(ScatterDone)["alloc_id"].__set__
+_Send_new: Final[Any] = Send.__new__
+_Send_dst: Final[Any] = vars(Send)["dst"].__set__
+_Send_msg: Final[Any] = vars(Send)["msg"].__set__
+_ChunkQueued_new: Final[Any] = ChunkQueued.__new__
+_ChunkQueued_worker: Final[Any] = vars(ChunkQueued)["worker"].__set__
+_ChunkQueued_room: Final[Any] = vars(ChunkQueued)["room"].__set__
+_ChunkQueued_chunk_idx: Final[Any] = vars(ChunkQueued)["chunk_idx"].__set__
+_ChunkQueued_page_start: Final[Any] = vars(ChunkQueued)["page_start"].__set__
+_ChunkQueued_num_pages: Final[Any] = vars(ChunkQueued)["num_pages"].__set__
+_ChunkQueued_is_last: Final[Any] = vars(ChunkQueued)["is_last"].__set__
+_StartTransfer_new: Final[Any] = StartTransfer.__new__
+_StartTransfer_worker: Final[Any] = vars(StartTransfer)["worker"].__set__
+_StartTransfer_room: Final[Any] = vars(StartTransfer)["room"].__set__
+_StartTransfer_chunk_idx: Final[Any] = vars(StartTransfer)["chunk_idx"].__set__
+_StartTransfer_session: Final[Any] = vars(StartTransfer)["session"].__set__
+_StartTransfer_page_start: Final[Any] = vars(StartTransfer)["page_start"].__set__
+_StartTransfer_num_pages: Final[Any] = vars(StartTransfer)["num_pages"].__set__
+_StartTransfer_region_offset: Final[Any] = vars(StartTransfer)["region_offset"].__set__
+_StartTransfer_region_end: Final[Any] = vars(StartTransfer)["region_end"].__set__
+_StartTransfer_dst_offset: Final[Any] = vars(StartTransfer)["dst_offset"].__set__
+_StartTransfer_nbytes: Final[Any] = vars(StartTransfer)["nbytes"].__set__
+_StartTransfer_writer: Final[Any] = vars(StartTransfer)["writer"].__set__
+_StartTransfer_round: Final[Any] = vars(StartTransfer)["round"].__set__
+_StartTransfer_staged: Final[Any] = vars(StartTransfer)["staged"].__set__
+_StartTransfer_is_last: Final[Any] = vars(StartTransfer)["is_last"].__set__
+_StartTransfer_decode_rank: Final[Any] = vars(StartTransfer)["decode_rank"].__set__
+_WorkerIdle_new: Final[Any] = WorkerIdle.__new__
+_WorkerIdle_worker: Final[Any] = vars(WorkerIdle)["worker"].__set__
+_RoomTornDown_new: Final[Any] = RoomTornDown.__new__
+_RoomTornDown_room: Final[Any] = vars(RoomTornDown)["room"].__set__
+_Allocated_new: Final[Any] = Allocated.__new__
+_Allocated_room: Final[Any] = vars(Allocated)["room"].__set__
+_Allocated_chunk_idx: Final[Any] = vars(Allocated)["chunk_idx"].__set__
+_Allocated_alloc_id: Final[Any] = vars(Allocated)["alloc_id"].__set__
+_Allocated_offset: Final[Any] = vars(Allocated)["offset"].__set__
+_Allocated_round: Final[Any] = vars(Allocated)["round"].__set__
+_Allocated_size: Final[Any] = vars(Allocated)["size"].__set__
+_Freed_new: Final[Any] = Freed.__new__
+_Freed_alloc_id: Final[Any] = vars(Freed)["alloc_id"].__set__
+_Freed_room: Final[Any] = vars(Freed)["room"].__set__
+_Freed_chunk_idx: Final[Any] = vars(Freed)["chunk_idx"].__set__
+_Freed_reason: Final[Any] = vars(Freed)["reason"].__set__
+_StartScatter_new: Final[Any] = StartScatter.__new__
+_StartScatter_room: Final[Any] = vars(StartScatter)["room"].__set__
+_StartScatter_chunk_idx: Final[Any] = vars(StartScatter)["chunk_idx"].__set__
+_StartScatter_alloc_id: Final[Any] = vars(StartScatter)["alloc_id"].__set__
+_StartScatter_offset: Final[Any] = vars(StartScatter)["offset"].__set__
+_StartScatter_nbytes: Final[Any] = vars(StartScatter)["nbytes"].__set__
+_StartScatter_page_start: Final[Any] = vars(StartScatter)["page_start"].__set__
+_StartScatter_num_pages: Final[Any] = vars(StartScatter)["num_pages"].__set__
+_StartScatter_blind: Final[Any] = vars(StartScatter)["blind"].__set__
+_StartScatter_prefill_attn_tp: Final[Any] = vars(StartScatter)["prefill_attn_tp"].__set__
+_StartScatter_writer_bytes: Final[Any] = vars(StartScatter)["writer_bytes"].__set__
+_TargetsKnown_new: Final[Any] = TargetsKnown.__new__
+_TargetsKnown_room: Final[Any] = vars(TargetsKnown)["room"].__set__
+_TargetsKnown_sessions: Final[Any] = vars(TargetsKnown)["sessions"].__set__
+_RoomConcluded_new: Final[Any] = RoomConcluded.__new__
+_RoomConcluded_room: Final[Any] = vars(RoomConcluded)["room"].__set__
+_RoomConcluded_status: Final[Any] = vars(RoomConcluded)["status"].__set__
+_RoomConcluded_reason: Final[Any] = vars(RoomConcluded)["reason"].__set__
+_SetTimer_new: Final[Any] = SetTimer.__new__
+_SetTimer_at: Final[Any] = vars(SetTimer)["at"].__set__
+_WatermarkMoved_new: Final[Any] = WatermarkMoved.__new__
+_WatermarkMoved_round: Final[Any] = vars(WatermarkMoved)["round"].__set__
+_WatermarkMoved_tail: Final[Any] = vars(WatermarkMoved)["tail"].__set__
+_WatermarkMoved_lag_bytes: Final[Any] = vars(WatermarkMoved)["lag_bytes"].__set__
+_GroupPoll_new: Final[Any] = GroupPoll.__new__
+_GroupPoll_room: Final[Any] = vars(GroupPoll)["room"].__set__
+_GroupPoll_poll: Final[Any] = vars(GroupPoll)["poll"].__set__
+_GroupPoll_peers: Final[Any] = vars(GroupPoll)["peers"].__set__
+_PeerPolled_new: Final[Any] = PeerPolled.__new__
+_PeerPolled_room: Final[Any] = vars(PeerPolled)["room"].__set__
+_PeerPolled_peer: Final[Any] = vars(PeerPolled)["peer"].__set__
+_PeerPolled_poll: Final[Any] = vars(PeerPolled)["poll"].__set__
+_Tick_new: Final[Any] = Tick.__new__
+_WorkerPoll_new: Final[Any] = WorkerPoll.__new__
+_WorkerPoll_worker: Final[Any] = vars(WorkerPoll)["worker"].__set__
+_Target_new: Final[Any] = Target.__new__
+_Target_session: Final[Any] = vars(Target)["session"].__set__
+_Target_decode_rank: Final[Any] = vars(Target)["decode_rank"].__set__
+_Target_total_pages: Final[Any] = vars(Target)["total_pages"].__set__
+_Target_decode_prefix_len: Final[Any] = vars(Target)["decode_prefix_len"].__set__
+_Target_dst_port: Final[Any] = vars(Target)["dst_port"].__set__
+_RoomBootstrapped_new: Final[Any] = RoomBootstrapped.__new__
+_RoomBootstrapped_room: Final[Any] = vars(RoomBootstrapped)["room"].__set__
+_RoomBootstrapped_targets: Final[Any] = vars(RoomBootstrapped)["targets"].__set__
+_DecodeRoomInit_new: Final[Any] = DecodeRoomInit.__new__
+_DecodeRoomInit_room: Final[Any] = vars(DecodeRoomInit)["room"].__set__
+_DecodeRoomInit_prefill_ranks: Final[Any] = vars(DecodeRoomInit)["prefill_ranks"].__set__
+_DecodeRoomInit_prefill_attn_tp: Final[Any] = vars(DecodeRoomInit)["prefill_attn_tp"].__set__
+_DecodeRoomInit_decode_prefix_len: Final[Any] = vars(DecodeRoomInit)["decode_prefix_len"].__set__
+_DecodeRoomInit_total_pages: Final[Any] = vars(DecodeRoomInit)["total_pages"].__set__
+_DecodeRoomInit_group: Final[Any] = vars(DecodeRoomInit)["group"].__set__
+_SendMetadata_new: Final[Any] = SendMetadata.__new__
+_SendMetadata_room: Final[Any] = vars(SendMetadata)["room"].__set__
+_SendMetadata_prefill_ranks: Final[Any] = vars(SendMetadata)["prefill_ranks"].__set__
+_SendMetadata_session: Final[Any] = vars(SendMetadata)["session"].__set__
+_SendMetadata_decode_rank: Final[Any] = vars(SendMetadata)["decode_rank"].__set__
+_SendMetadata_decode_prefix_len: Final[Any] = vars(SendMetadata)["decode_prefix_len"].__set__
+_SendMetadata_total_pages: Final[Any] = vars(SendMetadata)["total_pages"].__set__
+_SendMetadata_register_at: Final[Any] = vars(SendMetadata)["register_at"].__set__
+_SendMetadata_dst_port: Final[Any] = vars(SendMetadata)["dst_port"].__set__
+_Prefetch_new: Final[Any] = Prefetch.__new__
+_Prefetch_room: Final[Any] = vars(Prefetch)["room"].__set__
+_SendKV_new: Final[Any] = SendKV.__new__
+_SendKV_room: Final[Any] = vars(SendKV)["room"].__set__
+_SendKV_end_idx: Final[Any] = vars(SendKV)["end_idx"].__set__
+_SendKV_last: Final[Any] = vars(SendKV)["last"].__set__
+_StagingReq_new: Final[Any] = StagingReq.__new__
+_StagingReq_room: Final[Any] = vars(StagingReq)["room"].__set__
+_StagingReq_chunk_idx: Final[Any] = vars(StagingReq)["chunk_idx"].__set__
+_StagingReq_chunk_pages: Final[Any] = vars(StagingReq)["chunk_pages"].__set__
+_StagingReq_session_id: Final[Any] = vars(StagingReq)["session_id"].__set__
+_StagingReq_pp_rank: Final[Any] = vars(StagingReq)["pp_rank"].__set__
+_StagingRsp_new: Final[Any] = StagingRsp.__new__
+_StagingRsp_room: Final[Any] = vars(StagingRsp)["room"].__set__
+_StagingRsp_chunk_idx: Final[Any] = vars(StagingRsp)["chunk_idx"].__set__
+_StagingRsp_offset: Final[Any] = vars(StagingRsp)["offset"].__set__
+_StagingRsp_round: Final[Any] = vars(StagingRsp)["round"].__set__
+_StagingRsp_end: Final[Any] = vars(StagingRsp)["end"].__set__
+_StagingRsp_session_id: Final[Any] = vars(StagingRsp)["session_id"].__set__
+_Watermark_new: Final[Any] = Watermark.__new__
+_Watermark_round: Final[Any] = vars(Watermark)["round"].__set__
+_Watermark_tail: Final[Any] = vars(Watermark)["tail"].__set__
+_Watermark_session_id: Final[Any] = vars(Watermark)["session_id"].__set__
+_ChunkReady_new: Final[Any] = ChunkReady.__new__
+_ChunkReady_room: Final[Any] = vars(ChunkReady)["room"].__set__
+_ChunkReady_chunk_idx: Final[Any] = vars(ChunkReady)["chunk_idx"].__set__
+_ChunkReady_page_start: Final[Any] = vars(ChunkReady)["page_start"].__set__
+_ChunkReady_num_pages: Final[Any] = vars(ChunkReady)["num_pages"].__set__
+_ChunkReady_writer_id: Final[Any] = vars(ChunkReady)["writer_id"].__set__
+_ChunkReady_prefill_rank: Final[Any] = vars(ChunkReady)["prefill_rank"].__set__
+_TransferStatus_new: Final[Any] = TransferStatus.__new__
+_TransferStatus_room: Final[Any] = vars(TransferStatus)["room"].__set__
+_TransferStatus_status: Final[Any] = vars(TransferStatus)["status"].__set__
+_TransferStatus_prefill_rank: Final[Any] = vars(TransferStatus)["prefill_rank"].__set__
+_TransferStatus_failure_reason: Final[Any] = vars(TransferStatus)["failure_reason"].__set__
 
 
 def new_message_arrived(*, src: str, msg: Message) -> MessageArrived:
     """``MessageArrived(**fields)``."""
+    if NATIVE_EVENTS:
+        n: MessageArrived = _MessageArrived_new(MessageArrived)
+        n.src = src  # type: ignore[misc]
+        n.msg = msg  # type: ignore[misc]
+        return n
     o: MessageArrived = _new(MessageArrived)
     _MessageArrived_src(o, src)
     _MessageArrived_msg(o, msg)
@@ -185,6 +225,13 @@ def new_transfer_done(
     settled: bool = True,
 ) -> TransferDone:
     """``TransferDone(**fields)``."""
+    if NATIVE_EVENTS:
+        n: TransferDone = _TransferDone_new(TransferDone)
+        n.worker = worker  # type: ignore[misc]
+        n.ok = ok  # type: ignore[misc]
+        n.error = error  # type: ignore[misc]
+        n.settled = settled  # type: ignore[misc]
+        return n
     o: TransferDone = _new(TransferDone)
     _TransferDone_worker(o, worker)
     _TransferDone_ok(o, ok)
@@ -195,6 +242,12 @@ def new_transfer_done(
 
 def new_scatter_done(*, room: int, chunk_idx: int, alloc_id: int) -> ScatterDone:
     """``ScatterDone(**fields)``."""
+    if NATIVE_EVENTS:
+        n: ScatterDone = _ScatterDone_new(ScatterDone)
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.alloc_id = alloc_id  # type: ignore[misc]
+        return n
     o: ScatterDone = _new(ScatterDone)
     _ScatterDone_room(o, room)
     _ScatterDone_chunk_idx(o, chunk_idx)
@@ -204,6 +257,11 @@ def new_scatter_done(*, room: int, chunk_idx: int, alloc_id: int) -> ScatterDone
 
 def new_send(*, dst: str, msg: Message) -> Send:
     """``Send(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Send = _Send_new(Send)
+        n.dst = dst  # type: ignore[misc]
+        n.msg = msg  # type: ignore[misc]
+        return n
     o: Send = _new(Send)
     _Send_dst(o, dst)
     _Send_msg(o, msg)
@@ -220,6 +278,15 @@ def new_chunk_queued(
     is_last: bool,
 ) -> ChunkQueued:
     """``ChunkQueued(**fields)``."""
+    if NATIVE_EVENTS:
+        n: ChunkQueued = _ChunkQueued_new(ChunkQueued)
+        n.worker = worker  # type: ignore[misc]
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.page_start = page_start  # type: ignore[misc]
+        n.num_pages = num_pages  # type: ignore[misc]
+        n.is_last = is_last  # type: ignore[misc]
+        return n
     o: ChunkQueued = _new(ChunkQueued)
     _ChunkQueued_worker(o, worker)
     _ChunkQueued_room(o, room)
@@ -249,6 +316,24 @@ def new_start_transfer(
     decode_rank: int = 0,
 ) -> StartTransfer:
     """``StartTransfer(**fields)``."""
+    if NATIVE_EVENTS:
+        n: StartTransfer = _StartTransfer_new(StartTransfer)
+        n.worker = worker  # type: ignore[misc]
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.session = session  # type: ignore[misc]
+        n.page_start = page_start  # type: ignore[misc]
+        n.num_pages = num_pages  # type: ignore[misc]
+        n.region_offset = region_offset  # type: ignore[misc]
+        n.region_end = region_end  # type: ignore[misc]
+        n.dst_offset = dst_offset  # type: ignore[misc]
+        n.nbytes = nbytes  # type: ignore[misc]
+        n.writer = writer  # type: ignore[misc]
+        n.round = round  # type: ignore[misc]
+        n.staged = staged  # type: ignore[misc]
+        n.is_last = is_last  # type: ignore[misc]
+        n.decode_rank = decode_rank  # type: ignore[misc]
+        return n
     o: StartTransfer = _new(StartTransfer)
     _StartTransfer_worker(o, worker)
     _StartTransfer_room(o, room)
@@ -270,6 +355,10 @@ def new_start_transfer(
 
 def new_worker_idle(*, worker: int) -> WorkerIdle:
     """``WorkerIdle(**fields)``."""
+    if NATIVE_EVENTS:
+        n: WorkerIdle = _WorkerIdle_new(WorkerIdle)
+        n.worker = worker  # type: ignore[misc]
+        return n
     o: WorkerIdle = _new(WorkerIdle)
     _WorkerIdle_worker(o, worker)
     return o
@@ -277,6 +366,10 @@ def new_worker_idle(*, worker: int) -> WorkerIdle:
 
 def new_room_torn_down(*, room: int) -> RoomTornDown:
     """``RoomTornDown(**fields)``."""
+    if NATIVE_EVENTS:
+        n: RoomTornDown = _RoomTornDown_new(RoomTornDown)
+        n.room = room  # type: ignore[misc]
+        return n
     o: RoomTornDown = _new(RoomTornDown)
     _RoomTornDown_room(o, room)
     return o
@@ -292,6 +385,15 @@ def new_allocated(
     size: int,
 ) -> Allocated:
     """``Allocated(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Allocated = _Allocated_new(Allocated)
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.alloc_id = alloc_id  # type: ignore[misc]
+        n.offset = offset  # type: ignore[misc]
+        n.round = round  # type: ignore[misc]
+        n.size = size  # type: ignore[misc]
+        return n
     o: Allocated = _new(Allocated)
     _Allocated_room(o, room)
     _Allocated_chunk_idx(o, chunk_idx)
@@ -304,6 +406,13 @@ def new_allocated(
 
 def new_freed(*, alloc_id: int, room: int, chunk_idx: int, reason: str) -> Freed:
     """``Freed(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Freed = _Freed_new(Freed)
+        n.alloc_id = alloc_id  # type: ignore[misc]
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.reason = reason  # type: ignore[misc]
+        return n
     o: Freed = _new(Freed)
     _Freed_alloc_id(o, alloc_id)
     _Freed_room(o, room)
@@ -326,6 +435,19 @@ def new_start_scatter(
     writer_bytes: tuple[int, ...] = (),
 ) -> StartScatter:
     """``StartScatter(**fields)``."""
+    if NATIVE_EVENTS:
+        n: StartScatter = _StartScatter_new(StartScatter)
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.alloc_id = alloc_id  # type: ignore[misc]
+        n.offset = offset  # type: ignore[misc]
+        n.nbytes = nbytes  # type: ignore[misc]
+        n.page_start = page_start  # type: ignore[misc]
+        n.num_pages = num_pages  # type: ignore[misc]
+        n.blind = blind  # type: ignore[misc]
+        n.prefill_attn_tp = prefill_attn_tp  # type: ignore[misc]
+        n.writer_bytes = writer_bytes  # type: ignore[misc]
+        return n
     o: StartScatter = _new(StartScatter)
     _StartScatter_room(o, room)
     _StartScatter_chunk_idx(o, chunk_idx)
@@ -342,6 +464,11 @@ def new_start_scatter(
 
 def new_targets_known(*, room: int, sessions: tuple[str, ...]) -> TargetsKnown:
     """``TargetsKnown(**fields)``."""
+    if NATIVE_EVENTS:
+        n: TargetsKnown = _TargetsKnown_new(TargetsKnown)
+        n.room = room  # type: ignore[misc]
+        n.sessions = sessions  # type: ignore[misc]
+        return n
     o: TargetsKnown = _new(TargetsKnown)
     _TargetsKnown_room(o, room)
     _TargetsKnown_sessions(o, sessions)
@@ -350,6 +477,12 @@ def new_targets_known(*, room: int, sessions: tuple[str, ...]) -> TargetsKnown:
 
 def new_room_concluded(*, room: int, status: str, reason: str = '') -> RoomConcluded:
     """``RoomConcluded(**fields)``."""
+    if NATIVE_EVENTS:
+        n: RoomConcluded = _RoomConcluded_new(RoomConcluded)
+        n.room = room  # type: ignore[misc]
+        n.status = status  # type: ignore[misc]
+        n.reason = reason  # type: ignore[misc]
+        return n
     o: RoomConcluded = _new(RoomConcluded)
     _RoomConcluded_room(o, room)
     _RoomConcluded_status(o, status)
@@ -359,6 +492,10 @@ def new_room_concluded(*, room: int, status: str, reason: str = '') -> RoomConcl
 
 def new_set_timer(*, at: float) -> SetTimer:
     """``SetTimer(**fields)``."""
+    if NATIVE_EVENTS:
+        n: SetTimer = _SetTimer_new(SetTimer)
+        n.at = at  # type: ignore[misc]
+        return n
     o: SetTimer = _new(SetTimer)
     _SetTimer_at(o, at)
     return o
@@ -366,6 +503,12 @@ def new_set_timer(*, at: float) -> SetTimer:
 
 def new_watermark_moved(*, round: int, tail: int, lag_bytes: int = 0) -> WatermarkMoved:
     """``WatermarkMoved(**fields)``."""
+    if NATIVE_EVENTS:
+        n: WatermarkMoved = _WatermarkMoved_new(WatermarkMoved)
+        n.round = round  # type: ignore[misc]
+        n.tail = tail  # type: ignore[misc]
+        n.lag_bytes = lag_bytes  # type: ignore[misc]
+        return n
     o: WatermarkMoved = _new(WatermarkMoved)
     _WatermarkMoved_round(o, round)
     _WatermarkMoved_tail(o, tail)
@@ -375,6 +518,12 @@ def new_watermark_moved(*, round: int, tail: int, lag_bytes: int = 0) -> Waterma
 
 def new_group_poll(*, room: int, poll: str, peers: tuple[str, ...]) -> GroupPoll:
     """``GroupPoll(**fields)``."""
+    if NATIVE_EVENTS:
+        n: GroupPoll = _GroupPoll_new(GroupPoll)
+        n.room = room  # type: ignore[misc]
+        n.poll = poll  # type: ignore[misc]
+        n.peers = peers  # type: ignore[misc]
+        return n
     o: GroupPoll = _new(GroupPoll)
     _GroupPoll_room(o, room)
     _GroupPoll_poll(o, poll)
@@ -384,6 +533,12 @@ def new_group_poll(*, room: int, poll: str, peers: tuple[str, ...]) -> GroupPoll
 
 def new_peer_polled(*, room: int, peer: str, poll: str) -> PeerPolled:
     """``PeerPolled(**fields)``."""
+    if NATIVE_EVENTS:
+        n: PeerPolled = _PeerPolled_new(PeerPolled)
+        n.room = room  # type: ignore[misc]
+        n.peer = peer  # type: ignore[misc]
+        n.poll = poll  # type: ignore[misc]
+        return n
     o: PeerPolled = _new(PeerPolled)
     _PeerPolled_room(o, room)
     _PeerPolled_peer(o, peer)
@@ -393,12 +548,19 @@ def new_peer_polled(*, room: int, peer: str, poll: str) -> PeerPolled:
 
 def new_tick() -> Tick:
     """``Tick(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Tick = _Tick_new(Tick)
+        return n
     o: Tick = _new(Tick)
     return o
 
 
 def new_worker_poll(*, worker: int) -> WorkerPoll:
     """``WorkerPoll(**fields)``."""
+    if NATIVE_EVENTS:
+        n: WorkerPoll = _WorkerPoll_new(WorkerPoll)
+        n.worker = worker  # type: ignore[misc]
+        return n
     o: WorkerPoll = _new(WorkerPoll)
     _WorkerPoll_worker(o, worker)
     return o
@@ -413,6 +575,14 @@ def new_target(
     dst_port: int = -1,
 ) -> Target:
     """``Target(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Target = _Target_new(Target)
+        n.session = session  # type: ignore[misc]
+        n.decode_rank = decode_rank  # type: ignore[misc]
+        n.total_pages = total_pages  # type: ignore[misc]
+        n.decode_prefix_len = decode_prefix_len  # type: ignore[misc]
+        n.dst_port = dst_port  # type: ignore[misc]
+        return n
     o: Target = _new(Target)
     _Target_session(o, session)
     _Target_decode_rank(o, decode_rank)
@@ -424,6 +594,11 @@ def new_target(
 
 def new_room_bootstrapped(*, room: int, targets: tuple[Target, ...]) -> RoomBootstrapped:
     """``RoomBootstrapped(**fields)``."""
+    if NATIVE_EVENTS:
+        n: RoomBootstrapped = _RoomBootstrapped_new(RoomBootstrapped)
+        n.room = room  # type: ignore[misc]
+        n.targets = targets  # type: ignore[misc]
+        return n
     o: RoomBootstrapped = _new(RoomBootstrapped)
     _RoomBootstrapped_room(o, room)
     _RoomBootstrapped_targets(o, targets)
@@ -440,6 +615,15 @@ def new_decode_room_init(
     group: tuple[str, ...] = (),
 ) -> DecodeRoomInit:
     """``DecodeRoomInit(**fields)``."""
+    if NATIVE_EVENTS:
+        n: DecodeRoomInit = _DecodeRoomInit_new(DecodeRoomInit)
+        n.room = room  # type: ignore[misc]
+        n.prefill_ranks = prefill_ranks  # type: ignore[misc]
+        n.prefill_attn_tp = prefill_attn_tp  # type: ignore[misc]
+        n.decode_prefix_len = decode_prefix_len  # type: ignore[misc]
+        n.total_pages = total_pages  # type: ignore[misc]
+        n.group = group  # type: ignore[misc]
+        return n
     o: DecodeRoomInit = _new(DecodeRoomInit)
     _DecodeRoomInit_room(o, room)
     _DecodeRoomInit_prefill_ranks(o, prefill_ranks)
@@ -462,6 +646,17 @@ def new_send_metadata(
     dst_port: int = -1,
 ) -> SendMetadata:
     """``SendMetadata(**fields)``."""
+    if NATIVE_EVENTS:
+        n: SendMetadata = _SendMetadata_new(SendMetadata)
+        n.room = room  # type: ignore[misc]
+        n.prefill_ranks = prefill_ranks  # type: ignore[misc]
+        n.session = session  # type: ignore[misc]
+        n.decode_rank = decode_rank  # type: ignore[misc]
+        n.decode_prefix_len = decode_prefix_len  # type: ignore[misc]
+        n.total_pages = total_pages  # type: ignore[misc]
+        n.register_at = register_at  # type: ignore[misc]
+        n.dst_port = dst_port  # type: ignore[misc]
+        return n
     o: SendMetadata = _new(SendMetadata)
     _SendMetadata_room(o, room)
     _SendMetadata_prefill_ranks(o, prefill_ranks)
@@ -476,6 +671,10 @@ def new_send_metadata(
 
 def new_prefetch(*, room: int) -> Prefetch:
     """``Prefetch(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Prefetch = _Prefetch_new(Prefetch)
+        n.room = room  # type: ignore[misc]
+        return n
     o: Prefetch = _new(Prefetch)
     _Prefetch_room(o, room)
     return o
@@ -483,6 +682,12 @@ def new_prefetch(*, room: int) -> Prefetch:
 
 def new_send_kv(*, room: int, end_idx: int, last: bool) -> SendKV:
     """``SendKV(**fields)``."""
+    if NATIVE_EVENTS:
+        n: SendKV = _SendKV_new(SendKV)
+        n.room = room  # type: ignore[misc]
+        n.end_idx = end_idx  # type: ignore[misc]
+        n.last = last  # type: ignore[misc]
+        return n
     o: SendKV = _new(SendKV)
     _SendKV_room(o, room)
     _SendKV_end_idx(o, end_idx)
@@ -499,6 +704,14 @@ def new_staging_req(
     pp_rank: int | None = None,
 ) -> StagingReq:
     """``StagingReq(**fields)``."""
+    if NATIVE_EVENTS:
+        n: StagingReq = _StagingReq_new(StagingReq)
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.chunk_pages = chunk_pages  # type: ignore[misc]
+        n.session_id = session_id  # type: ignore[misc]
+        n.pp_rank = pp_rank  # type: ignore[misc]
+        return n
     o: StagingReq = _new(StagingReq)
     _StagingReq_room(o, room)
     _StagingReq_chunk_idx(o, chunk_idx)
@@ -518,6 +731,15 @@ def new_staging_rsp(
     session_id: str,
 ) -> StagingRsp:
     """``StagingRsp(**fields)``."""
+    if NATIVE_EVENTS:
+        n: StagingRsp = _StagingRsp_new(StagingRsp)
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.offset = offset  # type: ignore[misc]
+        n.round = round  # type: ignore[misc]
+        n.end = end  # type: ignore[misc]
+        n.session_id = session_id  # type: ignore[misc]
+        return n
     o: StagingRsp = _new(StagingRsp)
     _StagingRsp_room(o, room)
     _StagingRsp_chunk_idx(o, chunk_idx)
@@ -530,6 +752,12 @@ def new_staging_rsp(
 
 def new_watermark(*, round: int, tail: int, session_id: str) -> Watermark:
     """``Watermark(**fields)``."""
+    if NATIVE_EVENTS:
+        n: Watermark = _Watermark_new(Watermark)
+        n.round = round  # type: ignore[misc]
+        n.tail = tail  # type: ignore[misc]
+        n.session_id = session_id  # type: ignore[misc]
+        return n
     o: Watermark = _new(Watermark)
     _Watermark_round(o, round)
     _Watermark_tail(o, tail)
@@ -547,6 +775,15 @@ def new_chunk_ready(
     prefill_rank: int,
 ) -> ChunkReady:
     """``ChunkReady(**fields)``."""
+    if NATIVE_EVENTS:
+        n: ChunkReady = _ChunkReady_new(ChunkReady)
+        n.room = room  # type: ignore[misc]
+        n.chunk_idx = chunk_idx  # type: ignore[misc]
+        n.page_start = page_start  # type: ignore[misc]
+        n.num_pages = num_pages  # type: ignore[misc]
+        n.writer_id = writer_id  # type: ignore[misc]
+        n.prefill_rank = prefill_rank  # type: ignore[misc]
+        return n
     o: ChunkReady = _new(ChunkReady)
     _ChunkReady_room(o, room)
     _ChunkReady_chunk_idx(o, chunk_idx)
@@ -565,6 +802,13 @@ def new_transfer_status(
     failure_reason: str = '',
 ) -> TransferStatus:
     """``TransferStatus(**fields)``."""
+    if NATIVE_EVENTS:
+        n: TransferStatus = _TransferStatus_new(TransferStatus)
+        n.room = room  # type: ignore[misc]
+        n.status = status  # type: ignore[misc]
+        n.prefill_rank = prefill_rank  # type: ignore[misc]
+        n.failure_reason = failure_reason  # type: ignore[misc]
+        return n
     o: TransferStatus = _new(TransferStatus)
     _TransferStatus_room(o, room)
     _TransferStatus_status(o, status)

@@ -99,6 +99,8 @@ FACTORY_CLASSES: tuple[tuple[str, str], ...] = (
 """The classes built on every chunk, frame, request or timer: ``twin/core/factories.py`` has a
 ``new_<name>`` for each (module, class name)."""
 FACTORIES_PATH = Path(__file__).with_name("factories.py")
+NATIVE_MODULES = ("twin.core.events", "twin.core.wire")
+"""The modules whose classes ``twin compile`` builds as native classes (``twin.compiled``)."""
 
 
 def factory_name(cls: type) -> str:
@@ -147,11 +149,18 @@ def factories_source(modules: Sequence[Any]) -> str:
         one_line = f"from {module} import {', '.join(imported)}"
         lines += [one_line] if len(one_line) <= 100 else [
             f"from {module} import (", *(f"    {n}," for n in imported), ")"]
-    lines += ["", "_new: Final[Any] = object.__new__"]
+    lines += ["", "_new: Final[Any] = object.__new__",
+              "NATIVE_EVENTS: Final[bool] = \"__slots__\" not in vars(MessageArrived)",
+              '"""Whether the events and frames are compiled classes (``twin compile``): their',
+              "factories then allocate with the class's own ``__new__`` and store each field",
+              "directly (a native store, which a frozen class allows its compiled code); the",
+              'pure-Python classes are built through their slot descriptors."""']
     for cls in classes:
+        if cls.__module__ in NATIVE_MODULES:
+            lines.append(f"_{cls.__name__}_new: Final[Any] = {cls.__name__}.__new__")
         for f in dataclasses.fields(cls):
             lines.append(f'_{cls.__name__}_{f.name}: Final[Any] = '
-                         f'{cls.__name__}.__dict__["{f.name}"].__set__')
+                         f'vars({cls.__name__})["{f.name}"].__set__')
     for cls in classes:
         params = []
         for f in dataclasses.fields(cls):
@@ -162,9 +171,14 @@ def factories_source(modules: Sequence[Any]) -> str:
         if len(head) > 100:
             head = "\n".join([f"def {factory_name(cls)}(", "    *,",
                                *(f"    {p}," for p in params), f") -> {cls.__name__}:"])
-        lines += ["", "", head,
-                  f'    """``{cls.__name__}(**fields)``."""',
-                  f"    o: {cls.__name__} = _new({cls.__name__})"]
+        lines += ["", "", head, f'    """``{cls.__name__}(**fields)``."""']
+        if cls.__module__ in NATIVE_MODULES:
+            lines += ["    if NATIVE_EVENTS:",
+                      f"        n: {cls.__name__} = _{cls.__name__}_new({cls.__name__})"]
+            lines += [f"        n.{f.name} = {f.name}  # type: ignore[misc]"
+                      for f in dataclasses.fields(cls)]
+            lines.append("        return n")
+        lines.append(f"    o: {cls.__name__} = _new({cls.__name__})")
         lines += [f"    _{cls.__name__}_{f.name}(o, {f.name})" for f in dataclasses.fields(cls)]
         lines.append("    return o")
     return "\n".join(lines) + "\n"

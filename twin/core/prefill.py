@@ -79,7 +79,8 @@ class PrefillTarget:
     session: str
     decode_rank: int
     total_pages: int
-    staging: dict[int, StagingInfo] = field(default_factory=dict)
+    # chunk -> (offset, round, end) as STAGING_RSP reported it (a ``StagingInfo`` in snapshots)
+    staging: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     dst_port: int = -1
 
 
@@ -170,7 +171,8 @@ class PrefillRank:
             room=r.room, state=r.state, outstanding=r.outstanding, fail_reason=r.fail_reason,
             start_send_idx=r.start_send_idx, sent_pages=r.sent_pages,
             targets=tuple(TargetView(session=t.session, decode_rank=t.decode_rank,
-                                     total_pages=t.total_pages, staging=dict(t.staging))
+                                     total_pages=t.total_pages,
+                                     staging={c: StagingInfo(*i) for c, i in t.staging.items()})
                           for t in r.targets)) for r in self._rooms.values()}
         return PrefillSnapshot(node=self.node, now=self.now, watermarks=dict(self._watermarks),
                                workers=workers, rooms=rooms)
@@ -202,7 +204,7 @@ class PrefillRank:
             if target is None:
                 out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
                 return
-            target.staging[msg.chunk_idx] = StagingInfo(msg.offset, msg.round, msg.end)
+            target.staging[msg.chunk_idx] = (msg.offset, msg.round, msg.end)
             self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
         elif isinstance(msg, wire.Abort):
             self._on_decode_abort(msg, out)
@@ -393,21 +395,22 @@ class PrefillRank:
             for i in pending if resume else pending[:1]:
                 target = room.targets[i]
                 info = target.staging.get(chunk_idx)
-                # ``info.oversized`` and ``info.pending``, without their property calls.
-                if info is not None and info.offset == ALLOC_OVERSIZED:
+                # ``StagingInfo.oversized`` and ``.pending``; no region yet reads as pending (-1)
+                offset, rnd, end = info if info is not None else (-1, 0, 0)
+                if offset == ALLOC_OVERSIZED:
                     self._fail_chunk(room, chunk, "staging allocation oversized: chunk exceeds "
                                      "the ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB", out)
                     return False
                 wm = self._watermarks.get(target.session, (0, 0))
-                if info is None or info.offset < 0 or not is_watermark_ready(wm, info.round,
-                                                                             info.end):
-                    reason = "allocation pending" if info is None or info.offset < 0 else (
-                        f"watermark {wm} behind round {info.round} end {info.end}")
+                if offset < 0 or not is_watermark_ready(wm, rnd, end):
+                    reason = "allocation pending" if offset < 0 else (
+                        f"watermark {wm} behind round {rnd} end {end}")
                     if self._recovery:
                         self._re_request(room, target, chunk_idx, out)
                     blocked = blocked or (target, reason)
                     continue
-                post = self._post(index, room, chunk, target, chunk_idx, info, out)
+                post = self._post(index, room, chunk, target, chunk_idx, (offset, rnd, end),
+                                  out)
                 if post is None:
                     return False
                 out.append(post)
@@ -449,7 +452,7 @@ class PrefillRank:
             room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session)))
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
-              chunk_idx: int, info: StagingInfo,
+              chunk_idx: int, info: tuple[int, int, int],
               out: list[ev.Effect]) -> ev.StartTransfer | None:
         """The write for one target, or None after failing the room (chunk cannot fit)."""
         offset, rnd, end = info

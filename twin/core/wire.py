@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Any
 
 from twin.core.fastinit import speed_up_module
 
@@ -41,7 +41,6 @@ class KVPoll(IntEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagingReq:
-    TAG: ClassVar[bytes] = b"STAGING_REQ"
     room: int
     chunk_idx: int
     chunk_pages: int
@@ -51,7 +50,6 @@ class StagingReq:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagingRsp:
-    TAG: ClassVar[bytes] = b"STAGING_RSP"
     room: int
     chunk_idx: int
     offset: int
@@ -62,7 +60,6 @@ class StagingRsp:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Watermark:
-    TAG: ClassVar[bytes] = b"WATERMARK"
     round: int
     tail: int
     session_id: str
@@ -70,7 +67,6 @@ class Watermark:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkReady:
-    TAG: ClassVar[bytes] = b"CHUNK_READY"
     room: int
     chunk_idx: int
     page_start: int
@@ -83,7 +79,6 @@ class ChunkReady:
 class TransferStatus:
     """A prefill rank's per-room transfer result (nixl ``KV_STATUS``)."""
 
-    TAG: ClassVar[bytes] = b"KV_STATUS"
     room: int
     status: KVPoll
     prefill_rank: int
@@ -96,7 +91,6 @@ class Abort:
     where the acknowledgement goes, ``generation`` the armed deferred-release generation (None
     when deferred release is off: no acknowledgement is awaited)."""
 
-    TAG: ClassVar[bytes] = b"ABORT"
     room: int
     decode_ip: str
     decode_port: int
@@ -107,7 +101,6 @@ class Abort:
 class AbortAck:
     """Prefill's acknowledgement that its transfer of an aborted room drained (``AbortAck``)."""
 
-    TAG: ClassVar[bytes] = b"ABORT_ACK"
     room: int
     prefill_rank: int
     generation: int | None = None
@@ -115,9 +108,23 @@ class AbortAck:
 
 Message = StagingReq | StagingRsp | Watermark | ChunkReady | TransferStatus | Abort | AbortAck
 MESSAGE_TYPES: dict[bytes, type] = {
-    t.TAG: t for t in (StagingReq, StagingRsp, Watermark, ChunkReady, TransferStatus, Abort,
-                       AbortAck)
+    b"STAGING_REQ": StagingReq,
+    b"STAGING_RSP": StagingRsp,
+    b"WATERMARK": Watermark,
+    b"CHUNK_READY": ChunkReady,
+    b"KV_STATUS": TransferStatus,
+    b"ABORT": Abort,
+    b"ABORT_ACK": AbortAck,
 }
+"""Each message's first frame (its kind) -> its class."""
+TAGS: dict[type, bytes] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
+"""Message class -> its first frame. (A table, not a class attribute: the classes compile to
+native classes, which keep no class attributes.)"""
+
+
+def tag_of(msg: Message) -> bytes:
+    """The first frame of ``msg`` (``b"STAGING_REQ"``, ...)."""
+    return TAGS[type(msg)]
 _STR_FIELDS = {"session_id", "writer_id", "decode_ip"}
 
 PREFETCH_SOCKET = "prefetch"
@@ -140,9 +147,9 @@ def _enc(value: object) -> bytes:
 def encode(msg: Message) -> list[bytes]:
     """Frames of ``msg`` exactly as SGLang sends them."""
     if isinstance(msg, TransferStatus):
-        return [msg.TAG, _enc(msg.room), _enc(msg.status), _enc(msg.prefill_rank),
+        return [TAGS[TransferStatus], _enc(msg.room), _enc(msg.status), _enc(msg.prefill_rank),
                 msg.failure_reason.encode("utf-8")]
-    parts = [msg.TAG]
+    parts = [tag_of(msg)]
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
         if f.name in _OPTIONAL and value is None:

@@ -381,7 +381,7 @@ class RankProcess:
             if fate.applied:
                 self.reports.append({"kind": "fault", "node": self.spec.node,
                                      "fault": ";".join(fate.applied),
-                                     "detail": f"{msg.TAG.decode()} -> {dst}",
+                                     "detail": f"{wire.tag_of(msg).decode()} -> {dst}",
                                      "room": getattr(msg, "room", -1)})
             if fate.send_failed:
                 self.feed(ev.SendFailed(dst=dst, msg=msg))
@@ -406,7 +406,7 @@ class RankProcess:
             self.sock.send(self.endpoints[dst], wire.encode(msg), socket=wire.socket_of(msg))
         except ControlError as exc:
             self.reports.append({"kind": "send-failed", "node": self.spec.node,
-                                 "detail": f"{msg.TAG.decode()} -> {dst}: {exc}"})
+                                 "detail": f"{wire.tag_of(msg).decode()} -> {dst}: {exc}"})
             self.feed(ev.SendFailed(dst=dst, msg=msg))
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:

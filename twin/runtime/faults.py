@@ -267,7 +267,7 @@ class FaultInjector:
 
     def message(self, src: str, dst: str, msg: wire.Message) -> MessageFate:
         fate = MessageFate()
-        kind = msg.TAG.decode()
+        kind = wire.tag_of(msg).decode()
         applied = []
         for i, spec in enumerate(self.specs):
             if spec.action not in MESSAGE_ACTIONS or spec.target not in (kind, "*"):

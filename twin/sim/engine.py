@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from functools import partial
 from operator import attrgetter
 from typing import Any, Final
@@ -64,6 +64,20 @@ def _expovariate_inlinable() -> bool:
 _INLINE_EXPOVARIATE = _expovariate_inlinable()
 
 
+class _DataPlaneCosts:
+    """The ``SimParams`` read on every transfer and scatter, as native fields (the params
+    are a Python dataclass, whose fields compiled code reads by name)."""
+
+    def __init__(self, p: SimParams) -> None:
+        self.kernel_launch_s: float = p.kernel_launch_s
+        self.gather_bandwidth_Bps: float = p.gather_bandwidth_Bps
+        self.scatter_bandwidth_Bps: float = p.scatter_bandwidth_Bps
+        self.nic_bandwidth_Bps: float = p.nic_bandwidth_Bps
+        self.rdma_latency_s: float = p.rdma_latency_s
+        self.transfer_jitter_s: float = p.transfer_jitter_s
+        self.ranks_per_nic: int = p.ranks_per_nic
+
+
 class _Call:
     """A plain callback at a time: the simulation's own events (frames, completions, timers),
     kept in its ``Calendar`` beside SimPy's queue. It takes one event id from SimPy's counter,
@@ -77,21 +91,47 @@ class _Call:
         self.args = args
 
 
+class EventIds:
+    """The event-id counter shared by SimPy's queue and the ``Calendar``: it replaces the
+    environment's ``itertools.count`` (SimPy draws with ``next``; the calendar reads ``n``
+    directly, a native field when compiled). ``repr`` reads as the count's."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def __iter__(self) -> EventIds:
+        return self
+
+    def __next__(self) -> object:  # boxed: a native int would not fill the iterator slot
+        n = self.n
+        self.n = n + 1
+        return n
+
+    def __repr__(self) -> str:
+        return f"count({self.n})"
+
+
 class Calendar:
     """The pending ``_Call``s by time: a heap of distinct times (floats, which compare far
     cheaper than SimPy's ``(time, priority, id, event)`` tuples) and, per time, its calls in
-    the order they were scheduled (so by event id, drawn from SimPy's counter ``eids``)."""
+    the order they were scheduled (so by event id, drawn from the counter ``eids`` that SimPy
+    draws from too)."""
 
     __slots__ = ("times", "calls", "eids")
 
-    def __init__(self, eids: Iterator[int]) -> None:
+    def __init__(self, eids: EventIds) -> None:
         self.times: list[float] = []
         self.calls: dict[float, list[_Call]] = {}
         self.eids = eids
 
     def add(self, t: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` at time ``t``, after every call and event scheduled before."""
-        call = _Call(next(self.eids), fn, args)
+        eids = self.eids
+        eid = eids.n
+        eids.n = eid + 1
+        call = _Call(eid, fn, args)
         bucket = self.calls.get(t)
         if bucket is None:
             self.calls[t] = [call]
@@ -163,8 +203,10 @@ class Simulation:
         self.seed = seed
         self.recorder = recorder
         self.env = simpy.Environment()
-        # The simulation's own calls, beside SimPy's queue; their ids come from SimPy's counter
-        self.calendar = Calendar(self.env._eid)
+        # The simulation's own calls, beside SimPy's queue; one event-id counter for both
+        eids = EventIds(next(self.env._eid))
+        self.env._eid = eids  # type: ignore[assignment]  # SimPy only calls next() on it
+        self.calendar = Calendar(eids)
         self._schedule = self.calendar.add
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
@@ -191,6 +233,7 @@ class Simulation:
             self.feed = self._feed_when_running
             self._fire = self._fire_when_running
         self._zmq_latency_s = p.zmq_latency_s
+        self._costs = _DataPlaneCosts(p)
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
         self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
@@ -307,7 +350,7 @@ class Simulation:
             delay = self._zmq_latency_s + -math.log(1.0 - self._net_random()) / jitter
         else:
             delay = self._zmq_latency_s + self._expovariate(jitter)
-        link = (src, dst, _PREFETCH if msg.__class__ is _STAGING_REQ else _CONTROL)
+        link = (src, dst, _PREFETCH if type(msg) is _STAGING_REQ else _CONTROL)
         t = now + delay
         if self._blocking:  # sent once the sender's kernels for this input have run
             t += max(0.0, self.busy_until.get(src, 0.0) - now)
@@ -323,7 +366,7 @@ class Simulation:
         p = self.params
         fate = self.injector.message(src, dst, msg)
         if fate.applied:
-            detail = f"{msg.TAG.decode()} {src}->{dst}"
+            detail = f"{wire.tag_of(msg).decode()} {src}->{dst}"
             self._fault(src, ";".join(fate.applied), detail, getattr(msg, "room", -1))
             if fate.send_failed:
                 self.feed(src, ev.SendFailed(dst=dst, msg=msg))
@@ -354,23 +397,24 @@ class Simulation:
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
-        p = self.params
+        p = self._costs
+        now = self.env._now
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
-            req.first_transfer_s = self.env._now
+            req.first_transfer_s = now
         gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
         if self._blocking:  # the gather holds the process; the WRITE is posted after it
-            gather += max(0.0, self.busy_until.get(node, 0.0) - self.env._now)
-            self.busy_until[node] = self.env._now + gather
+            gather += max(0.0, self.busy_until.get(node, 0.0) - now)
+            self.busy_until[node] = now + gather
         nic = self.metrics.nic_of(node, p.ranks_per_nic)
-        start = max(self.env._now + gather, self.nic_free.get(nic, 0.0))
+        start = max(now + gather, self.nic_free.get(nic, 0.0))
         wire_s = e.nbytes / p.nic_bandwidth_Bps
         self.nic_free[nic] = start + wire_s
         self.metrics.nic_busy(nic, wire_s, e.nbytes)
         done = start + wire_s + p.rdma_latency_s
         if p.transfer_jitter_s > 0:
             done += self.rng_data.expovariate(1 / p.transfer_jitter_s)
-        self.at(done - self.env._now, self._transfer_done, node, e, self.env._now)
+        self.at(done - now, self._transfer_done, node, e, now)
 
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
@@ -380,20 +424,22 @@ class Simulation:
             self.feed(node, factories.new_transfer_done(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
+        now = self.env._now
         req = self.requests.get(e.room)
         if req is not None:
-            req.last_transfer_s = self.env._now
-        self.metrics.transfer(self.env._now - t0, e.nbytes)
+            req.last_transfer_s = now
+        self.metrics.transfer(now - t0, e.nbytes)
         self.feed(node, factories.new_transfer_done(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
-        p = self.params
-        start = max(self.env._now, self.stream_free.get(node, 0.0))
+        p = self._costs
+        now = self.env._now
+        start = max(now, self.stream_free.get(node, 0.0))
         finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
         self.stream_free[node] = finish
         if self._blocking:
             self.busy_until[node] = finish
-        self.at(start - self.env._now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
+        self.at(start - now, self.integrity.on_scatter, node, e, list(e.writer_bytes))
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
             node, finish,

@@ -16,6 +16,7 @@ Encoders are generated once per class, so encoding costs about one dict literal 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import operator
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from json import encoder as json_encoder
 from typing import Any, Union
 
+from twin import compiled
 from twin.core import events as ev
 from twin.core import wire
 from twin.core.wire import KVPoll
@@ -111,8 +113,37 @@ class FieldSpec:
     default: Any
 
 
+def _source_annotations(module: str) -> dict[str, dict[str, str]]:
+    """Class name -> field -> annotation text, read from the source file of ``module``."""
+    out: dict[str, dict[str, str]] = {}
+    for node in ast.parse(compiled.source_path(module).read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {
+                a.target.id: ast.unparse(a.annotation) for a in node.body
+                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+    return out
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``cls``'s field types. A class compiled by ``twin compile`` keeps only erased
+    annotations, so its source's (the source ``twin.compiled`` checked it was built from) are
+    evaluated instead, the same way."""
+    namespace = vars(ev) | vars(wire)
+    if "__slots__" in vars(cls) or not dataclasses.is_dataclass(cls):
+        return typing.get_type_hints(cls, namespace)
+    texts = _SOURCE_ANNOTATIONS.get(cls.__module__)
+    if texts is None:
+        texts = _SOURCE_ANNOTATIONS[cls.__module__] = _source_annotations(cls.__module__)
+    stand_in = type(cls.__name__, (), {"__annotations__": texts[cls.__name__],
+                                       "__module__": cls.__module__})
+    return typing.get_type_hints(stand_in, namespace)
+
+
+_SOURCE_ANNOTATIONS: dict[str, dict[str, dict[str, str]]] = {}
+
+
 def _field_specs(cls: type) -> tuple[FieldSpec, ...]:
-    hints = typing.get_type_hints(cls, vars(ev) | vars(wire))
+    hints = _type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -77,7 +77,8 @@ def _us(t: float) -> float:
 
 def _args(event: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in event.__slots__:
+    for f in field_specs(type(event)):
+        name = f.name
         value = getattr(event, name)
         if isinstance(value, tuple):
             value = list(value)

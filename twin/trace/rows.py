@@ -147,7 +147,7 @@ def _make_build(cls: type) -> Callable[[Row], Any]:
     generated factories of ``twin.core.factories`` build them (no ``__init__`` call)."""
     specs = _SPECS[cls]
     lines = ["def fn(r):", "    o = _new(_cls)"]
-    scope: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_B": BUILD,
+    scope: dict[str, Any] = {"_new": cls.__new__, "_cls": cls, "_B": BUILD,
                              "_KVPOLL": wire.KVPoll.__members__}
     for i, f in enumerate(specs):
         scope[f"_s{i}"] = cls.__dict__[f.name].__set__
