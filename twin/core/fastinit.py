@@ -16,6 +16,7 @@ at import, so that the compiled core calls them as native functions.
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -184,10 +185,26 @@ def factories_source(modules: Sequence[Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rebuild(cls: type[T], values: tuple[Any, ...]) -> T:
+    """Unpickle a native dataclass: the class call, whose ``__init__`` sets frozen fields."""
+    return cls(**{f.name: v for f, v in zip(dataclasses.fields(cls), values, strict=True)})
+
+
+def _reduce_native(obj: Any) -> tuple[Any, ...]:
+    """Pickle a native (compiled) frozen dataclass by its fields: mypyc's own state restore
+    assigns through the class's ``__setattr__``, which a frozen dataclass refuses."""
+    cls = type(obj)
+    return _rebuild, (cls, tuple(getattr(obj, f.name) for f in dataclasses.fields(cls)))
+
+
 def speed_up_module(namespace: dict[str, Any]) -> None:
-    """Apply ``fast_frozen_init`` to every dataclass defined in a module's namespace."""
+    """Apply ``fast_frozen_init`` to every dataclass defined in a module's namespace; a
+    compiled (native) one instead gets a pickle reducer (``_reduce_native``)."""
     module = namespace["__name__"]
     for value in list(namespace.values()):
         if isinstance(value, type) and value.__module__ == module \
                 and dataclasses.is_dataclass(value):
-            fast_frozen_init(value)
+            if "__slots__" in vars(value):
+                fast_frozen_init(value)
+            else:
+                copyreg.pickle(value, _reduce_native)
