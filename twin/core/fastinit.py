@@ -185,7 +185,7 @@ def factories_source(modules: Sequence[Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _rebuild(cls: type[T], values: tuple[Any, ...]) -> T:
+def _rebuild(cls: Any, values: tuple[Any, ...]) -> Any:
     """Unpickle a native dataclass: the class call, whose ``__init__`` sets frozen fields."""
     return cls(**{f.name: v for f, v in zip(dataclasses.fields(cls), values, strict=True)})
 
