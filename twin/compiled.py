@@ -35,6 +35,7 @@ MODULES: tuple[str, ...] = (
     "twin.core.wire",
     "twin.core.events",
     "twin.core.factories",
+    "twin.core.states",
     "twin.core.allocator",
     "twin.core.grid",
     "twin.core.layout",

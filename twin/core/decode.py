@@ -61,14 +61,27 @@ _FAILED_POLLS: Final = (POLL_FAILED, POLL_RELEASE_READY)
 
 @dataclass(slots=True)
 class ChunkAlloc:
-    """``chunk_staging_infos[chunk_idx]``: a live, unscattered allocation (or oversized)."""
+    """``chunk_staging_infos[chunk_idx]``: a live, unscattered allocation (or oversized).
+
+    The per-chunk and per-room records here define ``__init__`` themselves (the dataclass keeps
+    it): compiled, that is a native constructor, where the ``dataclasses`` module's own would
+    run as Python."""
 
     alloc_id: int
     offset: int
     round: int
     end: int
     chunk_pages: int
-    late: bool = False  # allocated by a STAGING_REQ that arrived after the chunk was scattered
+    late: bool  # allocated by a STAGING_REQ that arrived after the chunk was scattered
+
+    def __init__(self, alloc_id: int, offset: int, round: int, end: int, chunk_pages: int,
+                 late: bool = False) -> None:
+        self.alloc_id = alloc_id
+        self.offset = offset
+        self.round = round
+        self.end = end
+        self.chunk_pages = chunk_pages
+        self.late = late
 
 
 @dataclass(slots=True)
@@ -80,27 +93,58 @@ class DecodeRoom:
     total_pages: int
     registered: bool
     registered_at: float
-    state: DecodeRoomState = DecodeRoomState.WAITING
-    fail_reason: str = ""
-    success_at: float = 0.0
-    success_ranks: set[str] = field(default_factory=set)
-    chunks: dict[int, ChunkAlloc] = field(default_factory=dict)
-    oversized: set[int] = field(default_factory=set)
-    arrivals: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
-    scattering: dict[int, int] = field(default_factory=dict)  # alloc_id -> chunk_idx
-    scattered: set[int] = field(default_factory=set)  # chunk indices whose scatter started
-    group: tuple[str, ...] = ()  # the other decode ranks whose polls are reduced with ours
-    peer_polls: dict[str, str] = field(default_factory=dict)
-    shared: str = ""  # the local poll last shared with the group
-    concluded: bool = False
-    abort_notified: bool = False
-    generation: int | None = None
-    acks: set[int] = field(default_factory=set)
-    held: bool = False
-    release_at: float = 0.0
+    state: DecodeRoomState
+    fail_reason: str
+    success_at: float
+    success_ranks: set[str]
+    chunks: dict[int, ChunkAlloc]
+    oversized: set[int]
+    arrivals: dict[int, list[tuple[int, int, str]]]
+    scattering: dict[int, int]  # alloc_id -> chunk_idx
+    scattered: set[int]  # chunk indices whose scatter started
+    group: tuple[str, ...]  # the other decode ranks whose polls are reduced with ours
+    peer_polls: dict[str, str]
+    shared: str  # the local poll last shared with the group
+    concluded: bool
+    abort_notified: bool
+    generation: int | None
+    acks: set[int]
+    held: bool
+    release_at: float
     # ``_chunk_events``: every submitted scatter whose allocation the poll has not freed yet,
     # in submission order (alloc_id -> chunk_idx); a held room's stay here until released.
-    events: dict[int, int] = field(default_factory=dict)
+    events: dict[int, int]
+
+    def __init__(self, *, room: int, prefill_ranks: tuple[str, ...], prefill_attn_tp: int,
+                 decode_prefix_len: int, total_pages: int, registered: bool,
+                 registered_at: float, group: tuple[str, ...] = (),
+                 peer_polls: dict[str, str] | None = None) -> None:
+        self.room = room
+        self.prefill_ranks = prefill_ranks
+        self.prefill_attn_tp = prefill_attn_tp
+        self.decode_prefix_len = decode_prefix_len
+        self.total_pages = total_pages
+        self.registered = registered
+        self.registered_at = registered_at
+        self.state = _S_WAITING
+        self.fail_reason = ""
+        self.success_at = 0.0
+        self.success_ranks = set()
+        self.chunks = {}
+        self.oversized = set()
+        self.arrivals = {}
+        self.scattering = {}
+        self.scattered = set()
+        self.group = group
+        self.peer_polls = {} if peer_polls is None else peer_polls
+        self.shared = ""
+        self.concluded = False
+        self.abort_notified = False
+        self.generation = None
+        self.acks = set()
+        self.held = False
+        self.release_at = 0.0
+        self.events = {}
 
     @property
     def expected_responses(self) -> int:

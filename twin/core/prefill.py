@@ -53,6 +53,7 @@ from twin.core.states import PrefillRoomState, PrefillTrigger, prefill_next
 # The members the handlers compare against, as module constants: compiled, a Final
 # name is a C static, where reading an enum class's attribute goes through its
 # metaclass's __getattr__ hook.
+_S_BOOTSTRAPPING: Final = PrefillRoomState.BOOTSTRAPPING
 _S_FAILED: Final = PrefillRoomState.FAILED
 _S_SUCCESS: Final = PrefillRoomState.SUCCESS
 _T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
@@ -62,16 +63,30 @@ _T_LAST_CHUNK_DONE: Final = PrefillTrigger.LAST_CHUNK_DONE
 
 @dataclass(slots=True)
 class TransferChunk:
-    """``TransferKVChunk``: pages ``[page_start, +num_pages)`` after the decode prefix."""
+    """``TransferKVChunk``: pages ``[page_start, +num_pages)`` after the decode prefix.
+
+    The per-chunk and per-room records here define ``__init__`` themselves (the dataclass keeps
+    it): compiled, that is a native constructor, where the ``dataclasses`` module's own would
+    run as Python."""
 
     room: int
     page_start: int
     num_pages: int
     is_last: bool
-    counted: bool = False
-    written: set[int] = field(default_factory=set)  # indices of targets written and announced
-    current: int = 0  # the target whose write is in flight
-    staged: bool = True
+    counted: bool
+    written: set[int]  # indices of targets written and announced
+    current: int  # the target whose write is in flight
+    staged: bool
+
+    def __init__(self, *, room: int, page_start: int, num_pages: int, is_last: bool) -> None:
+        self.room = room
+        self.page_start = page_start
+        self.num_pages = num_pages
+        self.is_last = is_last
+        self.counted = False
+        self.written = set()
+        self.current = 0
+        self.staged = True
 
 
 @dataclass(slots=True)
@@ -80,8 +95,16 @@ class PrefillTarget:
     decode_rank: int
     total_pages: int
     # chunk -> (offset, round, end) as STAGING_RSP reported it (a ``StagingInfo`` in snapshots)
-    staging: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    dst_port: int = -1
+    staging: dict[int, tuple[int, int, int]]
+    dst_port: int
+
+    def __init__(self, session: str, decode_rank: int, total_pages: int, *,
+                 dst_port: int = -1) -> None:
+        self.session = session
+        self.decode_rank = decode_rank
+        self.total_pages = total_pages
+        self.staging = {}
+        self.dst_port = dst_port
 
 
 @dataclass(slots=True)
@@ -89,12 +112,24 @@ class PrefillRoom:
     room: int
     targets: list[PrefillTarget]
     base: int
-    state: PrefillRoomState = PrefillRoomState.BOOTSTRAPPING
-    outstanding: int = 0
-    start_send_idx: int = 0
-    sent_pages: int = 0
-    prefetched: bool = False
-    fail_reason: str = ""
+    state: PrefillRoomState
+    outstanding: int
+    start_send_idx: int
+    sent_pages: int
+    prefetched: bool
+    fail_reason: str
+
+    def __init__(self, *, room: int, targets: list[PrefillTarget], base: int,
+                 start_send_idx: int = 0) -> None:
+        self.room = room
+        self.targets = targets
+        self.base = base
+        self.state = _S_BOOTSTRAPPING
+        self.outstanding = 0
+        self.start_send_idx = start_send_idx
+        self.sent_pages = 0
+        self.prefetched = False
+        self.fail_reason = ""
 
 
 @dataclass(slots=True)

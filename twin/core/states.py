@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from enum import Enum
 
+from twin.core.errors import ProtocolError as ProtocolError  # raised here; imported from here
+
 
 class _Member(Enum):
     """An enum hashed by identity (its members are singletons and compare by identity):
     ``Enum.__hash__`` is a Python function, called twice per transition-table lookup."""
 
     __hash__ = object.__hash__
-
-
-class ProtocolError(RuntimeError):
-    """The core was asked for a transition its table does not allow (a bug, not bad input)."""
 
 
 class PrefillRoomState(_Member):
