@@ -15,8 +15,6 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Generator
-from functools import partial
-from operator import attrgetter
 from typing import Any, Final
 
 import simpy
@@ -171,7 +169,8 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
                 else:
                     del bucket[0]
                 env._now = t
-                call.fn(*call.args)
+                fn = call.fn  # a local: read as a field, not looked up as a method
+                fn(*call.args)
             elif queue:
                 step()
             elif stop is None:
@@ -218,7 +217,7 @@ class Simulation:
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
                                },
-                               clock=partial(attrgetter("_now"), self.env))
+                               clock=self.time)
         self.feed = self.runtime.feed
         """Hand an input to a node's core now and carry out its effects."""
         self._fire = self.runtime.fire
@@ -239,6 +238,7 @@ class Simulation:
         self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
+        self._faulty = bool(self.injector.specs)  # read on every frame
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, RequestState] = {}
@@ -337,7 +337,7 @@ class Simulation:
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
-        if self.injector.specs:
+        if self._faulty:
             self._transmit_faulty(src, dst, msg)
             return
         # No faults: one copy, no extra delay (the same arithmetic as ``_transmit_faulty``).
