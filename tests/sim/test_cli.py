@@ -366,3 +366,27 @@ def test_launch_table_in_config_sets_the_deployment(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["sim", "--config", str(cfg)])
     assert res.exit_code == 2
     assert "launch.toml: [launch]" in res.output and "--disaggregation-mode" in res.output
+
+
+OVERLOAD = ["sim", "--workload", "poisson:n=3000,rate=400,input=4000,output=16,seed=1",
+            "--env", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=3",
+            "--env", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT=60"]
+
+
+def test_an_overload_wedge_has_one_root_and_a_readable_diagnosis() -> None:
+    """Decode admits requests after prefill's bootstrap timeout failed them: prefill drops
+    their metadata and they wait for a status that never comes. Hundreds of rooms share that
+    one root (not a root per room), and the text output shows the roots and 30 detail lines."""
+    data = _json(invoke(*OVERLOAD, "--json"))
+    assert data["status"] == "wedged"
+    roots = [line for line in data["diagnosis"] if line.startswith("root:")]
+    assert len(roots) == 1, roots[:3]
+    assert "prefill dropped decode's metadata (room already failed)" in roots[0]
+    assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT" in roots[0]
+    rooms = int(roots[0].split(" of ")[-1].split(" room(s)")[0])
+    assert rooms > 100
+    details = len(data["diagnosis"]) - 2  # the head line and the root
+    text = invoke(*OVERLOAD).output.splitlines()
+    shown = [line for line in text if line.startswith("wedge ")]
+    assert len(shown) == 2 + 30 + 1  # head, root, 30 details, the count of the rest
+    assert shown[-1].endswith(f"... {details - 30} more detail line(s) (--json prints them all)")

@@ -23,6 +23,7 @@ from twin.cli.options import (
     BadInput,
     agent_options,
     check_output_file,
+    print_diagnosis,
     write_error,
 )
 from twin.runtime.outcome import EXIT_CODES_HELP, EXIT_ERROR
@@ -237,8 +238,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         for reason, n in s["failures"].items():
             click.echo(f"failed      {n} x {reason}")
         print_faults(s["fault_report"])
-        for line in s["diagnosis"]:
-            click.echo(f"wedge       {line}")
+        print_diagnosis(s["diagnosis"])
         for line in s["corruption"][:20]:
             click.echo(f"corruption  {line}")
         for line in s["errors"]:

@@ -213,3 +213,20 @@ def reject_agent_options(across: dict[str, Any]) -> None:
     if across.get("listen") is not None or across.get("n_agents") is not None:
         raise BadInput("--listen/--agents run a replay on hardware across nodes: add "
                        "--mode hw")
+
+
+DIAGNOSIS_DETAILS = 30
+"""How many detail lines of a wedge's diagnosis the human-readable output shows."""
+
+
+def print_diagnosis(lines: list[str], limit: int = DIAGNOSIS_DETAILS) -> None:
+    """A wedge's diagnosis for people: its head and every root, then at most ``limit`` detail
+    lines (a wedge of thousands of rooms has a line per room and rank; ``--json`` has all)."""
+    shown = 0
+    for line in lines:
+        if line.startswith(("wedge:", "root:")) or shown < limit:
+            click.echo(f"wedge       {line}")
+            shown += not line.startswith(("wedge:", "root:"))
+    hidden = sum(not line.startswith(("wedge:", "root:")) for line in lines) - shown
+    if hidden > 0:
+        click.echo(f"wedge       ... {hidden} more detail line(s) (--json prints them all)")

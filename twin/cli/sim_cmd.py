@@ -17,7 +17,13 @@ from twin.cli.common import (
     resolve_run,
     run_options,
 )
-from twin.cli.options import WRITE_ERRNOS, check_output_dir, check_output_file, write_error
+from twin.cli.options import (
+    WRITE_ERRNOS,
+    check_output_dir,
+    check_output_file,
+    print_diagnosis,
+    write_error,
+)
 from twin.runtime.outcome import EXIT_CODES_HELP
 from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS
@@ -55,8 +61,7 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
     for reason, n in s["failures"].items():
         click.echo(f"failed      {n} x {reason}")
     print_faults(s["fault_report"])
-    for line in s["diagnosis"]:
-        click.echo(f"wedge       {line}")
+    print_diagnosis(s["diagnosis"])
     for line in s["corruption"][:20]:
         click.echo(f"corruption  {line}")
 

@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from twin.cli.options import BadInput, agent_options, reject_agent_options, writing
+from twin.cli.options import (
+    BadInput,
+    agent_options,
+    print_diagnosis,
+    reject_agent_options,
+    writing,
+)
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
@@ -186,8 +192,7 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
             verdict = "same outcome as recorded" if result.same_outcome else "DIFFERENT outcome"
             click.echo(f"recorded: {rec['status']}, {rec['completed']} completed, "
                        f"{rec['failed']} failed -> {verdict}")
-        for line in result.diagnosis:
-            click.echo(f"wedge       {line}")
+        print_diagnosis(result.diagnosis)
         for line in result.corruption[:20]:
             click.echo(f"corruption  {line}")
         _print_timing(result.timing)

@@ -340,6 +340,19 @@ def _status_root(g: _Graph, node: str, room: int, missing: list[str]) -> RootKey
     for (r, chunk, session), (pnode, _, _) in sorted(g.chunks.items()):
         if r == room and pnode in missing and session == node:
             return g.chunk_root(r, chunk, session)
+    dropped = {n.split(" dropped metadata: ", 1)[0]: n.split(": ", 1)[1]
+               for n in g.dropped.get(room, []) if " dropped metadata: " in n}
+    if missing and all(p in dropped for p in missing):
+        # One root for every room whose metadata prefill turned away, by the reason it gave
+        reason = dropped[missing[0]]
+        return g.root(("metadata-dropped", reason),
+                      f"prefill dropped decode's metadata ({reason}): those rooms will get no "
+                      f"transfer status, and decode fails each at its waiting timeout "
+                      f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT). Prefill has failed a room "
+                      f"before its metadata arrives when its bootstrap timeout "
+                      f"(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT) fired first, as when decode "
+                      f"admits requests later than that (its KV pool full under overload), or "
+                      f"when the room was aborted", fault_room=room)
     return g.root(("no-status", room), f"room {room}: {', '.join(missing)} never reported a "
                   f"transfer status and holds no chunk of it", fault_room=room)
 
