@@ -1,7 +1,9 @@
-"""Regenerate ``twin/core/factories.py`` from the event and frame dataclasses.
+"""Regenerate ``twin/core/factories.py`` and ``twin/trace/reducers.py`` from the event and
+frame dataclasses.
 
-Run after changing a field of a class in ``twin.core.fastinit.FACTORY_CLASSES`` (or the list):
-``python scripts/generate_factories.py``. ``tests/core/test_fastinit.py`` fails until then.
+Run after changing a field of an event or frame (or ``twin.core.fastinit.FACTORY_CLASSES``):
+``python scripts/generate_factories.py``. ``tests/core/test_fastinit.py`` and
+``tests/trace/test_rows.py`` fail until then.
 """
 
 from __future__ import annotations
@@ -18,3 +20,7 @@ from twin.core.fastinit import FACTORIES_PATH, factories_source  # noqa: E402
 
 FACTORIES_PATH.write_text(factories_source([wire, events]))
 print(f"wrote {FACTORIES_PATH}")
+from twin.trace.reducegen import REDUCERS_PATH, reducers_source  # noqa: E402
+
+Path(REDUCERS_PATH).write_text(reducers_source())
+print(f"wrote {REDUCERS_PATH}")

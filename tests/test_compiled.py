@@ -103,7 +103,7 @@ def test_traces_are_byte_identical_to_pure_python(built: Path, tmp_path: Path,
 
 
 def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
-    for sub in ("core", "sim"):
+    for sub in ("core", "sim", "trace"):
         shutil.copytree(REPO / "tests" / sub, built / "tests" / sub,
                         ignore=shutil.ignore_patterns("__pycache__"))
     # The suite's conftest forces the pure path; this copy must not.
@@ -124,6 +124,7 @@ def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
         "test_prefill.py", "test_decode.py", "test_integrity.py", "test_failpaths.py",
         "test_defects.py", "test_states.py", "test_pickle.py")] + [
         f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py")] + [
+        "tests/trace/test_rows.py"] + [
         "tests/test_path.py"]
     proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                 *files)

@@ -46,6 +46,7 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.runtime",
     "twin.runtime.requests",
     "twin.runtime.placement",
+    "twin.trace.reducers",
     "twin.workloads.prefix_cache",
     "twin.sim.metrics",
     "twin.sim.decode_loop",

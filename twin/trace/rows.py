@@ -11,13 +11,12 @@ positions in ``CLASSES``: they mean something within one process and its forks, 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.trace import codec
+from twin.trace import codec, reducers
 from twin.trace.codec import _SPECS, _compile, _fstring, _text_parts
 
 __all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "msg_room",
@@ -40,72 +39,12 @@ def field_pos(cls: type, name: str) -> int:
     raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
-def _finite(v: Any) -> Any:
-    if type(v) is float:
-        if v - v == 0.0:
-            return v
-        raise ValueError(f"out of range float value {v!r}: traces hold finite numbers only")
-    if type(v) is int:
-        return v
-    return _finite(float(v))
-
-
-class _MessageReducers(dict):  # type: ignore[type-arg]
-    def __missing__(self, cls: type) -> Any:
-        raise TypeError(f"not a control message: {cls.__name__}")
-
-
-_MSG_REDUCE = _MessageReducers()
-
-
-def _red_expr(spec: tuple[Any, ...], value: str, var: str) -> str:
-    """Source of the row value of ``value`` (an expression read once; ``var`` a free name)."""
-    kind = spec[0]
-    if kind in ("int", "str", "bool"):
-        return value
-    if kind == "float":
-        return f"_fin({value})"
-    if kind == "opt":
-        inner = _red_expr(spec[1], var, var + "_")
-        return value if inner == var else f"(None if ({var} := {value}) is None else {inner})"
-    if kind == "list":
-        inner = _red_expr(spec[1], "x", "x_")
-        return value if inner == "x" else f"[{inner} for x in {value}]"
-    if kind == "enum":
-        return f"{value}.name"
-    if kind == "msg":
-        return f"_mr[type({var} := {value})]({var})"
-    if kind == "event":
-        return f"_R{CID[spec[1]]}({value})"
-    raise AssertionError(spec)
-
-
-TAG_ATTR = "_trace_row_tag"
-"""The class attribute that holds a class's row tag, so that ``operator.attrgetter`` (no Python
-frame) reduces the classes whose fields all go into rows as they are."""
-
-
-def _make_reduce(cls: type) -> Callable[[Any], Row]:
-    specs = _SPECS[cls]
-    setattr(cls, TAG_ATTR, CID[cls])
-    if specs and all(_red_expr(f.spec, "v", "x") == "v" for f in specs):  # values as they are
-        return operator.attrgetter(TAG_ATTR, *(f.name for f in specs))
-    parts = [str(CID[cls])]
-    parts += [_red_expr(f.spec, f"o.{f.name}", f"_x{i}") for i, f in enumerate(specs)]
-    src = f"def fn(o):\n    return ({', '.join(parts)},)\n"
-    scope: dict[str, Any] = {"_fin": _finite, "_mr": _MSG_REDUCE}
-    scope.update({f"_R{CID[c]}": REDUCE[c] for c in REDUCE})
-    return _compile(cls, src, scope, "reduce")
-
-
-REDUCE: dict[type, Callable[[Any], Row]] = {}
-"""Event, message or nested class -> ``object -> row``."""
-for _cls in (*codec.MESSAGE_KINDS.values(), ev.Target):  # nested kinds first: events use them
-    REDUCE[_cls] = _make_reduce(_cls)
-_MSG_REDUCE.update({c: REDUCE[c] for c in codec.MESSAGE_KINDS.values()})
-for _cls in CLASSES:
-    if _cls not in REDUCE:
-        REDUCE[_cls] = _make_reduce(_cls)
+REDUCE: dict[type, Callable[[Any], Row]] = dict(reducers.REDUCERS)
+"""Event, message or nested class -> ``object -> row`` (the generated ``twin.trace.reducers``,
+compiled with the core by ``twin compile``)."""
+if reducers.TAGS != CID:  # pragma: no cover - a class or field changed since generation
+    raise ImportError("twin/trace/reducers.py is out of date with the event classes: run "
+                      "python scripts/generate_factories.py")
 
 for _cls in (*codec.MESSAGE_KINDS.values(), ev.Target):
     _tag_key, _tag = ("type", "Target") if _cls is ev.Target else ("kind", codec._KIND_OF[_cls])
@@ -125,7 +64,8 @@ def msg_room(m: Row) -> int | None:
 
 
 def _build_expr(spec: tuple[Any, ...], value: str, var: str) -> str:
-    """Source of the field value of row value ``value`` (the inverse of ``_red_expr``)."""
+    """Source of the field value of row value ``value`` (the inverse of a reducer's, as
+    ``twin.trace.reducegen`` writes it)."""
     kind = spec[0]
     if kind in ("int", "str", "bool", "float"):
         return value
