@@ -22,5 +22,5 @@ FACTORIES_PATH.write_text(factories_source([wire, events]))
 print(f"wrote {FACTORIES_PATH}")
 from twin.trace.reducegen import REDUCERS_PATH, reducers_source  # noqa: E402
 
-Path(REDUCERS_PATH).write_text(reducers_source())
+REDUCERS_PATH.write_text(reducers_source())
 print(f"wrote {REDUCERS_PATH}")

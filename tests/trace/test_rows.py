@@ -3,8 +3,6 @@ build back to the objects they came from."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from twin.core import events as ev
@@ -30,7 +28,7 @@ SAMPLES = [
 
 
 def test_the_generated_reducers_are_current() -> None:
-    assert Path(REDUCERS_PATH).read_text() == reducers_source(), (
+    assert REDUCERS_PATH.read_text() == reducers_source(), (
         "run python scripts/generate_factories.py")
 
 

@@ -222,11 +222,10 @@ DIAGNOSIS_DETAILS = 30
 def print_diagnosis(lines: list[str], limit: int = DIAGNOSIS_DETAILS) -> None:
     """A wedge's diagnosis for people: its head and every root, then at most ``limit`` detail
     lines (a wedge of thousands of rooms has a line per room and rank; ``--json`` has all)."""
-    shown = 0
-    for line in lines:
-        if line.startswith(("wedge:", "root:")) or shown < limit:
-            click.echo(f"wedge       {line}")
-            shown += not line.startswith(("wedge:", "root:"))
-    hidden = sum(not line.startswith(("wedge:", "root:")) for line in lines) - shown
-    if hidden > 0:
-        click.echo(f"wedge       ... {hidden} more detail line(s) (--json prints them all)")
+    heads = [line for line in lines if line.startswith(("wedge:", "root:"))]
+    details = [line for line in lines if not line.startswith(("wedge:", "root:"))]
+    for line in [*heads, *details[:limit]]:
+        click.echo(f"wedge       {line}")
+    if len(details) > limit:
+        click.echo(f"wedge       ... {len(details) - limit} more detail line(s) (--json prints "
+                   f"them all)")

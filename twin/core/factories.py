@@ -37,6 +37,7 @@ from twin.core.events import (
     WorkerIdle,
     WorkerPoll,
 )
+from twin.core.fastinit import is_native
 from twin.core.wire import (
     ChunkReady,
     KVPoll,
@@ -48,7 +49,7 @@ from twin.core.wire import (
 )
 
 _new: Final[Any] = object.__new__
-NATIVE_EVENTS: Final[bool] = "__slots__" not in vars(MessageArrived)
+NATIVE_EVENTS: Final[bool] = is_native(MessageArrived)
 """Whether the events and frames are compiled classes (``twin compile``): their
 factories then allocate with the class's own ``__new__`` and store each field
 directly (a native store, which a frozen class allows its compiled code); the

@@ -145,13 +145,14 @@ def factories_source(modules: Sequence[Any]) -> str:
              "",
              "from typing import Any, Final",
              ""]
+    names["is_native"] = __name__
     for module in sorted(set(names.values())):
         imported = sorted(n for n, m in names.items() if m == module)
         one_line = f"from {module} import {', '.join(imported)}"
         lines += [one_line] if len(one_line) <= 100 else [
             f"from {module} import (", *(f"    {n}," for n in imported), ")"]
     lines += ["", "_new: Final[Any] = object.__new__",
-              "NATIVE_EVENTS: Final[bool] = \"__slots__\" not in vars(MessageArrived)",
+              "NATIVE_EVENTS: Final[bool] = is_native(MessageArrived)",
               '"""Whether the events and frames are compiled classes (``twin compile``): their',
               "factories then allocate with the class's own ``__new__`` and store each field",
               "directly (a native store, which a frozen class allows its compiled code); the",
@@ -185,6 +186,12 @@ def factories_source(modules: Sequence[Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_native(cls: type) -> bool:
+    """Whether ``cls`` is a compiled (native) class: ``twin compile`` built its module, so it
+    has no slot descriptors (a pure-Python slotted dataclass has ``__slots__``)."""
+    return "__slots__" not in vars(cls)
+
+
 def _rebuild(cls: Any, values: tuple[Any, ...]) -> Any:
     """Unpickle a native dataclass: the class call, whose ``__init__`` sets frozen fields."""
     return cls(**{f.name: v for f, v in zip(dataclasses.fields(cls), values, strict=True)})
@@ -204,7 +211,7 @@ def speed_up_module(namespace: dict[str, Any]) -> None:
     for value in list(namespace.values()):
         if isinstance(value, type) and value.__module__ == module \
                 and dataclasses.is_dataclass(value):
-            if "__slots__" in vars(value):
-                fast_frozen_init(value)
-            else:
+            if is_native(value):
                 copyreg.pickle(value, _reduce_native)
+            else:
+                fast_frozen_init(value)

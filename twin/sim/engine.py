@@ -91,8 +91,8 @@ class _Call:
 
 class EventIds:
     """The event-id counter shared by SimPy's queue and the ``Calendar``: it replaces the
-    environment's ``itertools.count`` (SimPy draws with ``next``; the calendar reads ``n``
-    directly, a native field when compiled). ``repr`` reads as the count's."""
+    environment's ``itertools.count`` (SimPy draws with ``next``; the calendar
+    with ``take``, a native call when compiled). ``repr`` reads as the count's."""
 
     __slots__ = ("n",)
 
@@ -103,6 +103,10 @@ class EventIds:
         return self
 
     def __next__(self) -> object:  # boxed: a native int would not fill the iterator slot
+        return self.take()
+
+    def take(self) -> int:
+        """The next id (a native call from the compiled calendar)."""
         n = self.n
         self.n = n + 1
         return n
@@ -126,10 +130,7 @@ class Calendar:
 
     def add(self, t: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` at time ``t``, after every call and event scheduled before."""
-        eids = self.eids
-        eid = eids.n
-        eids.n = eid + 1
-        call = _Call(eid, fn, args)
+        call = _Call(self.eids.take(), fn, args)
         bucket = self.calls.get(t)
         if bucket is None:
             self.calls[t] = [call]
@@ -417,7 +418,7 @@ class Simulation:
         self.at(done - now, self._transfer_done, node, e, now)
 
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
-        failed = self.injector.transfer_fails(node) if self.injector.specs else None
+        failed = self.injector.transfer_fails(node) if self._faulty else None
         if failed:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self._fault(node, failed, detail, e.room)

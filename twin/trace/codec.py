@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import math
 import operator
 import types
@@ -29,6 +30,7 @@ from typing import Any, Union
 from twin import compiled
 from twin.core import events as ev
 from twin.core import wire
+from twin.core.fastinit import is_native
 from twin.core.wire import KVPoll
 
 __all__ = [
@@ -113,6 +115,7 @@ class FieldSpec:
     default: Any
 
 
+@functools.cache
 def _source_annotations(module: str) -> dict[str, dict[str, str]]:
     """Class name -> field -> annotation text, read from the source file of ``module``."""
     out: dict[str, dict[str, str]] = {}
@@ -129,17 +132,12 @@ def _type_hints(cls: type) -> dict[str, Any]:
     annotations, so its source's (the source ``twin.compiled`` checked it was built from) are
     evaluated instead, the same way."""
     namespace = vars(ev) | vars(wire)
-    if "__slots__" in vars(cls) or not dataclasses.is_dataclass(cls):
+    if not dataclasses.is_dataclass(cls) or not is_native(cls):
         return typing.get_type_hints(cls, namespace)
-    texts = _SOURCE_ANNOTATIONS.get(cls.__module__)
-    if texts is None:
-        texts = _SOURCE_ANNOTATIONS[cls.__module__] = _source_annotations(cls.__module__)
+    texts = _source_annotations(cls.__module__)
     stand_in = type(cls.__name__, (), {"__annotations__": texts[cls.__name__],
                                        "__module__": cls.__module__})
     return typing.get_type_hints(stand_in, namespace)
-
-
-_SOURCE_ANNOTATIONS: dict[str, dict[str, dict[str, str]]] = {}
 
 
 def _field_specs(cls: type) -> tuple[FieldSpec, ...]:

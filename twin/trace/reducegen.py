@@ -7,11 +7,12 @@ the core: the recording runtime then reduces with native field reads. Regenerate
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from twin.trace.codec import _SPECS, MESSAGE_KINDS, ROW_TAG
 
-REDUCERS_PATH = __file__.rsplit("/", 1)[0] + "/reducers.py"
+REDUCERS_PATH = Path(__file__).with_name("reducers.py")
 
 
 def reducer_name(cls: type) -> str:
