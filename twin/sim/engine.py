@@ -11,7 +11,6 @@ streams seeded from one root seed, so a seed reproduces a run exactly.
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections.abc import Callable, Generator
@@ -48,8 +47,6 @@ _PREFETCH: Final = wire.PREFETCH_SOCKET
 _CONTROL: Final = wire.CONTROL_SOCKET
 _STAGING_REQ: Final = wire.StagingReq
 _NORMAL: Final = 1  # simpy.events.NORMAL: the priority of a Timeout
-heappush: Final = heapq.heappush
-heappop: Final = heapq.heappop
 
 
 def _expovariate_inlinable() -> bool:
@@ -79,14 +76,64 @@ class _DataPlaneCosts:
 class _Call:
     """A plain callback at a time: the simulation's own events (frames, completions, timers),
     kept in its ``Calendar`` beside SimPy's queue. It takes one event id from SimPy's counter,
-    like the Timeout it stands for, so events run in the order SimPy would run them."""
+    like the Timeout it stands for, so events run in the order SimPy would run them: by
+    ``(t, eid)``."""
 
-    __slots__ = ("eid", "fn", "args")
+    __slots__ = ("t", "eid", "fn", "args")
 
-    def __init__(self, eid: int, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+    def __init__(self, t: float, eid: int, fn: Callable[..., object],
+                 args: tuple[Any, ...]) -> None:
+        self.t = t
         self.eid = eid
         self.fn = fn
         self.args = args
+
+
+def _before(a: _Call, b: _Call) -> bool:
+    """Whether ``a`` runs before ``b``."""
+    return a.t < b.t or (a.t == b.t and a.eid < b.eid)
+
+
+def _push(heap: list[_Call], call: _Call) -> None:
+    """``heapq.heappush`` ordered by ``_before`` (native field compares when compiled)."""
+    heap.append(call)
+    pos = len(heap) - 1
+    while pos > 0:
+        parent_pos = (pos - 1) >> 1
+        parent = heap[parent_pos]
+        if not _before(call, parent):
+            break
+        heap[pos] = parent
+        pos = parent_pos
+    heap[pos] = call
+
+
+def _pop(heap: list[_Call]) -> _Call:
+    """``heapq.heappop`` ordered by ``_before``; ``heap`` must not be empty."""
+    last = heap.pop()
+    if not heap:
+        return last
+    first = heap[0]
+    # the smaller child moves up until a leaf is free, then ``last`` sifts up from it
+    end = len(heap)
+    pos = 0
+    child = 1
+    while child < end:
+        right = child + 1
+        if right < end and not _before(heap[child], heap[right]):
+            child = right
+        heap[pos] = heap[child]
+        pos = child
+        child = 2 * pos + 1
+    while pos > 0:
+        parent_pos = (pos - 1) >> 1
+        parent = heap[parent_pos]
+        if not _before(last, parent):
+            break
+        heap[pos] = parent
+        pos = parent_pos
+    heap[pos] = last
+    return first
 
 
 class EventIds:
@@ -116,27 +163,56 @@ class EventIds:
 
 
 class Calendar:
-    """The pending ``_Call``s by time: a heap of distinct times (floats, which compare far
-    cheaper than SimPy's ``(time, priority, id, event)`` tuples) and, per time, its calls in
-    the order they were scheduled (so by event id, drawn from the counter ``eids`` that SimPy
-    draws from too)."""
+    """The pending ``_Call``s in ``(t, eid)`` order, in two parts: ``soon`` holds every call
+    before ``edge``, sorted latest first (the next call is ``soon[-1]``: a pop is a list pop),
+    and ``later``, a binary heap, every call at or after it. Most calls come due within
+    microseconds to milliseconds while timers wait minutes, so ``soon`` stays a few dozen
+    calls long while ``later`` holds the thousands of timers; when ``soon`` runs dry,
+    ``refill`` moves the next ``horizon`` simulated seconds of ``later`` into it. Event ids
+    come from the counter ``eids`` that SimPy draws from too, so calls of one time run in the
+    order they were scheduled."""
 
-    __slots__ = ("times", "calls", "eids")
+    __slots__ = ("soon", "later", "edge", "horizon", "eids")
 
-    def __init__(self, eids: EventIds) -> None:
-        self.times: list[float] = []
-        self.calls: dict[float, list[_Call]] = {}
+    def __init__(self, eids: EventIds, horizon: float = 1.0) -> None:
+        self.soon: list[_Call] = []
+        self.later: list[_Call] = []
+        self.edge = 0.0
+        self.horizon = horizon
         self.eids = eids
+
+    def __len__(self) -> int:
+        return len(self.soon) + len(self.later)
 
     def add(self, t: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` at time ``t``, after every call and event scheduled before."""
-        call = _Call(self.eids.take(), fn, args)
-        bucket = self.calls.get(t)
-        if bucket is None:
-            self.calls[t] = [call]
-            heappush(self.times, t)
-        else:
-            bucket.append(call)
+        call = _Call(t, self.eids.take(), fn, args)
+        if t >= self.edge:
+            _push(self.later, call)
+            return
+        soon = self.soon
+        lo = 0
+        hi = len(soon)
+        while lo < hi:  # the first position whose call runs before this one
+            mid = (lo + hi) >> 1
+            if _before(call, soon[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        soon.insert(lo, call)
+
+    def refill(self) -> bool:
+        """With ``soon`` empty: move the calls of the next ``horizon`` seconds of ``later``
+        into it; False when there are none."""
+        later = self.later
+        if not later:
+            return False
+        soon = self.soon
+        edge = self.edge = later[0].t + self.horizon
+        while later and later[0].t < edge:
+            soon.append(_pop(later))
+        soon.reverse()
+        return True
 
 
 def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | None) -> None:
@@ -149,14 +225,13 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
             return
         stop.callbacks.append(StopSimulation.callback)
     queue: Any = env._queue
-    times, calls = calendar.times, calendar.calls
+    soon = calendar.soon
     step = env.step
     try:
         while True:
-            if times:
-                t = times[0]
-                bucket = calls[t]
-                call = bucket[0]
+            if soon or calendar.refill():
+                call = soon[-1]
+                t = call.t
                 if queue:
                     head = queue[0]
                     ht = head[0]
@@ -164,11 +239,7 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
                                                                      and head[2] < call.eid))):
                         step()
                         continue
-                if len(bucket) == 1:
-                    del calls[t]
-                    heappop(times)
-                else:
-                    del bucket[0]
+                soon.pop()
                 env._now = t
                 fn = call.fn  # a local: read as a field, not looked up as a method
                 fn(*call.args)
@@ -207,7 +278,6 @@ class Simulation:
         eids = EventIds(next(self.env._eid))
         self.env._eid = eids  # type: ignore[assignment]  # SimPy only calls next() on it
         self.calendar = Calendar(eids)
-        self._schedule = self.calendar.add
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
                                hooks={
@@ -297,7 +367,7 @@ class Simulation:
     def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
         with that callback would, one SimPy event)."""
-        self._schedule(self.env._now + (delay if delay > 0.0 else 0.0), fn, args)
+        self.calendar.add(self.env._now + (delay if delay > 0.0 else 0.0), fn, args)
 
     def _stalled(self, node: str, fn: Callable[..., object], *args: Any) -> bool:
         """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
@@ -328,9 +398,9 @@ class Simulation:
         # An input without a poll token is always wanted: feed it without ``fire``'s check.
         t = now + (delay if delay > 0.0 else 0.0)
         if token:
-            self._schedule(t, self._fire, (node, event, token))
+            self.calendar.add(t, self._fire, (node, event, token))
         else:
-            self._schedule(t, self.feed, (node, event))
+            self.calendar.add(t, self.feed, (node, event))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
@@ -360,7 +430,7 @@ class Simulation:
             t = last
         self.link_last[link] = t
         delay = t - now
-        self._schedule(now + (delay if delay > 0.0 else 0.0), self.feed,
+        self.calendar.add(now + (delay if delay > 0.0 else 0.0), self.feed,
                        (dst, factories.new_message_arrived(src=src, msg=msg)))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
