@@ -35,6 +35,7 @@ from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
 from twin.runtime.runtime import Recorder, Runtime
+from twin.sim.clock import CalendarEnvironment
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
@@ -172,9 +173,11 @@ class Calendar:
     come from the counter ``eids`` that SimPy draws from too, so calls of one time run in the
     order they were scheduled."""
 
-    __slots__ = ("soon", "later", "edge", "horizon", "eids")
+    __slots__ = ("now", "soon", "later", "edge", "horizon", "eids")
 
     def __init__(self, eids: EventIds, horizon: float = 1.0) -> None:
+        self.now = 0.0
+        """The simulation's clock (SimPy's too: ``twin.sim.clock``)."""
         self.soon: list[_Call] = []
         self.later: list[_Call] = []
         self.edge = 0.0
@@ -240,7 +243,7 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
                         step()
                         continue
                 soon.pop()
-                env._now = t
+                calendar.now = t
                 fn = call.fn  # a local: read as a field, not looked up as a method
                 fn(*call.args)
             elif queue:
@@ -273,11 +276,10 @@ class Simulation:
         self.deployment = deployment or Deployment.build(cfg, self.params)
         self.seed = seed
         self.recorder = recorder
-        self.env = simpy.Environment()
-        # The simulation's own calls, beside SimPy's queue; one event-id counter for both
-        eids = EventIds(next(self.env._eid))
-        self.env._eid = eids  # type: ignore[assignment]  # SimPy only calls next() on it
-        self.calendar = Calendar(eids)
+        # The simulation's own calls, beside SimPy's queue; one clock and one event-id
+        # counter for both
+        self.calendar = Calendar(EventIds())
+        self.env: simpy.Environment = CalendarEnvironment(self.calendar)
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
                                hooks={
@@ -358,21 +360,21 @@ class Simulation:
 
     def mark_progress(self) -> None:
         """Something moved forward now (the wedge monitor's clock)."""
-        self.runtime.last_progress = self.env._now
+        self.runtime.last_progress = self.calendar.now
 
     # -- driver: clock -------------------------------------------------------------------------
     def time(self) -> float:
-        return self.env._now  # ``env._now`` without the property call (read on every input)
+        return self.calendar.now  # a native field (read on every input)
 
     def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(*args)`` ``delay`` seconds from now (as a Timeout of ``max(0, delay)``
         with that callback would, one SimPy event)."""
-        self.calendar.add(self.env._now + (delay if delay > 0.0 else 0.0), fn, args)
+        self.calendar.add(self.calendar.now + (delay if delay > 0.0 else 0.0), fn, args)
 
     def _stalled(self, node: str, fn: Callable[..., object], *args: Any) -> bool:
         """True when ``node`` is stalled now: ``fn(*args)`` is then called again when it runs
         (after whatever reached it before, in order)."""
-        now = self.env._now
+        now = self.calendar.now
         end = self.stalls.end(node, now) if self.stalls is not None else now
         busy = self.busy_until.get(node, 0.0)
         if busy > end:
@@ -392,8 +394,7 @@ class Simulation:
             self.runtime.fire(node, event, token)
 
     def feed_at(self, at: float, node: str, event: ev.Input, token: int) -> None:
-        env = self.env
-        now = env._now
+        now = self.calendar.now
         delay = at - now
         # An input without a poll token is always wanted: feed it without ``fire``'s check.
         t = now + (delay if delay > 0.0 else 0.0)
@@ -404,7 +405,7 @@ class Simulation:
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
-            self.recorder.write_sys(self.env._now, node, record)
+            self.recorder.write_sys(self.calendar.now, node, record)
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
@@ -412,8 +413,7 @@ class Simulation:
             self._transmit_faulty(src, dst, msg)
             return
         # No faults: one copy, no extra delay (the same arithmetic as ``_transmit_faulty``).
-        env = self.env
-        now = env._now
+        now = self.calendar.now
         jitter = self._jitter_rate
         if not jitter:
             delay = self._zmq_latency_s + 0.0
@@ -451,25 +451,25 @@ class Simulation:
             delay += fate.hold_s
             extra -= fate.hold_s
         if self._blocking:
-            delay += max(0.0, self.busy_until.get(src, 0.0) - self.env._now)
-        t = max(self.env._now + delay, self.link_last.get(link, 0.0))
+            delay += max(0.0, self.busy_until.get(src, 0.0) - self.calendar.now)
+        t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         arrived = factories.new_message_arrived(src=src, msg=msg)
         for i in range(copies):
-            self.at(t + extra + i * 1e-6 - self.env._now, self.feed, dst, arrived)
+            self.at(t + extra + i * 1e-6 - self.calendar.now, self.feed, dst, arrived)
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
         link = (src, dst, wire.CONTROL_SOCKET)
-        t = max(self.env._now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
+        t = max(self.calendar.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        self.at(t - self.env._now, self.feed, dst, event)
+        self.at(t - self.calendar.now, self.feed, dst, event)
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
         p = self._costs
-        now = self.env._now
+        now = self.calendar.now
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
             req.first_transfer_s = now
@@ -495,7 +495,7 @@ class Simulation:
             self.feed(node, factories.new_transfer_done(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
-        now = self.env._now
+        now = self.calendar.now
         req = self.requests.get(e.room)
         if req is not None:
             req.last_transfer_s = now
@@ -504,7 +504,7 @@ class Simulation:
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self._costs
-        now = self.env._now
+        now = self.calendar.now
         start = max(now, self.stream_free.get(node, 0.0))
         finish = start + p.kernel_launch_s + e.nbytes / p.scatter_bandwidth_Bps
         self.stream_free[node] = finish
@@ -539,7 +539,7 @@ class Simulation:
                 self.topo.nodes[node], self.topo.decode_groups[req.decode_group]))
         group = len(self.topo.prefill_groups[req.prefill_group].nodes)
         if req.note_targets(node, len(e.sessions), want, group):
-            req.bootstrap_done_s = self.env._now
+            req.bootstrap_done_s = self.calendar.now
             self.schedulers[req.prefill_group].admit(req)
 
     def _on_concluded(self, node: str, e: ev.RoomConcluded) -> None:
@@ -559,22 +559,22 @@ class Simulation:
 
     def _on_allocated(self, node: str, e: ev.Allocated) -> None:
         self.alloc_span[(node, e.alloc_id)] = (e.offset, e.size)
-        self.metrics.occupancy(node, self.env._now, e.size)
+        self.metrics.occupancy(node, self.calendar.now, e.size)
 
     def _on_freed(self, node: str, e: ev.Freed) -> None:
         span = self.alloc_span.pop((node, e.alloc_id), None)
         if span is not None:
             self.integrity.on_freed(node, span[0], span[1])
-            self.metrics.occupancy(node, self.env._now, -span[1])
+            self.metrics.occupancy(node, self.calendar.now, -span[1])
 
     def _on_watermark(self, node: str, e: ev.WatermarkMoved) -> None:
-        self.metrics.watermark_lag(node, self.env._now, e.lag_bytes)
+        self.metrics.watermark_lag(node, self.calendar.now, e.lag_bytes)
 
     # -- requests ----------------------------------------------------------------------------
     def _arrive(self, r: Request) -> None:
         self.arrived += 1
         self.mark_progress()
-        req = self.placement.place(r, self.env._now)
+        req = self.placement.place(r, self.calendar.now)
         self.requests[req.room] = req
         self.sys("driver", self.placement.arrival_record(req))
         self.at(self.params.decode_prealloc_s, self._decode_arrive, req)
@@ -629,16 +629,16 @@ class Simulation:
         The decode loop picks it up at its next poll."""
         req.status = status
         req.reason = reason
-        req.kv_done_s = self.env._now
+        req.kv_done_s = self.calendar.now
         self.mark_progress()
         self.decode_loops[req.decode_group].room_concluded(req)
 
     def first_token(self, req: RequestState) -> None:
-        req.first_token_s = self.env._now
+        req.first_token_s = self.calendar.now
 
     def request_ended(self, req: RequestState) -> None:
         """The request's last token streamed, or it failed: the client has its answer."""
-        req.end_s = self.env._now
+        req.end_s = self.calendar.now
         self.unfinished -= 1
         self.mark_progress()
         self.metrics.request_done(req)
@@ -674,10 +674,10 @@ class Simulation:
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
-        env = self.env
+        env, calendar = self.env, self.calendar
         for r in self.workload.requests:
-            if r.arrival_s > env._now:
-                yield env.timeout(r.arrival_s - env._now)
+            if r.arrival_s > calendar.now:
+                yield env.timeout(r.arrival_s - calendar.now)
             if self.slots is not None:
                 slot = self.slots.request()
                 yield slot
@@ -709,7 +709,7 @@ class Simulation:
     def _wedge_check(self, window: float) -> str:
         """Requests in flight and no progress for ``window`` is a wedge. Also reports progress
         to ``progress_cb``."""
-        now = self.env._now
+        now = self.calendar.now
         if self.progress_cb is not None:
             self.progress_cb(now)
         in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
