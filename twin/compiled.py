@@ -47,6 +47,8 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.requests",
     "twin.runtime.placement",
     "twin.trace.reducers",
+    "twin.trace.emitters",
+    "twin.trace.rowenc",
     "twin.workloads.prefix_cache",
     "twin.sim.metrics",
     "twin.sim.decode_loop",

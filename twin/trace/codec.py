@@ -255,9 +255,9 @@ def _msg_text(m: Any) -> str:
         raise TypeError(f"not a control message: {type(m).__name__}") from None
 
 
-def _value_fn(spec: Spec, rows: bool = False) -> Callable[[Any], str]:
-    """``value -> JSON text`` for any field spec (used for the composite kinds); ``rows``: the
-    value as a row holds it (``twin.trace.rows``: enums by name, nested objects as rows)."""
+def _value_fn(spec: Spec) -> Callable[[Any], str]:
+    """``value -> JSON text`` for any field spec (used for the composite kinds); the text of a
+    row's values is generated as source (``twin.trace.emitgen``)."""
     kind = spec[0]
     if kind == "int":
         return repr
@@ -268,43 +268,29 @@ def _value_fn(spec: Spec, rows: bool = False) -> Callable[[Any], str]:
     if kind == "float":
         return _float_text
     if kind == "opt":
-        inner = _value_fn(spec[1], rows)
+        inner = _value_fn(spec[1])
         return lambda v: "null" if v is None else inner(v)
     if kind == "list":
-        inner = _value_fn(spec[1], rows)
+        inner = _value_fn(spec[1])
         return lambda v: "[" + ",".join(map(inner, v)) + "]"
     if kind == "enum":
-        if rows:
-            return _str_text
         enum_cls = spec[1]
         return lambda v: '"' + enum_cls(v).name + '"'
     if kind == "msg":
-        return _row_msg_text if rows else _msg_text
+        return _msg_text
     if kind == "event":
-        if rows:
-            return lambda v: ROW_TEXT[v[0]](v)
         cls = spec[1]
         return lambda v: _TEXT[cls](v)
     raise AssertionError(spec)
 
 
-ROW_TEXT: dict[int, Callable[[tuple[Any, ...]], str]] = {}
-"""Row tag (``twin.trace.rows.CID``) of a message or nested object -> ``row -> JSON text``
-(with braces); filled by ``twin.trace.rows``."""
-
-
-def _row_msg_text(r: tuple[Any, ...]) -> str:
-    return ROW_TEXT[r[0]](r)
-
-
-def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any],
-                rows: bool = False) -> str:
+def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str:
     """The inside of an f-string (no quotes) writing ``"tag":..., fields`` of ``o`` (an
-    object), or with ``rows`` of ``r`` (its row: field ``i`` at ``r[i + 1]``)."""
+    object)."""
     out = [f'"{tag_key}":"{tag}"']
     for i, f in enumerate(_SPECS[cls]):
         kind = f.spec[0]
-        value = f"r[{i + 1}]" if rows else f"o.{f.name}"
+        value = f"o.{f.name}"
         if kind == "int":
             expr = f"{{{value}}}"
         elif kind == "str":
@@ -313,10 +299,10 @@ def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any],
             expr = f'{{"true" if {value} else "false"}}'
         elif kind == "float":
             expr = f"{{_f({value})}}"
-        elif kind == "msg" and not rows:
+        elif kind == "msg":
             expr = f"{{_m[type({value})]({value})}}"
         else:
-            scope[f"_v{i}"] = _value_fn(f.spec, rows)
+            scope[f"_v{i}"] = _value_fn(f.spec)
             expr = f"{{_v{i}({value})}}"
         out.append(f'"{f.name}":{expr}')
     return ",".join(out)
