@@ -41,7 +41,7 @@ class _Gen:
         if kind == "int":
             return f"repr({v})"
         if kind in ("str", "enum"):
-            return f"STR[{v}]"
+            return f"str_text({v})"
         if kind == "bool":
             return f'("true" if {v} else "false")'
         if kind == "float":
@@ -68,7 +68,7 @@ class _Gen:
         for i, f in enumerate(_SPECS[cls]):
             v = f"r[{i + 1}]"
             kind = f.spec[0]
-            expr = "{" + (v if kind == "int" else self.value(f.spec, v)) + "}"
+            expr = "{" + (f"int_text({v})" if kind == "int" else self.value(f.spec, v)) + "}"
             out.append(f'"{f.name}":{expr}')
         return ",".join(out)
 
@@ -126,11 +126,27 @@ def emitters_source() -> str:
              "or None. Compiled with the core, each line is one native string build.", '"""',
              "", "from __future__ import annotations", "",
              "import math",
+             "from json.encoder import encode_basestring_ascii",
              "from typing import Any, Final", "",
-             "from twin.trace.codec import _STR_CACHE", "",
-             "STR: Final[Any] = _STR_CACHE",
-             '"""str -> its JSON text (cached; a value that is not a str raises TypeError)."""',
-             "", "",
+             "SMALL_INTS: Final = 4096",
+             "_INT_TEXT: Final[list[str]] = [str(i) for i in range(SMALL_INTS)]",
+             "_STR_TEXT: Final[dict[str, str]] = {}", "", "",
+             "def int_text(v: Any) -> str:",
+             '    """``str(v)``; a small int\'s text made once."""',
+             "    if type(v) is int and 0 <= v < SMALL_INTS:",
+             "        return _INT_TEXT[v]",
+             "    return str(v)", "", "",
+             "def str_text(v: Any) -> str:",
+             '    """A str\'s JSON text (ASCII, escaped), cached: node ids, sessions and reasons',
+             '    repeat a lot. A value that is not a str raises TypeError."""',
+             "    text = _STR_TEXT.get(v)",
+             "    if text is None:",
+             "        if type(v) is not str:",
+             '            raise TypeError(f"expected a string, got {type(v).__name__}")',
+             "        if len(_STR_TEXT) > 50_000:",
+             "            _STR_TEXT.clear()",
+             "        text = _STR_TEXT[v] = encode_basestring_ascii(v)",
+             "    return text", "", "",
              "def float_text(v: Any) -> str:",
              '    """A float\'s JSON text (``repr``); ints as they are; not finite: ValueError."""',
              "    if type(v) is float:",

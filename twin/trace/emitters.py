@@ -10,12 +10,32 @@ or None. Compiled with the core, each line is one native string build.
 from __future__ import annotations
 
 import math
+from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
-from twin.trace.codec import _STR_CACHE
+SMALL_INTS: Final = 4096
+_INT_TEXT: Final[list[str]] = [str(i) for i in range(SMALL_INTS)]
+_STR_TEXT: Final[dict[str, str]] = {}
 
-STR: Final[Any] = _STR_CACHE
-"""str -> its JSON text (cached; a value that is not a str raises TypeError)."""
+
+def int_text(v: Any) -> str:
+    """``str(v)``; a small int's text made once."""
+    if type(v) is int and 0 <= v < SMALL_INTS:
+        return _INT_TEXT[v]
+    return str(v)
+
+
+def str_text(v: Any) -> str:
+    """A str's JSON text (ASCII, escaped), cached: node ids, sessions and reasons
+    repeat a lot. A value that is not a str raises TypeError."""
+    text = _STR_TEXT.get(v)
+    if text is None:
+        if type(v) is not str:
+            raise TypeError(f"expected a string, got {type(v).__name__}")
+        if len(_STR_TEXT) > 50_000:
+            _STR_TEXT.clear()
+        text = _STR_TEXT[v] = encode_basestring_ascii(v)
+    return text
 
 
 def float_text(v: Any) -> str:
@@ -86,7 +106,7 @@ def _list_int(v: Any) -> str:
 
 
 def _list_str(v: Any) -> str:
-    return "[" + ",".join([STR[x] for x in v]) + "]"
+    return "[" + ",".join([str_text(x) for x in v]) + "]"
 
 
 def _opt_float(v: Any) -> str:
@@ -98,51 +118,51 @@ def _opt_int(v: Any) -> str:
 
 
 def text_StagingReq(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"STAGING_REQ","room":{r[1]},"chunk_idx":{r[2]},"chunk_pages":{r[3]},"session_id":{STR[r[4]]},"pp_rank":{_opt_int(r[5])}}}'
+    return f'{{"kind":"STAGING_REQ","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"chunk_pages":{int_text(r[3])},"session_id":{str_text(r[4])},"pp_rank":{_opt_int(r[5])}}}'
 
 
 def text_StagingRsp(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"STAGING_RSP","room":{r[1]},"chunk_idx":{r[2]},"offset":{r[3]},"round":{r[4]},"end":{r[5]},"session_id":{STR[r[6]]}}}'
+    return f'{{"kind":"STAGING_RSP","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"offset":{int_text(r[3])},"round":{int_text(r[4])},"end":{int_text(r[5])},"session_id":{str_text(r[6])}}}'
 
 
 def text_Watermark(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"WATERMARK","round":{r[1]},"tail":{r[2]},"session_id":{STR[r[3]]}}}'
+    return f'{{"kind":"WATERMARK","round":{int_text(r[1])},"tail":{int_text(r[2])},"session_id":{str_text(r[3])}}}'
 
 
 def text_ChunkReady(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"CHUNK_READY","room":{r[1]},"chunk_idx":{r[2]},"page_start":{r[3]},"num_pages":{r[4]},"writer_id":{STR[r[5]]},"prefill_rank":{r[6]}}}'
+    return f'{{"kind":"CHUNK_READY","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"page_start":{int_text(r[3])},"num_pages":{int_text(r[4])},"writer_id":{str_text(r[5])},"prefill_rank":{int_text(r[6])}}}'
 
 
 def text_TransferStatus(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"KV_STATUS","room":{r[1]},"status":{STR[r[2]]},"prefill_rank":{r[3]},"failure_reason":{STR[r[4]]}}}'
+    return f'{{"kind":"KV_STATUS","room":{int_text(r[1])},"status":{str_text(r[2])},"prefill_rank":{int_text(r[3])},"failure_reason":{str_text(r[4])}}}'
 
 
 def text_Abort(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"ABORT","room":{r[1]},"decode_ip":{STR[r[2]]},"decode_port":{r[3]},"generation":{_opt_int(r[4])}}}'
+    return f'{{"kind":"ABORT","room":{int_text(r[1])},"decode_ip":{str_text(r[2])},"decode_port":{int_text(r[3])},"generation":{_opt_int(r[4])}}}'
 
 
 def text_AbortAck(r: tuple[Any, ...]) -> str:
-    return f'{{"kind":"ABORT_ACK","room":{r[1]},"prefill_rank":{r[2]},"generation":{_opt_int(r[3])}}}'
+    return f'{{"kind":"ABORT_ACK","room":{int_text(r[1])},"prefill_rank":{int_text(r[2])},"generation":{_opt_int(r[3])}}}'
 
 
 def text_Target(r: tuple[Any, ...]) -> str:
-    return f'{{"type":"Target","session":{STR[r[1]]},"decode_rank":{r[2]},"total_pages":{r[3]},"decode_prefix_len":{r[4]},"dst_port":{r[5]}}}'
+    return f'{{"type":"Target","session":{str_text(r[1])},"decode_rank":{int_text(r[2])},"total_pages":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"dst_port":{int_text(r[5])}}}'
 
 
 def line_MessageArrived(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"MessageArrived","src":{STR[r[1]]},"msg":{msg_text(r[2])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"MessageArrived","src":{str_text(r[1])},"msg":{msg_text(r[2])}}}\n'
 
 
 def line_DecodeRoomInit(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"DecodeRoomInit","room":{r[1]},"prefill_ranks":{_list_str(r[2])},"prefill_attn_tp":{r[3]},"decode_prefix_len":{r[4]},"total_pages":{r[5]},"group":{_list_str(r[6])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"DecodeRoomInit","room":{int_text(r[1])},"prefill_ranks":{_list_str(r[2])},"prefill_attn_tp":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"total_pages":{int_text(r[5])},"group":{_list_str(r[6])}}}\n'
 
 
 def line_DecodeRoomRegister(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"DecodeRoomRegister","room":{r[1]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"DecodeRoomRegister","room":{int_text(r[1])}}}\n'
 
 
 def line_ScatterDone(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"ScatterDone","room":{r[1]},"chunk_idx":{r[2]},"alloc_id":{r[3]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"ScatterDone","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])}}}\n'
 
 
 def line_Tick(r: tuple[Any, ...], seq: int, head: str) -> str:
@@ -150,75 +170,75 @@ def line_Tick(r: tuple[Any, ...], seq: int, head: str) -> str:
 
 
 def line_RoomAborted(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RoomAborted","room":{r[1]},"reason":{STR[r[2]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RoomAborted","room":{int_text(r[1])},"reason":{str_text(r[2])}}}\n'
 
 
 def line_RoomBootstrapped(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RoomBootstrapped","room":{r[1]},"targets":{_list_Target(r[2])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RoomBootstrapped","room":{int_text(r[1])},"targets":{_list_Target(r[2])}}}\n'
 
 
 def line_Prefetch(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Prefetch","room":{r[1]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Prefetch","room":{int_text(r[1])}}}\n'
 
 
 def line_SendKV(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"SendKV","room":{r[1]},"end_idx":{r[2]},"last":{("true" if r[3] else "false")}}}\n'
+    return f'{{"seq":{seq},{head}"type":"SendKV","room":{int_text(r[1])},"end_idx":{int_text(r[2])},"last":{("true" if r[3] else "false")}}}\n'
 
 
 def line_WorkerPoll(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"WorkerPoll","worker":{r[1]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"WorkerPoll","worker":{int_text(r[1])}}}\n'
 
 
 def line_TransferDone(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"TransferDone","worker":{r[1]},"ok":{("true" if r[2] else "false")},"error":{STR[r[3]]},"settled":{("true" if r[4] else "false")}}}\n'
+    return f'{{"seq":{seq},{head}"type":"TransferDone","worker":{int_text(r[1])},"ok":{("true" if r[2] else "false")},"error":{str_text(r[3])},"settled":{("true" if r[4] else "false")}}}\n'
 
 
 def line_SendFailed(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"SendFailed","dst":{STR[r[1]]},"msg":{msg_text(r[2])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"SendFailed","dst":{str_text(r[1])},"msg":{msg_text(r[2])}}}\n'
 
 
 def line_PeerPolled(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"PeerPolled","room":{r[1]},"peer":{STR[r[2]]},"poll":{STR[r[3]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"PeerPolled","room":{int_text(r[1])},"peer":{str_text(r[2])},"poll":{str_text(r[3])}}}\n'
 
 
 def line_Send(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Send","dst":{STR[r[1]]},"msg":{msg_text(r[2])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Send","dst":{str_text(r[1])},"msg":{msg_text(r[2])}}}\n'
 
 
 def line_SendMetadata(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"SendMetadata","room":{r[1]},"prefill_ranks":{_list_str(r[2])},"session":{STR[r[3]]},"decode_rank":{r[4]},"decode_prefix_len":{r[5]},"total_pages":{r[6]},"register_at":{_opt_float(r[7])},"dst_port":{r[8]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"SendMetadata","room":{int_text(r[1])},"prefill_ranks":{_list_str(r[2])},"session":{str_text(r[3])},"decode_rank":{int_text(r[4])},"decode_prefix_len":{int_text(r[5])},"total_pages":{int_text(r[6])},"register_at":{_opt_float(r[7])},"dst_port":{int_text(r[8])}}}\n'
 
 
 def line_AbortNotice(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"AbortNotice","room":{r[1]},"dsts":{_list_str(r[2])},"reason":{STR[r[3]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"AbortNotice","room":{int_text(r[1])},"dsts":{_list_str(r[2])},"reason":{str_text(r[3])}}}\n'
 
 
 def line_Allocated(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Allocated","room":{r[1]},"chunk_idx":{r[2]},"alloc_id":{r[3]},"offset":{r[4]},"round":{r[5]},"size":{r[6]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Allocated","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])},"offset":{int_text(r[4])},"round":{int_text(r[5])},"size":{int_text(r[6])}}}\n'
 
 
 def line_Freed(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Freed","alloc_id":{r[1]},"room":{r[2]},"chunk_idx":{r[3]},"reason":{STR[r[4]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Freed","alloc_id":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"reason":{str_text(r[4])}}}\n'
 
 
 def line_WatermarkMoved(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"WatermarkMoved","round":{r[1]},"tail":{r[2]},"lag_bytes":{r[3]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"WatermarkMoved","round":{int_text(r[1])},"tail":{int_text(r[2])},"lag_bytes":{int_text(r[3])}}}\n'
 
 
 def line_StartScatter(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"StartScatter","room":{r[1]},"chunk_idx":{r[2]},"alloc_id":{r[3]},"offset":{r[4]},"nbytes":{r[5]},"page_start":{r[6]},"num_pages":{r[7]},"blind":{("true" if r[8] else "false")},"prefill_attn_tp":{r[9]},"writer_bytes":{_list_int(r[10])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"StartScatter","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])},"offset":{int_text(r[4])},"nbytes":{int_text(r[5])},"page_start":{int_text(r[6])},"num_pages":{int_text(r[7])},"blind":{("true" if r[8] else "false")},"prefill_attn_tp":{int_text(r[9])},"writer_bytes":{_list_int(r[10])}}}\n'
 
 
 def line_StartTransfer(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"StartTransfer","worker":{r[1]},"room":{r[2]},"chunk_idx":{r[3]},"session":{STR[r[4]]},"page_start":{r[5]},"num_pages":{r[6]},"region_offset":{r[7]},"region_end":{r[8]},"dst_offset":{r[9]},"nbytes":{r[10]},"writer":{r[11]},"round":{r[12]},"staged":{("true" if r[13] else "false")},"is_last":{("true" if r[14] else "false")},"decode_rank":{r[15]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"StartTransfer","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"session":{str_text(r[4])},"page_start":{int_text(r[5])},"num_pages":{int_text(r[6])},"region_offset":{int_text(r[7])},"region_end":{int_text(r[8])},"dst_offset":{int_text(r[9])},"nbytes":{int_text(r[10])},"writer":{int_text(r[11])},"round":{int_text(r[12])},"staged":{("true" if r[13] else "false")},"is_last":{("true" if r[14] else "false")},"decode_rank":{int_text(r[15])}}}\n'
 
 
 def line_Deferred(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Deferred","worker":{r[1]},"room":{r[2]},"chunk_idx":{r[3]},"session":{STR[r[4]]},"reason":{STR[r[5]]},"all_blocked":{("true" if r[6] else "false")},"retry_at":{_opt_float(r[7])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Deferred","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"session":{str_text(r[4])},"reason":{str_text(r[5])},"all_blocked":{("true" if r[6] else "false")},"retry_at":{_opt_float(r[7])}}}\n'
 
 
 def line_WorkerIdle(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"WorkerIdle","worker":{r[1]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"WorkerIdle","worker":{int_text(r[1])}}}\n'
 
 
 def line_WakeWorkers(r: tuple[Any, ...], seq: int, head: str) -> str:
@@ -226,27 +246,27 @@ def line_WakeWorkers(r: tuple[Any, ...], seq: int, head: str) -> str:
 
 
 def line_TargetsKnown(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"TargetsKnown","room":{r[1]},"sessions":{_list_str(r[2])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"TargetsKnown","room":{int_text(r[1])},"sessions":{_list_str(r[2])}}}\n'
 
 
 def line_ChunkQueued(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"ChunkQueued","worker":{r[1]},"room":{r[2]},"chunk_idx":{r[3]},"page_start":{r[4]},"num_pages":{r[5]},"is_last":{("true" if r[6] else "false")}}}\n'
+    return f'{{"seq":{seq},{head}"type":"ChunkQueued","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"page_start":{int_text(r[4])},"num_pages":{int_text(r[5])},"is_last":{("true" if r[6] else "false")}}}\n'
 
 
 def line_ChunkSkipped(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"ChunkSkipped","room":{r[1]},"page_start":{r[2]},"reason":{STR[r[3]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"ChunkSkipped","room":{int_text(r[1])},"page_start":{int_text(r[2])},"reason":{str_text(r[3])}}}\n'
 
 
 def line_RoomConcluded(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RoomConcluded","room":{r[1]},"status":{STR[r[2]]},"reason":{STR[r[3]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RoomConcluded","room":{int_text(r[1])},"status":{str_text(r[2])},"reason":{str_text(r[3])}}}\n'
 
 
 def line_RoomTornDown(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RoomTornDown","room":{r[1]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RoomTornDown","room":{int_text(r[1])}}}\n'
 
 
 def line_Dropped(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Dropped","what":{STR[r[1]]},"room":{r[2]},"reason":{STR[r[3]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Dropped","what":{str_text(r[1])},"room":{int_text(r[2])},"reason":{str_text(r[3])}}}\n'
 
 
 def line_SetTimer(r: tuple[Any, ...], seq: int, head: str) -> str:
@@ -254,23 +274,23 @@ def line_SetTimer(r: tuple[Any, ...], seq: int, head: str) -> str:
 
 
 def line_RankCrashed(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RankCrashed","reason":{STR[r[1]]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RankCrashed","reason":{str_text(r[1])}}}\n'
 
 
 def line_GroupPoll(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"GroupPoll","room":{r[1]},"poll":{STR[r[2]]},"peers":{_list_str(r[3])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"GroupPoll","room":{int_text(r[1])},"poll":{str_text(r[2])},"peers":{_list_str(r[3])}}}\n'
 
 
 def line_RoomHeld(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RoomHeld","room":{r[1]},"generation":{r[2]},"required_acks":{r[3]},"release_at":{float_text(r[4])}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RoomHeld","room":{int_text(r[1])},"generation":{int_text(r[2])},"required_acks":{int_text(r[3])},"release_at":{float_text(r[4])}}}\n'
 
 
 def line_RoomReleased(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"RoomReleased","room":{r[1]},"drained":{("true" if r[2] else "false")}}}\n'
+    return f'{{"seq":{seq},{head}"type":"RoomReleased","room":{int_text(r[1])},"drained":{("true" if r[2] else "false")}}}\n'
 
 
 def line_Target(r: tuple[Any, ...], seq: int, head: str) -> str:
-    return f'{{"seq":{seq},{head}"type":"Target","session":{STR[r[1]]},"decode_rank":{r[2]},"total_pages":{r[3]},"decode_prefix_len":{r[4]},"dst_port":{r[5]}}}\n'
+    return f'{{"seq":{seq},{head}"type":"Target","session":{str_text(r[1])},"decode_rank":{int_text(r[2])},"total_pages":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"dst_port":{int_text(r[5])}}}\n'
 
 
 def event_line(r: tuple[Any, ...], seq: int, head: str) -> str:

@@ -63,6 +63,7 @@ from twin.trace.encoder import (
     sigint_deferred,
 )
 from twin.trace.index import Block, IndexWriter, index_path
+from twin.trace.rowenc import count_lines
 from twin.trace.rows import CID, REDUCE, field_pos, msg_room
 
 try:
@@ -296,13 +297,6 @@ def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
 _REDUCE_CONCLUDED = REDUCE[ev.RoomConcluded]
 
 
-def _item_lines(item: tuple[Any, ...]) -> int:
-    """How many trace lines an encoder item (``twin.trace.encoder``) becomes."""
-    if len(item) == 5:
-        return 1
-    return (item[2] is not None) + (0 if item[3] is None else len(item[3]))
-
-
 class TraceWriter:
     """Streams one trace to ``path``: gzip when the name ends in ``.gz``, zstd for ``.zst``,
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
@@ -385,7 +379,7 @@ class TraceWriter:
     # -- hot path ----------------------------------------------------------------------------
     def _where(self) -> str:
         """``path:line`` of the next line (exact: counts the items not yet handed on)."""
-        return f"{self.path}:{self._seq + sum(map(_item_lines, self._items)) + 2}"
+        return f"{self.path}:{self._seq + count_lines(self._items) + 2}"
 
     def _set_time(self, t: float) -> None:
         t = float(t)
@@ -467,7 +461,7 @@ class TraceWriter:
             items = self._items[:]  # the list itself stays: a runtime appends to it (row_sink)
             self._items.clear()
             if items:
-                self._seq += sum(map(_item_lines, items))
+                self._seq += count_lines(items)
                 t = items[-1][0]
                 if t > self._t:
                     self._t = float(t)

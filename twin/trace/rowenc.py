@@ -20,7 +20,7 @@ from twin.trace.emitters import event_line, event_room
 from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
 from twin.trace.rows import CID, field_pos
 
-__all__ = ["DRIVER", "JSON_TEXT", "LiveState", "RowEncoder"]
+__all__ = ["DRIVER", "JSON_TEXT", "LiveState", "RowEncoder", "count_lines"]
 
 DRIVER: Final = "driver"
 """The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
@@ -60,6 +60,21 @@ _SE_MSG: Final = field_pos(ev.Send, "msg")
 _SR: Final = CID[wire.StagingReq]
 _SR_SESSION: Final = field_pos(wire.StagingReq, "session_id")
 _HOOKED: Final = frozenset({_TD, _WP, _SD, _MA, _ST, _DF, _WW, _SS, _AL, _FR, _WMM, _SE})
+
+
+def count_lines(items: list[Any]) -> int:
+    """How many trace lines the encoder items ``items`` (``None`` excluded) become."""
+    n = 0
+    for item in items:
+        if len(item) == 5:
+            n += 1
+        else:
+            if item[2] is not None:
+                n += 1
+            effects = item[3]
+            if effects is not None:
+                n += len(effects)
+    return n
 
 
 class LiveState:
