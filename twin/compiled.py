@@ -49,6 +49,7 @@ MODULES: tuple[str, ...] = (
     "twin.trace.reducers",
     "twin.trace.emitters",
     "twin.trace.rowenc",
+    "twin.trace.scan",
     "twin.workloads.prefix_cache",
     "twin.sim.metrics",
     "twin.sim.decode_loop",

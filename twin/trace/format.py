@@ -41,6 +41,7 @@ from typing import Any, cast
 from twin.core import events as ev
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import CATALOG
+from twin.trace import scan
 from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
@@ -65,6 +66,7 @@ from twin.trace.encoder import (
 from twin.trace.index import Block, IndexWriter, index_path
 from twin.trace.rowenc import count_lines
 from twin.trace.rows import CID, REDUCE, field_pos, msg_room
+from twin.trace.scan import NUMBER_RE, LineSkipper
 
 try:
     from orjson import loads as _fast_loads
@@ -735,7 +737,10 @@ def _unbatch(batches: Iterator[tuple[list[bytes], bool]]) -> Iterator[tuple[byte
 _ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),'
                      rb'("node":"[A-Za-z0-9_-]+","dir":"(?:in|out|sys)","type":"[A-Za-z_]+")[,}]')
 """The envelope as the writer writes it: seq, t, and node/dir/type as one group."""
-_NUMBER_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+_NUMBER_RE = NUMBER_RE
+SKIP_NATIVELY = not str(scan.__file__).endswith(".py")
+"""Whether select readers pass over the lines they do not hand on with ``scan.LineSkipper``:
+where it is compiled (``twin compile``); interpreted, ``_ENV_RE`` is the faster check."""
 _KEY_RE = re.compile(rb'"node":"([^"]+)","dir":"([a-z]+)","type":"([A-Za-z_]+)"')
 
 
@@ -949,12 +954,26 @@ class TraceReader:
         lineno = last_ok = self._first_seq + 1
         strict = self._strict
         done = False  # the Outcome was read
+        # lines of a kind neither selected nor sys, passed over natively (twin.trace.scan)
+        skipper = LineSkipper(passed) if select is not None and SKIP_NATIVELY else None
         try:
             for lines, ended in self._it:
                 base = lineno  # lines[i] is line base + 1 + i
-                it = iter(lines)
+                n_lines = len(lines)
+                i = 0
                 ahead = None  # the envelope match of the line after effect lines passed over
-                for raw in it:
+                while i < n_lines:
+                    if (skipper is not None and ahead is None and ended and not done
+                            and self.first_t is not None):
+                        j = skipper.run(lines, i, lineno, last_t, last_tb)
+                        if j != i:
+                            lineno = last_ok = lineno + j - i
+                            last_t, last_tb = skipper.last_t, skipper.last_tb
+                            i = j
+                            if i == n_lines:
+                                break
+                    raw = lines[i]
+                    i += 1
                     lineno += 1
                     if ahead is None:
                         m = match(raw)
@@ -1001,6 +1020,9 @@ class TraceReader:
                         keys[key] = self._envelope_key(key, lineno)
                         by_key[key] = 1
                         node, direction, rtype, body_from_key, wanted = keys[key]
+                        if skipper is not None and not wanted and direction != "sys":
+                            skipper.add(key, node, body_from_key if passed is not None
+                                        and direction == "out" else -1)
                     last_ok = lineno
                     if direction == "sys":
                         by_key[key] -= 1  # counted by the strict path
@@ -1026,13 +1048,15 @@ class TraceReader:
                             skip = ahead is not None
                             if skip:
                                 n = len(effects)
-                                next(itertools.islice(it, n - 1, n))
+                                i += n
                                 lineno = last_ok = lineno + n
                                 for e in effects:
                                     k = (node, "out", type(e).__name__)
                                     counts[k] = counts.get(k, 0) + 1
                             yield skip
         finally:
+            if skipper is not None:
+                skipper.add_counts(by_key)
             for key, n in by_key.items():
                 if n:
                     k = keys[key][:3]
