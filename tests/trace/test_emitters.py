@@ -15,7 +15,7 @@ from test_format import ANY_EVENT
 from twin.core import events as ev
 from twin.core import factories, wire
 from twin.trace import emitters
-from twin.trace.codec import LINE_TEXT, ROOM_OF
+from twin.trace.codec import BODY_TEXT, LINE_TEXT, ROOM_OF
 from twin.trace.emitgen import EMITTERS_PATH, emitters_source
 from twin.trace.rowenc import LiveState
 from twin.trace.rows import CID, REDUCE
@@ -55,6 +55,7 @@ def _check(event: Any) -> None:
     assert emitters.event_line(row, 17, HEAD) == LINE_TEXT[type(event)](event, 17, HEAD)
     room = ROOM_OF[type(event)]
     assert emitters.event_room(row) == (None if room is None else room(event))
+    assert emitters.event_body(event) == BODY_TEXT[type(event)](event)
 
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda o: type(o).__name__)
@@ -74,6 +75,12 @@ def test_a_float_that_is_not_finite_is_refused() -> None:
         emitters.event_line(row, 0, HEAD)
     assert emitters.float_text(3) == "3"
     assert emitters.float_text(0.1) == "0.1"
+
+
+def test_only_core_events_have_a_body() -> None:
+    with pytest.raises(TypeError, match="not a core event: StagingReq"):
+        emitters.event_body(wire.StagingReq(room=1, chunk_idx=0, chunk_pages=1,
+                                            session_id="s"))
 
 
 def test_a_row_of_no_event_is_refused() -> None:

@@ -14,7 +14,7 @@ from twin.trace import format as fmt
 from twin.trace.codec import INPUT_NAMES, TraceError
 from twin.trace.format import TraceReader
 from twin.trace.inspect import _SUMMARY_TYPES
-from twin.trace.scan import NUMBER_RE, LineSkipper, is_number
+from twin.trace.scan import NUMBER_RE, Kind, LineSkipper, is_number
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_the_same_errors_with_and_without_the_native_pass(
 def test_the_pass_stops_at_the_first_line_it_cannot_vouch_for() -> None:
     key = b'"node":"p0","dir":"out","type":"Tick"'
     skipper = LineSkipper(None)
-    skipper.add(key, "p0", -1)
+    skipper.add(key, Kind("p0", "out", "Tick", 24, False, -1))
     lines = [b'{"seq":5,"t":1.5,' + key + b"}", b'{"seq":6,"t":1.25,' + key + b"}"]
     assert skipper.run(lines, 0, 6, 1.0, b"") == 1
     assert (skipper.last_t, skipper.last_tb) == (1.5, b"1.5")
@@ -93,9 +93,14 @@ def test_the_pass_stops_at_the_first_line_it_cannot_vouch_for() -> None:
     assert by_key == {key: 3}
     got: list[tuple[str, bytes]] = []
     skipper = LineSkipper(lambda n, b: got.append((n, b)))
-    skipper.add(key, "p0", 24)
+    skipper.add(key, Kind("p0", "out", "Tick", 24, False, 24))
     assert skipper.run(lines[:1], 0, 6, 1.0, b"") == 1
-    assert got == [("p0", b'"type":"Tick"')]
+    assert got == [("p0", b'"type":"Tick"')] and skipper.hit is None
+    wanted = Kind("p0", "out", "Tick", 24, True, -1)
+    skipper.add(key, wanted)
+    lines = [lines[0], lines[0].replace(b"5", b"6", 1)]
+    assert skipper.run(lines, 0, 6, 1.0, b"") == 1  # stops after a wanted line
+    assert skipper.hit is wanted and skipper.hit_at == 17 + 24 and wanted.n == 1
 
 
 @pytest.mark.parametrize("text", [b"0", b"-0", b"12", b"1.5", b"-1.25e-7", b"3E+2", b"0.0", b"",

@@ -18,6 +18,7 @@ from typing import Any
 
 from twin.core import events as ev
 from twin.trace.codec import _KIND_OF, _SPECS, MESSAGE_KINDS, ROW_TAG
+from twin.trace.reducegen import reducer_name
 
 EMITTERS_PATH = Path(__file__).with_name("emitters.py")
 
@@ -84,6 +85,19 @@ def _tree(tags: list[int], leaf: Callable[[int], str], pad: str = "    ") -> lis
             *_tree(tags[mid:], leaf, pad)]
 
 
+def _imports(events: list[type]) -> list[str]:
+    """Imports of the event classes and their reducers (``twin.trace.reducers``)."""
+    by_module: dict[str, list[str]] = {}
+    for cls in events:
+        by_module.setdefault(cls.__module__, []).append(cls.__name__)
+    out = []
+    for module in sorted(by_module):
+        out += [f"from {module} import (", *(f"    {n}," for n in sorted(by_module[module])),
+                ")"]
+    return [*out, "from twin.trace.reducers import (",
+            *(f"    {reducer_name(c)}," for c in sorted(events, key=reducer_name)), ")"]
+
+
 def _room_expr(cls: type) -> str:
     names = [f.name for f in _SPECS[cls]]
     if "room" in names:
@@ -106,9 +120,12 @@ def emitters_source() -> str:
         funcs += ["", "", f"def text_{cls.__name__}(r: tuple[Any, ...]) -> str:",
                   f"    return f'{text}'"]
     for cls in events:
-        text = '{{"seq":{seq},{head}' + g.parts(cls, "type", cls.__name__) + "}}\\n"
+        parts = g.parts(cls, "type", cls.__name__)
+        text = '{{"seq":{seq},{head}' + parts + "}}\\n"
         funcs += ["", "", f"def line_{cls.__name__}(r: tuple[Any, ...], seq: int, head: str) "
-                  "-> str:", f"    return f'{text}'"]
+                  "-> str:", f"    return f'{text}'",
+                  "", "", f"def body_{cls.__name__}(r: tuple[Any, ...]) -> str:",
+                  f"    return {'f' if '{' in parts else ''}'{parts}'"]
     msg_tags = sorted(ROW_TAG[c] for c in MESSAGE_KINDS.values())
     ev_tags = sorted(ROW_TAG[c] for c in events)
     by_tag = {ROW_TAG[c]: c for c in _SPECS}
@@ -128,7 +145,8 @@ def emitters_source() -> str:
              "import math",
              "from json.encoder import encode_basestring_ascii",
              "from typing import Any, Final", "",
-             "SMALL_INTS: Final = 4096",
+             *_imports(events),
+             "", "SMALL_INTS: Final = 4096",
              "_INT_TEXT: Final[list[str]] = [str(i) for i in range(SMALL_INTS)]",
              "_STR_TEXT: Final[dict[str, str]] = {}", "", "",
              "def int_text(v: Any) -> str:",
@@ -179,6 +197,15 @@ def emitters_source() -> str:
               '    """The room event row ``r`` names, or None."""',
               "    tag: int = r[0]",
               *_tree(ev_tags, lambda t: _room_expr(by_tag[t])),
+              "", "",
+              "def event_body(e: Any) -> str:",
+              '    """``codec.BODY_TEXT[type(e)](e)``: the payload text of event ``e`` without braces',
+              '    (``\'"type":"Name",field...\'``), from its row."""',
+              "    cls = type(e)",
+              *[x for c in events for x in (
+                  f"    if cls is {c.__name__}:",
+                  f"        return body_{c.__name__}({reducer_name(c)}(e))")],
+              '    raise TypeError(f"not a core event: {cls.__name__}")',
               "", "",
               "LINES: Final[dict[int, Any]] = {",
               *(f"    {ROW_TAG[c]}: line_{name_of[c]}," for c in events), "}",

@@ -13,6 +13,83 @@ import math
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
+from twin.core.events import (
+    AbortNotice,
+    Allocated,
+    ChunkQueued,
+    ChunkSkipped,
+    DecodeRoomInit,
+    DecodeRoomRegister,
+    Deferred,
+    Dropped,
+    Freed,
+    GroupPoll,
+    MessageArrived,
+    PeerPolled,
+    Prefetch,
+    RankCrashed,
+    RoomAborted,
+    RoomBootstrapped,
+    RoomConcluded,
+    RoomHeld,
+    RoomReleased,
+    RoomTornDown,
+    ScatterDone,
+    Send,
+    SendFailed,
+    SendKV,
+    SendMetadata,
+    SetTimer,
+    StartScatter,
+    StartTransfer,
+    Target,
+    TargetsKnown,
+    Tick,
+    TransferDone,
+    WakeWorkers,
+    WatermarkMoved,
+    WorkerIdle,
+    WorkerPoll,
+)
+from twin.trace.reducers import (
+    reduce_AbortNotice,
+    reduce_Allocated,
+    reduce_ChunkQueued,
+    reduce_ChunkSkipped,
+    reduce_DecodeRoomInit,
+    reduce_DecodeRoomRegister,
+    reduce_Deferred,
+    reduce_Dropped,
+    reduce_Freed,
+    reduce_GroupPoll,
+    reduce_MessageArrived,
+    reduce_PeerPolled,
+    reduce_Prefetch,
+    reduce_RankCrashed,
+    reduce_RoomAborted,
+    reduce_RoomBootstrapped,
+    reduce_RoomConcluded,
+    reduce_RoomHeld,
+    reduce_RoomReleased,
+    reduce_RoomTornDown,
+    reduce_ScatterDone,
+    reduce_Send,
+    reduce_SendFailed,
+    reduce_SendKV,
+    reduce_SendMetadata,
+    reduce_SetTimer,
+    reduce_StartScatter,
+    reduce_StartTransfer,
+    reduce_Target,
+    reduce_TargetsKnown,
+    reduce_Tick,
+    reduce_TransferDone,
+    reduce_WakeWorkers,
+    reduce_WatermarkMoved,
+    reduce_WorkerIdle,
+    reduce_WorkerPoll,
+)
+
 SMALL_INTS: Final = 4096
 _INT_TEXT: Final[list[str]] = [str(i) for i in range(SMALL_INTS)]
 _STR_TEXT: Final[dict[str, str]] = {}
@@ -153,144 +230,288 @@ def line_MessageArrived(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"MessageArrived","src":{str_text(r[1])},"msg":{msg_text(r[2])}}}\n'
 
 
+def body_MessageArrived(r: tuple[Any, ...]) -> str:
+    return f'"type":"MessageArrived","src":{str_text(r[1])},"msg":{msg_text(r[2])}'
+
+
 def line_DecodeRoomInit(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"DecodeRoomInit","room":{int_text(r[1])},"prefill_ranks":{_list_str(r[2])},"prefill_attn_tp":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"total_pages":{int_text(r[5])},"group":{_list_str(r[6])}}}\n'
+
+
+def body_DecodeRoomInit(r: tuple[Any, ...]) -> str:
+    return f'"type":"DecodeRoomInit","room":{int_text(r[1])},"prefill_ranks":{_list_str(r[2])},"prefill_attn_tp":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"total_pages":{int_text(r[5])},"group":{_list_str(r[6])}'
 
 
 def line_DecodeRoomRegister(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"DecodeRoomRegister","room":{int_text(r[1])}}}\n'
 
 
+def body_DecodeRoomRegister(r: tuple[Any, ...]) -> str:
+    return f'"type":"DecodeRoomRegister","room":{int_text(r[1])}'
+
+
 def line_ScatterDone(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"ScatterDone","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])}}}\n'
+
+
+def body_ScatterDone(r: tuple[Any, ...]) -> str:
+    return f'"type":"ScatterDone","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])}'
 
 
 def line_Tick(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Tick"}}\n'
 
 
+def body_Tick(r: tuple[Any, ...]) -> str:
+    return '"type":"Tick"'
+
+
 def line_RoomAborted(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RoomAborted","room":{int_text(r[1])},"reason":{str_text(r[2])}}}\n'
+
+
+def body_RoomAborted(r: tuple[Any, ...]) -> str:
+    return f'"type":"RoomAborted","room":{int_text(r[1])},"reason":{str_text(r[2])}'
 
 
 def line_RoomBootstrapped(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RoomBootstrapped","room":{int_text(r[1])},"targets":{_list_Target(r[2])}}}\n'
 
 
+def body_RoomBootstrapped(r: tuple[Any, ...]) -> str:
+    return f'"type":"RoomBootstrapped","room":{int_text(r[1])},"targets":{_list_Target(r[2])}'
+
+
 def line_Prefetch(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Prefetch","room":{int_text(r[1])}}}\n'
+
+
+def body_Prefetch(r: tuple[Any, ...]) -> str:
+    return f'"type":"Prefetch","room":{int_text(r[1])}'
 
 
 def line_SendKV(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"SendKV","room":{int_text(r[1])},"end_idx":{int_text(r[2])},"last":{("true" if r[3] else "false")}}}\n'
 
 
+def body_SendKV(r: tuple[Any, ...]) -> str:
+    return f'"type":"SendKV","room":{int_text(r[1])},"end_idx":{int_text(r[2])},"last":{("true" if r[3] else "false")}'
+
+
 def line_WorkerPoll(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"WorkerPoll","worker":{int_text(r[1])}}}\n'
+
+
+def body_WorkerPoll(r: tuple[Any, ...]) -> str:
+    return f'"type":"WorkerPoll","worker":{int_text(r[1])}'
 
 
 def line_TransferDone(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"TransferDone","worker":{int_text(r[1])},"ok":{("true" if r[2] else "false")},"error":{str_text(r[3])},"settled":{("true" if r[4] else "false")}}}\n'
 
 
+def body_TransferDone(r: tuple[Any, ...]) -> str:
+    return f'"type":"TransferDone","worker":{int_text(r[1])},"ok":{("true" if r[2] else "false")},"error":{str_text(r[3])},"settled":{("true" if r[4] else "false")}'
+
+
 def line_SendFailed(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"SendFailed","dst":{str_text(r[1])},"msg":{msg_text(r[2])}}}\n'
+
+
+def body_SendFailed(r: tuple[Any, ...]) -> str:
+    return f'"type":"SendFailed","dst":{str_text(r[1])},"msg":{msg_text(r[2])}'
 
 
 def line_PeerPolled(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"PeerPolled","room":{int_text(r[1])},"peer":{str_text(r[2])},"poll":{str_text(r[3])}}}\n'
 
 
+def body_PeerPolled(r: tuple[Any, ...]) -> str:
+    return f'"type":"PeerPolled","room":{int_text(r[1])},"peer":{str_text(r[2])},"poll":{str_text(r[3])}'
+
+
 def line_Send(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Send","dst":{str_text(r[1])},"msg":{msg_text(r[2])}}}\n'
+
+
+def body_Send(r: tuple[Any, ...]) -> str:
+    return f'"type":"Send","dst":{str_text(r[1])},"msg":{msg_text(r[2])}'
 
 
 def line_SendMetadata(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"SendMetadata","room":{int_text(r[1])},"prefill_ranks":{_list_str(r[2])},"session":{str_text(r[3])},"decode_rank":{int_text(r[4])},"decode_prefix_len":{int_text(r[5])},"total_pages":{int_text(r[6])},"register_at":{_opt_float(r[7])},"dst_port":{int_text(r[8])}}}\n'
 
 
+def body_SendMetadata(r: tuple[Any, ...]) -> str:
+    return f'"type":"SendMetadata","room":{int_text(r[1])},"prefill_ranks":{_list_str(r[2])},"session":{str_text(r[3])},"decode_rank":{int_text(r[4])},"decode_prefix_len":{int_text(r[5])},"total_pages":{int_text(r[6])},"register_at":{_opt_float(r[7])},"dst_port":{int_text(r[8])}'
+
+
 def line_AbortNotice(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"AbortNotice","room":{int_text(r[1])},"dsts":{_list_str(r[2])},"reason":{str_text(r[3])}}}\n'
+
+
+def body_AbortNotice(r: tuple[Any, ...]) -> str:
+    return f'"type":"AbortNotice","room":{int_text(r[1])},"dsts":{_list_str(r[2])},"reason":{str_text(r[3])}'
 
 
 def line_Allocated(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Allocated","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])},"offset":{int_text(r[4])},"round":{int_text(r[5])},"size":{int_text(r[6])}}}\n'
 
 
+def body_Allocated(r: tuple[Any, ...]) -> str:
+    return f'"type":"Allocated","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])},"offset":{int_text(r[4])},"round":{int_text(r[5])},"size":{int_text(r[6])}'
+
+
 def line_Freed(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Freed","alloc_id":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"reason":{str_text(r[4])}}}\n'
+
+
+def body_Freed(r: tuple[Any, ...]) -> str:
+    return f'"type":"Freed","alloc_id":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"reason":{str_text(r[4])}'
 
 
 def line_WatermarkMoved(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"WatermarkMoved","round":{int_text(r[1])},"tail":{int_text(r[2])},"lag_bytes":{int_text(r[3])}}}\n'
 
 
+def body_WatermarkMoved(r: tuple[Any, ...]) -> str:
+    return f'"type":"WatermarkMoved","round":{int_text(r[1])},"tail":{int_text(r[2])},"lag_bytes":{int_text(r[3])}'
+
+
 def line_StartScatter(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"StartScatter","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])},"offset":{int_text(r[4])},"nbytes":{int_text(r[5])},"page_start":{int_text(r[6])},"num_pages":{int_text(r[7])},"blind":{("true" if r[8] else "false")},"prefill_attn_tp":{int_text(r[9])},"writer_bytes":{_list_int(r[10])}}}\n'
+
+
+def body_StartScatter(r: tuple[Any, ...]) -> str:
+    return f'"type":"StartScatter","room":{int_text(r[1])},"chunk_idx":{int_text(r[2])},"alloc_id":{int_text(r[3])},"offset":{int_text(r[4])},"nbytes":{int_text(r[5])},"page_start":{int_text(r[6])},"num_pages":{int_text(r[7])},"blind":{("true" if r[8] else "false")},"prefill_attn_tp":{int_text(r[9])},"writer_bytes":{_list_int(r[10])}'
 
 
 def line_StartTransfer(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"StartTransfer","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"session":{str_text(r[4])},"page_start":{int_text(r[5])},"num_pages":{int_text(r[6])},"region_offset":{int_text(r[7])},"region_end":{int_text(r[8])},"dst_offset":{int_text(r[9])},"nbytes":{int_text(r[10])},"writer":{int_text(r[11])},"round":{int_text(r[12])},"staged":{("true" if r[13] else "false")},"is_last":{("true" if r[14] else "false")},"decode_rank":{int_text(r[15])}}}\n'
 
 
+def body_StartTransfer(r: tuple[Any, ...]) -> str:
+    return f'"type":"StartTransfer","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"session":{str_text(r[4])},"page_start":{int_text(r[5])},"num_pages":{int_text(r[6])},"region_offset":{int_text(r[7])},"region_end":{int_text(r[8])},"dst_offset":{int_text(r[9])},"nbytes":{int_text(r[10])},"writer":{int_text(r[11])},"round":{int_text(r[12])},"staged":{("true" if r[13] else "false")},"is_last":{("true" if r[14] else "false")},"decode_rank":{int_text(r[15])}'
+
+
 def line_Deferred(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Deferred","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"session":{str_text(r[4])},"reason":{str_text(r[5])},"all_blocked":{("true" if r[6] else "false")},"retry_at":{_opt_float(r[7])}}}\n'
+
+
+def body_Deferred(r: tuple[Any, ...]) -> str:
+    return f'"type":"Deferred","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"session":{str_text(r[4])},"reason":{str_text(r[5])},"all_blocked":{("true" if r[6] else "false")},"retry_at":{_opt_float(r[7])}'
 
 
 def line_WorkerIdle(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"WorkerIdle","worker":{int_text(r[1])}}}\n'
 
 
+def body_WorkerIdle(r: tuple[Any, ...]) -> str:
+    return f'"type":"WorkerIdle","worker":{int_text(r[1])}'
+
+
 def line_WakeWorkers(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"WakeWorkers","workers":{_list_int(r[1])},"at":{float_text(r[2])}}}\n'
+
+
+def body_WakeWorkers(r: tuple[Any, ...]) -> str:
+    return f'"type":"WakeWorkers","workers":{_list_int(r[1])},"at":{float_text(r[2])}'
 
 
 def line_TargetsKnown(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"TargetsKnown","room":{int_text(r[1])},"sessions":{_list_str(r[2])}}}\n'
 
 
+def body_TargetsKnown(r: tuple[Any, ...]) -> str:
+    return f'"type":"TargetsKnown","room":{int_text(r[1])},"sessions":{_list_str(r[2])}'
+
+
 def line_ChunkQueued(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"ChunkQueued","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"page_start":{int_text(r[4])},"num_pages":{int_text(r[5])},"is_last":{("true" if r[6] else "false")}}}\n'
+
+
+def body_ChunkQueued(r: tuple[Any, ...]) -> str:
+    return f'"type":"ChunkQueued","worker":{int_text(r[1])},"room":{int_text(r[2])},"chunk_idx":{int_text(r[3])},"page_start":{int_text(r[4])},"num_pages":{int_text(r[5])},"is_last":{("true" if r[6] else "false")}'
 
 
 def line_ChunkSkipped(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"ChunkSkipped","room":{int_text(r[1])},"page_start":{int_text(r[2])},"reason":{str_text(r[3])}}}\n'
 
 
+def body_ChunkSkipped(r: tuple[Any, ...]) -> str:
+    return f'"type":"ChunkSkipped","room":{int_text(r[1])},"page_start":{int_text(r[2])},"reason":{str_text(r[3])}'
+
+
 def line_RoomConcluded(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RoomConcluded","room":{int_text(r[1])},"status":{str_text(r[2])},"reason":{str_text(r[3])}}}\n'
+
+
+def body_RoomConcluded(r: tuple[Any, ...]) -> str:
+    return f'"type":"RoomConcluded","room":{int_text(r[1])},"status":{str_text(r[2])},"reason":{str_text(r[3])}'
 
 
 def line_RoomTornDown(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RoomTornDown","room":{int_text(r[1])}}}\n'
 
 
+def body_RoomTornDown(r: tuple[Any, ...]) -> str:
+    return f'"type":"RoomTornDown","room":{int_text(r[1])}'
+
+
 def line_Dropped(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Dropped","what":{str_text(r[1])},"room":{int_text(r[2])},"reason":{str_text(r[3])}}}\n'
+
+
+def body_Dropped(r: tuple[Any, ...]) -> str:
+    return f'"type":"Dropped","what":{str_text(r[1])},"room":{int_text(r[2])},"reason":{str_text(r[3])}'
 
 
 def line_SetTimer(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"SetTimer","at":{float_text(r[1])}}}\n'
 
 
+def body_SetTimer(r: tuple[Any, ...]) -> str:
+    return f'"type":"SetTimer","at":{float_text(r[1])}'
+
+
 def line_RankCrashed(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RankCrashed","reason":{str_text(r[1])}}}\n'
+
+
+def body_RankCrashed(r: tuple[Any, ...]) -> str:
+    return f'"type":"RankCrashed","reason":{str_text(r[1])}'
 
 
 def line_GroupPoll(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"GroupPoll","room":{int_text(r[1])},"poll":{str_text(r[2])},"peers":{_list_str(r[3])}}}\n'
 
 
+def body_GroupPoll(r: tuple[Any, ...]) -> str:
+    return f'"type":"GroupPoll","room":{int_text(r[1])},"poll":{str_text(r[2])},"peers":{_list_str(r[3])}'
+
+
 def line_RoomHeld(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RoomHeld","room":{int_text(r[1])},"generation":{int_text(r[2])},"required_acks":{int_text(r[3])},"release_at":{float_text(r[4])}}}\n'
+
+
+def body_RoomHeld(r: tuple[Any, ...]) -> str:
+    return f'"type":"RoomHeld","room":{int_text(r[1])},"generation":{int_text(r[2])},"required_acks":{int_text(r[3])},"release_at":{float_text(r[4])}'
 
 
 def line_RoomReleased(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"RoomReleased","room":{int_text(r[1])},"drained":{("true" if r[2] else "false")}}}\n'
 
 
+def body_RoomReleased(r: tuple[Any, ...]) -> str:
+    return f'"type":"RoomReleased","room":{int_text(r[1])},"drained":{("true" if r[2] else "false")}'
+
+
 def line_Target(r: tuple[Any, ...], seq: int, head: str) -> str:
     return f'{{"seq":{seq},{head}"type":"Target","session":{str_text(r[1])},"decode_rank":{int_text(r[2])},"total_pages":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"dst_port":{int_text(r[5])}}}\n'
+
+
+def body_Target(r: tuple[Any, ...]) -> str:
+    return f'"type":"Target","session":{str_text(r[1])},"decode_rank":{int_text(r[2])},"total_pages":{int_text(r[3])},"decode_prefix_len":{int_text(r[4])},"dst_port":{int_text(r[5])}'
 
 
 def event_line(r: tuple[Any, ...], seq: int, head: str) -> str:
@@ -507,6 +728,85 @@ def event_room(r: tuple[Any, ...]) -> Any:
     if tag == 35:
         return None
     raise KeyError(tag)
+
+
+def event_body(e: Any) -> str:
+    """``codec.BODY_TEXT[type(e)](e)``: the payload text of event ``e`` without braces
+    (``'"type":"Name",field...'``), from its row."""
+    cls = type(e)
+    if cls is MessageArrived:
+        return body_MessageArrived(reduce_MessageArrived(e))
+    if cls is DecodeRoomInit:
+        return body_DecodeRoomInit(reduce_DecodeRoomInit(e))
+    if cls is DecodeRoomRegister:
+        return body_DecodeRoomRegister(reduce_DecodeRoomRegister(e))
+    if cls is ScatterDone:
+        return body_ScatterDone(reduce_ScatterDone(e))
+    if cls is Tick:
+        return body_Tick(reduce_Tick(e))
+    if cls is RoomAborted:
+        return body_RoomAborted(reduce_RoomAborted(e))
+    if cls is RoomBootstrapped:
+        return body_RoomBootstrapped(reduce_RoomBootstrapped(e))
+    if cls is Prefetch:
+        return body_Prefetch(reduce_Prefetch(e))
+    if cls is SendKV:
+        return body_SendKV(reduce_SendKV(e))
+    if cls is WorkerPoll:
+        return body_WorkerPoll(reduce_WorkerPoll(e))
+    if cls is TransferDone:
+        return body_TransferDone(reduce_TransferDone(e))
+    if cls is SendFailed:
+        return body_SendFailed(reduce_SendFailed(e))
+    if cls is PeerPolled:
+        return body_PeerPolled(reduce_PeerPolled(e))
+    if cls is Send:
+        return body_Send(reduce_Send(e))
+    if cls is SendMetadata:
+        return body_SendMetadata(reduce_SendMetadata(e))
+    if cls is AbortNotice:
+        return body_AbortNotice(reduce_AbortNotice(e))
+    if cls is Allocated:
+        return body_Allocated(reduce_Allocated(e))
+    if cls is Freed:
+        return body_Freed(reduce_Freed(e))
+    if cls is WatermarkMoved:
+        return body_WatermarkMoved(reduce_WatermarkMoved(e))
+    if cls is StartScatter:
+        return body_StartScatter(reduce_StartScatter(e))
+    if cls is StartTransfer:
+        return body_StartTransfer(reduce_StartTransfer(e))
+    if cls is Deferred:
+        return body_Deferred(reduce_Deferred(e))
+    if cls is WorkerIdle:
+        return body_WorkerIdle(reduce_WorkerIdle(e))
+    if cls is WakeWorkers:
+        return body_WakeWorkers(reduce_WakeWorkers(e))
+    if cls is TargetsKnown:
+        return body_TargetsKnown(reduce_TargetsKnown(e))
+    if cls is ChunkQueued:
+        return body_ChunkQueued(reduce_ChunkQueued(e))
+    if cls is ChunkSkipped:
+        return body_ChunkSkipped(reduce_ChunkSkipped(e))
+    if cls is RoomConcluded:
+        return body_RoomConcluded(reduce_RoomConcluded(e))
+    if cls is RoomTornDown:
+        return body_RoomTornDown(reduce_RoomTornDown(e))
+    if cls is Dropped:
+        return body_Dropped(reduce_Dropped(e))
+    if cls is SetTimer:
+        return body_SetTimer(reduce_SetTimer(e))
+    if cls is RankCrashed:
+        return body_RankCrashed(reduce_RankCrashed(e))
+    if cls is GroupPoll:
+        return body_GroupPoll(reduce_GroupPoll(e))
+    if cls is RoomHeld:
+        return body_RoomHeld(reduce_RoomHeld(e))
+    if cls is RoomReleased:
+        return body_RoomReleased(reduce_RoomReleased(e))
+    if cls is Target:
+        return body_Target(reduce_Target(e))
+    raise TypeError(f"not a core event: {cls.__name__}")
 
 
 LINES: Final[dict[int, Any]] = {

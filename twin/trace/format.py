@@ -66,7 +66,7 @@ from twin.trace.encoder import (
 from twin.trace.index import Block, IndexWriter, index_path
 from twin.trace.rowenc import count_lines
 from twin.trace.rows import CID, REDUCE, field_pos, msg_room
-from twin.trace.scan import NUMBER_RE, LineSkipper
+from twin.trace.scan import NUMBER_RE, Kind, LineSkipper
 
 try:
     from orjson import loads as _fast_loads
@@ -963,6 +963,7 @@ class TraceReader:
                 i = 0
                 ahead = None  # the envelope match of the line after effect lines passed over
                 while i < n_lines:
+                    hit = None
                     if (skipper is not None and ahead is None and ended and not done
                             and self.first_t is not None):
                         j = skipper.run(lines, i, lineno, last_t, last_tb)
@@ -970,90 +971,101 @@ class TraceReader:
                             lineno = last_ok = lineno + j - i
                             last_t, last_tb = skipper.last_t, skipper.last_tb
                             i = j
-                            if i == n_lines:
+                            hit = skipper.hit
+                            if hit is None and i == n_lines:
                                 break
-                    raw = lines[i]
-                    i += 1
-                    lineno += 1
-                    if ahead is None:
-                        m = match(raw)
+                    if hit is not None:  # a wanted line, checked and counted natively
+                        raw = lines[i - 1]
+                        node, direction, rtype = hit.node, hit.direction, hit.rtype
+                        body_at = skipper.hit_at  # type: ignore[union-attr]
                     else:
-                        m, ahead = ahead, None
-                    if m is None or not ended or done:
-                        if done:
-                            if not ended and not raw.strip():
+                        raw = lines[i]
+                        i += 1
+                        lineno += 1
+                        if ahead is None:
+                            m = match(raw)
+                        else:
+                            m, ahead = ahead, None
+                        if m is None or not ended or done:
+                            if done:
+                                if not ended and not raw.strip():
+                                    break
+                                raise TraceError(f"{name}:{lineno}",
+                                                 "line after the Outcome record")
+                            rec = strict(raw, ended, lineno, last_t)
+                            if rec is None:
                                 break
-                            raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
-                        rec = strict(raw, ended, lineno, last_t)
-                        if rec is None:
-                            break
-                        if self.first_t is None:
-                            self.first_t = rec.t
-                        last_t, last_tb, last_ok = rec.t, b"", lineno
-                        k = (rec.node, rec.dir, rec.type)
-                        counts[k] = counts.get(k, 0) + 1
-                        done = self.outcome is not None
-                        if select is None or rec.dir == "sys" or rec.type in select:
-                            if (yield rec) is not None:  # skip_effects: not after a strict line
+                            if self.first_t is None:
+                                self.first_t = rec.t
+                            last_t, last_tb, last_ok = rec.t, b"", lineno
+                            k = (rec.node, rec.dir, rec.type)
+                            counts[k] = counts.get(k, 0) + 1
+                            done = self.outcome is not None
+                            if select is None or rec.dir == "sys" or rec.type in select:
+                                if (yield rec) is not None:  # skip_effects: not after a
+                                    yield False  # strict line
+                            elif passed is not None and rec.dir == "out":
+                                passed(rec.node, rec.body)
+                            continue
+                        seq_b, t_b, key = m.groups()
+                        if int(seq_b) != lineno - 2:
+                            raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
+                                             f"{seq_b.decode()} (seq must count 0, 1, 2, ... "
+                                             "without gaps)", "seq")
+                        if t_b != last_tb:
+                            t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
+                            if not t >= last_t or not math.isfinite(t):
+                                raise TraceError(
+                                    f"{name}:{lineno}", f"time goes backwards ({t!r} < "
+                                    f"{last_t!r})" if t < last_t else
+                                    f"expected a finite number, got {t_b.decode()}", "t")
+                            if self.first_t is None:
+                                self.first_t = t
+                            last_t, last_tb = t, t_b
+                        try:
+                            by_key[key] += 1
+                            node, direction, rtype, body_from_key, wanted = keys[key]
+                        except KeyError:
+                            keys[key] = self._envelope_key(key, lineno)
+                            by_key[key] = 1
+                            node, direction, rtype, body_from_key, wanted = keys[key]
+                            if skipper is not None and direction != "sys":
+                                skipper.add(key, Kind(
+                                    node, direction, rtype, body_from_key, wanted,
+                                    body_from_key if passed is not None and direction == "out"
+                                    and not wanted else -1))
+                        last_ok = lineno
+                        if direction == "sys":
+                            by_key[key] -= 1  # counted by the strict path
+                            rec = strict(raw, ended, lineno, last_t)
+                            assert rec is not None
+                            counts[(node, direction, rec.type)] = counts.get(
+                                (node, direction, rec.type), 0) + 1
+                            done = self.outcome is not None
+                            if (yield rec) is not None:  # skip_effects: not after a sys record
                                 yield False
-                        elif passed is not None and rec.dir == "out":
-                            passed(rec.node, rec.body)
-                        continue
-                    seq_b, t_b, key = m.groups()
-                    if int(seq_b) != lineno - 2:
-                        raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
-                                         f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
-                                         "gaps)", "seq")
-                    if t_b != last_tb:
-                        t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
-                        if not t >= last_t or not math.isfinite(t):
-                            raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
-                                             f"{last_t!r})" if t < last_t else
-                                             f"expected a finite number, got {t_b.decode()}", "t")
-                        if self.first_t is None:
-                            self.first_t = t
-                        last_t, last_tb = t, t_b
-                    try:
-                        by_key[key] += 1
-                        node, direction, rtype, body_from_key, wanted = keys[key]
-                    except KeyError:
-                        keys[key] = self._envelope_key(key, lineno)
-                        by_key[key] = 1
-                        node, direction, rtype, body_from_key, wanted = keys[key]
-                        if skipper is not None and not wanted and direction != "sys":
-                            skipper.add(key, node, body_from_key if passed is not None
-                                        and direction == "out" else -1)
-                    last_ok = lineno
-                    if direction == "sys":
-                        by_key[key] -= 1  # counted by the strict path
-                        rec = strict(raw, ended, lineno, last_t)
-                        assert rec is not None
-                        counts[(node, direction, rec.type)] = counts.get(
-                            (node, direction, rec.type), 0) + 1
-                        done = self.outcome is not None
-                        if (yield rec) is not None:  # skip_effects: not after a sys record
-                            yield False
-                    elif not wanted:
-                        if passed is not None and direction == "out":
-                            passed(node, raw[m.start(3) + body_from_key:-1])
-                    else:
-                        effects = yield Record(lineno - 2, last_t, node, direction, rtype, None,
-                                               None, lineno, raw, m.start(3) + body_from_key,
-                                               self)
-                        if effects is not None:  # RecordStream.skip_effects
-                            ahead = _written_next(
-                                lines, lineno - base, effects, lineno - 1,
-                                f'"t":{last_t!r},"node":"{node}","dir":"out",'
-                            ) if direction == "in" else None
-                            skip = ahead is not None
-                            if skip:
-                                n = len(effects)
-                                i += n
-                                lineno = last_ok = lineno + n
-                                for e in effects:
-                                    k = (node, "out", type(e).__name__)
-                                    counts[k] = counts.get(k, 0) + 1
-                            yield skip
+                            continue
+                        if not wanted:
+                            if passed is not None and direction == "out":
+                                passed(node, raw[m.start(3) + body_from_key:-1])
+                            continue
+                        body_at = m.start(3) + body_from_key
+                    effects = yield Record(lineno - 2, last_t, node, direction, rtype, None, None,
+                                           lineno, raw, body_at, self)
+                    if effects is not None:  # RecordStream.skip_effects
+                        ahead = _written_next(
+                            lines, lineno - base, effects, lineno - 1,
+                            f'"t":{last_t!r},"node":"{node}","dir":"out",'
+                        ) if direction == "in" else None
+                        skip = ahead is not None
+                        if skip:
+                            n = len(effects)
+                            i += n
+                            lineno = last_ok = lineno + n
+                            for e in effects:
+                                k = (node, "out", type(e).__name__)
+                                counts[k] = counts.get(k, 0) + 1
+                        yield skip
         finally:
             if skipper is not None:
                 skipper.add_counts(by_key)

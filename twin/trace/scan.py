@@ -61,11 +61,18 @@ def is_number(raw: bytes, p: int, end: int) -> bool:
 
 
 class Kind:
-    """A kind of line ``LineSkipper`` passes over: its node, where its payload starts in its
-    node/dir/type text (-1: the payload goes nowhere) and how many it passed over."""
+    """A kind of line ``LineSkipper`` knows (by its node/dir/type text): its node, dir and
+    type, where its payload starts in that text, whether the reader hands such lines on
+    (``wanted``), where the payload goes to ``passed`` from (-1: it does not) and how many it
+    passed over or handed on."""
 
-    def __init__(self, node: str, at: int) -> None:
+    def __init__(self, node: str, direction: str, rtype: str, body_from_key: int,
+                 wanted: bool, at: int) -> None:
         self.node = node
+        self.direction = direction
+        self.rtype = rtype
+        self.body_from_key = body_from_key
+        self.wanted = wanted
         self.at = at
         self.n = 0
 
@@ -74,19 +81,22 @@ class LineSkipper:
     """Checks and counts runs of lines a select reader passes over (module docstring).
 
     It passes over lines whose envelope's node/dir/type text (``_ENV_RE``'s third group) was
-    ``add``-ed (with where the payload starts in that text when it goes to ``passed``, an
-    effect line's with ``passed`` set, else -1); ``add_counts`` adds how many of each it
-    passed over to a reader's count by that text."""
+    ``add``-ed as not wanted (their payload going to ``passed`` where ``Kind.at`` says), and
+    stops after a line of a wanted kind, checked and counted: ``hit`` is then its kind and
+    ``hit_at`` where its payload starts in the line (None when it stopped otherwise).
+    ``add_counts`` adds how many of each kind it met to a reader's count by that text."""
 
     def __init__(self, passed: Callable[[str, bytes], None] | None) -> None:
         self.skip: dict[bytes, Kind] = {}
         self.passed = passed
         self.last_t = 0.0
         self.last_tb = b""
+        self.hit: Kind | None = None
+        self.hit_at = 0
 
-    def add(self, key: bytes, node: str, at: int) -> None:
-        """Pass over lines of node/dir/type text ``key`` from now on."""
-        self.skip[key] = Kind(node, at)
+    def add(self, key: bytes, kind: Kind) -> None:
+        """Know lines of node/dir/type text ``key`` from now on."""
+        self.skip[key] = kind
 
     def add_counts(self, by_key: dict[bytes, int]) -> None:
         """Add the lines passed over to ``by_key`` (node/dir/type text -> lines)."""
@@ -98,11 +108,12 @@ class LineSkipper:
     def run(self, lines: list[bytes], i: int, lineno: int, last_t: float,
             last_tb: bytes) -> int:
         """Pass over ``lines[i:]`` (``lines[i]`` being line ``lineno + 1``, the line before at
-        time ``last_t``, written ``last_tb``) while each is such a line; the index of the first
-        that is not (``len(lines)`` at the end). ``last_t``/``last_tb`` are then the last
-        line's."""
+        time ``last_t``, written ``last_tb``) while each is such a line, up to a line of a
+        wanted kind included; the index after the last line taken (``len(lines)`` at the end).
+        ``last_t``/``last_tb`` are then the last line's."""
         skip = self.skip
         passed = self.passed
+        self.hit = None
         n_lines = len(lines)
         while i < n_lines:
             raw = lines[i]
@@ -162,9 +173,13 @@ class LineSkipper:
                 last_tb = t_b
             lineno += 1
             kind.n += 1
+            i += 1
+            if kind.wanted:
+                self.hit = kind
+                self.hit_at = k0 + kind.body_from_key
+                break
             if kind.at >= 0 and passed is not None:
                 passed(kind.node, raw[k0 + kind.at:size - 1])
-            i += 1
         self.last_t = last_t
         self.last_tb = last_tb
         return i
