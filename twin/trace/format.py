@@ -51,6 +51,7 @@ from twin.trace.codec import (
     LINE_TEXT,
     MESSAGE_KINDS,
     TraceError,
+    _Lazy,
     event_from_json,
     field_specs,
 )
@@ -1118,7 +1119,7 @@ class TraceReader:
                      self.truncated, self.warnings)
 
 
-_EFFECT_LINE = {cls: LINE_TEXT[cls] for cls in ev.EFFECT_TYPES}
+_EFFECT_LINE = _Lazy(LINE_TEXT.__getitem__, ev.EFFECT_TYPES)
 
 
 def _written_next(lines: list[bytes], start: int, effects: Sequence[Any], seq: int,
