@@ -94,9 +94,12 @@ class _Builders(dict):  # type: ignore[type-arg]
         return fn
 
 
-BUILD: dict[int, Callable[[Row], Any]] = _Builders()
+BUILD: dict[int, Callable[[Row], Any]] = (
+    _Builders() if str(reducers.__file__).endswith(".py") else dict(reducers.BUILDERS))
 """Tag -> ``row -> object``: the inverse of ``REDUCE`` (``BUILD[r[0]](r)`` equals the object
-the row was reduced from), for a process that receives events as rows."""
+the row was reduced from), for a process that receives events as rows. Compiled with the core,
+the generated ``reducers.BUILDERS`` (the classes called natively); interpreted, functions made
+on first use that set the objects' slots (a frozen dataclass's ``__init__`` costs more there)."""
 
 
 LINE_OF_ROW: dict[int, Callable[[Row, int, str], str]] = dict(emitters.LINES)
