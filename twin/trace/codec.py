@@ -630,7 +630,7 @@ def event_from_json(d: Any, *, where: str) -> Any:
     if type(d) is not dict:
         raise TraceError(where, f"expected an event object, got {_describe(d)}")
     name = d.get("type")
-    fast = _FAST_EVENT.get(name) if type(name) is str else None
+    fast = _FAST_EVENT[name] if type(name) is str and name in ev.EVENT_TYPES else None
     if fast is not None:
         obj = fast(d)
         if obj is not None:

@@ -638,7 +638,7 @@ class Record:
                 d = _fast_loads(self.raw)
             except ValueError:
                 d = None
-            dec = FAST_LINE_DECODERS.get(self.type)
+            dec = FAST_LINE_DECODERS[self.type] if self.type in ev.EVENT_TYPES else None
             if type(d) is dict and dec is not None:
                 event = dec(d)
         if event is None:
