@@ -1,9 +1,9 @@
-"""Regenerate ``twin/core/factories.py`` and ``twin/trace/reducers.py`` from the event and
-frame dataclasses.
+"""Regenerate ``twin/core/factories.py``, ``twin/trace/reducers.py`` and
+``twin/trace/emitters.py`` from the event and frame dataclasses.
 
 Run after changing a field of an event or frame (or ``twin.core.fastinit.FACTORY_CLASSES``):
-``python scripts/generate_factories.py``. ``tests/core/test_fastinit.py`` and
-``tests/trace/test_rows.py`` fail until then.
+``python scripts/generate_factories.py``. ``tests/core/test_fastinit.py``,
+``tests/trace/test_rows.py`` and ``tests/trace/test_emitters.py`` fail until then.
 """
 
 from __future__ import annotations
@@ -24,3 +24,7 @@ from twin.trace.reducegen import REDUCERS_PATH, reducers_source  # noqa: E402
 
 REDUCERS_PATH.write_text(reducers_source())
 print(f"wrote {REDUCERS_PATH}")
+from twin.trace.emitgen import EMITTERS_PATH, emitters_source  # noqa: E402
+
+EMITTERS_PATH.write_text(emitters_source())
+print(f"wrote {EMITTERS_PATH}")

@@ -96,9 +96,11 @@ def test_traces_are_byte_identical_to_pure_python(built: Path, tmp_path: Path,
         proc = _run(built, "-m", "twin", "sim", *args, "--trace-out", str(trace), "--json",
                     pure=pure)
         assert proc.returncode in (0, 3, 4, 5), proc.stderr
-        outs.append((proc.returncode, trace.read_bytes()))
+        outs.append((proc.returncode, trace.read_bytes(),
+                     Path(f"{trace}.idx").read_bytes()))  # its live state included
     assert outs[0][0] == outs[1][0]
     assert outs[0][1] == outs[1][1]
+    assert outs[0][2] == outs[1][2]
     assert len(outs[0][1]) > 1000
 
 
@@ -125,7 +127,8 @@ def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
         "test_defects.py", "test_states.py", "test_pickle.py")] + [
         f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py",
                                           "test_calendar.py")] + [
-        "tests/trace/test_rows.py"] + [
+        "tests/trace/test_rows.py", "tests/trace/test_emitters.py",
+        "tests/trace/test_scan.py", "tests/trace/test_parallel.py"] + [
         "tests/test_path.py"]
     proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                 *files)

@@ -3,10 +3,15 @@ build back to the objects they came from."""
 
 from __future__ import annotations
 
+import marshal
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from test_format import ANY_EVENT
 
 from twin.core import events as ev
 from twin.core import factories, wire
+from twin.trace import reducers
 from twin.trace.reducegen import REDUCERS_PATH, reducers_source
 from twin.trace.reducers import reduce_message
 from twin.trace.rows import BUILD, CID, REDUCE
@@ -37,6 +42,16 @@ def test_a_row_builds_back_to_its_object(obj: object) -> None:
     row = REDUCE[type(obj)](obj)
     assert row[0] == CID[type(obj)]
     assert BUILD[row[0]](row) == obj
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ANY_EVENT)
+def test_the_generated_builders_build_any_row_back(event: object) -> None:
+    """``reducers.BUILDERS``, ``BUILD`` where the core is compiled, also in the interpreter."""
+    row = marshal.loads(marshal.dumps(REDUCE[type(event)](event)))
+    built = reducers.BUILDERS[row[0]](row)
+    assert type(built) is type(event) and built == event
+    assert BUILD[row[0]](row) == event
 
 
 def test_a_float_that_is_not_finite_is_refused() -> None:

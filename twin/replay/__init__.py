@@ -28,8 +28,9 @@ from twin.runtime.diagnosis import diagnose, note_fault_record
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
-from twin.trace.codec import BODY_TEXT, event_to_json
+from twin.trace.codec import event_to_json
 from twin.trace.compat import comparable
+from twin.trace.emitters import event_body
 from twin.trace.format import (
     FORMAT_VERSION,
     Record,
@@ -216,7 +217,7 @@ class Replayer:
         same = len(effects) == len(recorded)
         if same:
             for e, r in zip(effects, recorded):  # noqa: B905 - equal lengths
-                if BODY_TEXT[type(e)](e).encode() != r.body:
+                if event_body(e).encode() != r.body:
                     same = False
                     break
         if not same:

@@ -25,7 +25,7 @@ import pickle
 import signal
 from typing import TYPE_CHECKING, Any
 
-from twin.trace.codec import BODY_TEXT
+from twin.trace.emitters import event_body
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
 from twin.trace.rows import BUILD
@@ -117,9 +117,8 @@ def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -
             if item[0] == _INPUT:  # the effects' text, and what the replay observes of them
                 _, t, node, row = item
                 for e in feed(ranks[node], node, BUILD[row[0]](row), t):
-                    cls = type(e)
-                    add(BODY_TEXT[cls](e))
-                    if cls in observers:
+                    add(event_body(e))
+                    if type(e) in observers:
                         observe(node, e)
                 add(SEP)
             else:

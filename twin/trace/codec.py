@@ -23,7 +23,7 @@ import math
 import operator
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from json import encoder as json_encoder
 from typing import Any, Union
 
@@ -164,6 +164,30 @@ def field_specs(cls: type) -> tuple[FieldSpec, ...]:
     return _SPECS[cls]
 
 
+class _Lazy(dict):  # type: ignore[type-arg]
+    """A table of generated functions, each made on first use (``make(key)``; None where
+    there is none) for the keys in ``keys``: a process compiles only what it calls (most
+    commands call a few of them, or none). ``get`` makes the entry too."""
+
+    def __init__(self, make: Callable[[Any], Any], keys: Iterable[Any]) -> None:
+        super().__init__()
+        self._make = make
+        self._keys = frozenset(keys)
+
+    def __missing__(self, key: Any) -> Any:
+        if key not in self._keys:
+            raise KeyError(key)
+        value = self[key] = self._make(key)
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            value = self[key]
+        except KeyError:
+            return default
+        return default if value is None else value
+
+
 # ---------------------------------------------------------------------------------------------
 # Encoding: one generated function per class
 # ---------------------------------------------------------------------------------------------
@@ -195,16 +219,13 @@ def _make_encoder(cls: type, tag_key: str, tag: str) -> Callable[[Any], dict[str
     return scope["enc"]
 
 
-_MSG_ENC: dict[type, Callable[[Any], dict[str, Any]]] = {}
-_ENC_BY_NAME: dict[str, Callable[[Any], dict[str, Any]]] = {}
-for _kind, _mcls in MESSAGE_KINDS.items():
-    _MSG_ENC[_mcls] = _make_encoder(_mcls, "kind", _kind)
-for _name, _ecls in ev.EVENT_TYPES.items():
-    _ENC_BY_NAME[_name] = _make_encoder(_ecls, "type", _name)
-ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
-    ev.EVENT_TYPES[n]: f for n, f in _ENC_BY_NAME.items()
-}
-"""Event class -> encoder; the writer's hot path looks classes up here directly."""
+_MSG_ENC: dict[type, Callable[[Any], dict[str, Any]]] = _Lazy(
+    lambda cls: _make_encoder(cls, "kind", _KIND_OF[cls]), MESSAGE_KINDS.values())
+_ENC_BY_NAME: dict[str, Callable[[Any], dict[str, Any]]] = _Lazy(
+    lambda name: _make_encoder(ev.EVENT_TYPES[name], "type", name), ev.EVENT_TYPES)
+ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = _Lazy(
+    lambda cls: _ENC_BY_NAME[cls.__name__], ev.EVENT_TYPES.values())
+"""Event class -> encoder (made on first use)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,9 +276,9 @@ def _msg_text(m: Any) -> str:
         raise TypeError(f"not a control message: {type(m).__name__}") from None
 
 
-def _value_fn(spec: Spec, rows: bool = False) -> Callable[[Any], str]:
-    """``value -> JSON text`` for any field spec (used for the composite kinds); ``rows``: the
-    value as a row holds it (``twin.trace.rows``: enums by name, nested objects as rows)."""
+def _value_fn(spec: Spec) -> Callable[[Any], str]:
+    """``value -> JSON text`` for any field spec (used for the composite kinds); the text of a
+    row's values is generated as source (``twin.trace.emitgen``)."""
     kind = spec[0]
     if kind == "int":
         return repr
@@ -268,43 +289,29 @@ def _value_fn(spec: Spec, rows: bool = False) -> Callable[[Any], str]:
     if kind == "float":
         return _float_text
     if kind == "opt":
-        inner = _value_fn(spec[1], rows)
+        inner = _value_fn(spec[1])
         return lambda v: "null" if v is None else inner(v)
     if kind == "list":
-        inner = _value_fn(spec[1], rows)
+        inner = _value_fn(spec[1])
         return lambda v: "[" + ",".join(map(inner, v)) + "]"
     if kind == "enum":
-        if rows:
-            return _str_text
         enum_cls = spec[1]
         return lambda v: '"' + enum_cls(v).name + '"'
     if kind == "msg":
-        return _row_msg_text if rows else _msg_text
+        return _msg_text
     if kind == "event":
-        if rows:
-            return lambda v: ROW_TEXT[v[0]](v)
         cls = spec[1]
         return lambda v: _TEXT[cls](v)
     raise AssertionError(spec)
 
 
-ROW_TEXT: dict[int, Callable[[tuple[Any, ...]], str]] = {}
-"""Row tag (``twin.trace.rows.CID``) of a message or nested object -> ``row -> JSON text``
-(with braces); filled by ``twin.trace.rows``."""
-
-
-def _row_msg_text(r: tuple[Any, ...]) -> str:
-    return ROW_TEXT[r[0]](r)
-
-
-def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any],
-                rows: bool = False) -> str:
+def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any]) -> str:
     """The inside of an f-string (no quotes) writing ``"tag":..., fields`` of ``o`` (an
-    object), or with ``rows`` of ``r`` (its row: field ``i`` at ``r[i + 1]``)."""
+    object)."""
     out = [f'"{tag_key}":"{tag}"']
     for i, f in enumerate(_SPECS[cls]):
         kind = f.spec[0]
-        value = f"r[{i + 1}]" if rows else f"o.{f.name}"
+        value = f"o.{f.name}"
         if kind == "int":
             expr = f"{{{value}}}"
         elif kind == "str":
@@ -313,10 +320,10 @@ def _text_parts(cls: type, tag_key: str, tag: str, scope: dict[str, Any],
             expr = f'{{"true" if {value} else "false"}}'
         elif kind == "float":
             expr = f"{{_f({value})}}"
-        elif kind == "msg" and not rows:
+        elif kind == "msg":
             expr = f"{{_m[type({value})]({value})}}"
         else:
-            scope[f"_v{i}"] = _value_fn(f.spec, rows)
+            scope[f"_v{i}"] = _value_fn(f.spec)
             expr = f"{{_v{i}({value})}}"
         out.append(f'"{f.name}":{expr}')
     return ",".join(out)
@@ -354,13 +361,14 @@ def _make_line(cls: type) -> tuple[Callable[[Any, int, str], str], Callable[[Any
     return line, body
 
 
-LINE_TEXT: dict[type, Callable[[Any, int, str], str]] = {}
+LINE_TEXT: dict[type, Callable[[Any, int, str], str]] = _Lazy(
+    lambda cls: _make_line(cls)[0], ev.EVENT_TYPES.values())
 """Event class -> ``(event, seq, head) -> line``: one whole trace line, ``head`` being the
-envelope after ``seq`` (``'"t":0.5,"node":"p0g0r0","dir":"out",'``)."""
-BODY_TEXT: dict[type, Callable[[Any], str]] = {}
-"""Event class -> ``event -> '"type":"Name",field...'``: the payload of a line without braces."""
-for _ecls in ev.EVENT_TYPES.values():
-    LINE_TEXT[_ecls], BODY_TEXT[_ecls] = _make_line(_ecls)
+envelope after ``seq`` (``'"t":0.5,"node":"p0g0r0","dir":"out",'``); made on first use."""
+BODY_TEXT: dict[type, Callable[[Any], str]] = _Lazy(
+    lambda cls: _make_line(cls)[1], ev.EVENT_TYPES.values())
+"""Event class -> ``event -> '"type":"Name",field...'``: the payload of a line without braces
+(made on first use)."""
 
 
 def event_text(obj: Any) -> str:
@@ -589,11 +597,14 @@ for _rows, _msgs, _nested in ((False, _FAST_MSG, _FAST_NESTED),
             return _dec(x)
 
         _nested[ev.Target] = _fast_target
-_FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = {}
-FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {}
+_FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = _Lazy(
+    lambda name: _make_fast(ev.EVENT_TYPES[name]), ev.EVENT_TYPES)
+FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = _Lazy(
+    lambda name: _make_fast(ev.EVENT_TYPES[name], extra=4), ev.EVENT_TYPES)
 """Type name -> ``decode(line dict)``: the event of a whole parsed line (envelope keys ``seq``,
 ``t``, ``node``, ``dir`` included) when it is complete and well typed, else None (then
-``event_from_json`` on the payload names the problem)."""
+``event_from_json`` on the payload names the problem). Made on first use: look up with
+``get`` (None for a type without one)."""
 
 
 class _LineRowDecoders(dict):  # type: ignore[type-arg]
@@ -609,13 +620,6 @@ FAST_LINE_ROWS: dict[str, Callable[[dict[str, Any]], Any] | None] = _LineRowDeco
 """Type name -> ``row(line dict)``: as ``FAST_LINE_DECODERS``, the event's row instead
 (``REDUCE`` of the event it would decode), or None; the entry itself is None for a type
 without a fast decoder. Look up with ``[]`` (made on first use)."""
-for _name, _ecls in ev.EVENT_TYPES.items():
-    _dec = _make_fast(_ecls)
-    if _dec is not None:
-        _FAST_EVENT[_name] = _dec
-    _dec = _make_fast(_ecls, extra=4)
-    if _dec is not None:
-        FAST_LINE_DECODERS[_name] = _dec
 
 
 def event_from_json(d: Any, *, where: str) -> Any:
@@ -626,7 +630,7 @@ def event_from_json(d: Any, *, where: str) -> Any:
     if type(d) is not dict:
         raise TraceError(where, f"expected an event object, got {_describe(d)}")
     name = d.get("type")
-    fast = _FAST_EVENT.get(name) if type(name) is str else None
+    fast = _FAST_EVENT[name] if type(name) is str and name in ev.EVENT_TYPES else None
     if fast is not None:
         obj = fast(d)
         if obj is not None:

@@ -18,148 +18,25 @@ Items, in trace order:
 A ``RowEncoder`` fed the same items writes the same bytes, wherever it runs: blocks end after
 an input's effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` lines after
 an input, after a driver record once ``flush_every`` are buffered, and at every ``None``.
+``RowEncoder`` itself lives in ``twin.trace.rowenc`` (compiled with the core).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import marshal
 import os
 import pickle
 import signal
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-from twin.trace.blocks import BlockSink
-from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter, LiveState
-from twin.trace.rows import row_emitters
+from twin.trace.rowenc import DRIVER, JSON_TEXT, RowEncoder
 
 __all__ = ["DRIVER", "JSON_TEXT", "EncoderProcess", "RowEncoder", "can_fork"]
-
-DRIVER = "driver"
-"""The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
-JSON_TEXT = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False).encode
-"""Compact JSON text as the trace writes it (header, driver records)."""
-
-
-class RowEncoder:
-    """Items -> lines -> blocks written to ``sink`` (and described to ``index``)."""
-
-    def __init__(self, sink: BlockSink, index: IndexWriter | None,
-                 nodes: Mapping[str, Any], flush_every: int) -> None:
-        self._sink = sink
-        self._index = index
-        self.flush_every = flush_every
-        self._hard_limit = 2 * flush_every
-        self._pin = {n: f'"node":{json.dumps(n)},"dir":"in",' for n in nodes}
-        self._pout = {n: f'"node":{json.dumps(n)},"dir":"out",' for n in nodes}
-        self._psys = {n: f'"node":{json.dumps(n)},"dir":"sys",' for n in nodes}
-        self._psys[DRIVER] = f'"node":"{DRIVER}","dir":"sys",'
-        self._seq = 0
-        self._t = 0.0
-        self._tt = '"t":0.0,'
-        self._buf: list[str] = []
-        self._rooms: set[Any] = set()
-        self._live = LiveState()
-        self._emit = row_emitters(self._buf.append, self._rooms.add, self._live.hooks)
-        self._blk_seq = 0
-        self._blk_t0 = 0.0
-        self._blocks = 0
-        self._state: str | None = '{"alloc":{},"lines":[]}'
-
-    def feed(self, items: list[Any]) -> None:
-        """Encode ``items`` (see the module docstring), writing every block they complete."""
-        buf, emit, flush_every = self._buf, self._emit, self.flush_every
-        for item in items:
-            if item is None:
-                self._drain()
-                continue
-            t = item[0]
-            if t != self._t:
-                self._t = t = float(t)
-                self._tt = f'"t":{t!r},'
-            if len(item) == 5:
-                self._sys(item)
-                continue
-            _, node, row, effects = item
-            seq = self._seq
-            if row is not None:
-                if not buf:
-                    self._blk_seq, self._blk_t0 = seq, self._t
-                emit[row[0]](row, seq, self._tt + self._pin[node], node)
-                seq += 1
-                if len(buf) >= self._hard_limit:
-                    self._drain()
-            if effects is not None:
-                if not buf:
-                    self._blk_seq, self._blk_t0 = seq, self._t
-                head = self._tt + self._pout[node]
-                for r in effects:
-                    emit[r[0]](r, seq, head, node)
-                    seq += 1
-                if len(buf) >= flush_every:
-                    self._drain()
-            self._seq = seq
-
-    def _sys(self, item: tuple[Any, ...]) -> None:
-        _, node, rtype, room, record = item
-        seq = self._seq
-        if not self._buf:
-            self._blk_seq, self._blk_t0 = seq, self._t
-        line = f'{{"seq":{seq},{self._tt}{self._psys[node]}{JSON_TEXT(record)[1:]}\n'
-        self._buf.append(line)
-        if room is not None:
-            self._rooms.add(room)
-        hook = self._live.sys_hooks.get(rtype)
-        if hook is not None:
-            hook(node, room, seq, line)
-        self._seq = seq + 1
-        if len(self._buf) >= self.flush_every:
-            self._drain()
-
-    def _drain(self) -> None:
-        buf = self._buf
-        if not buf:
-            return
-        rooms = self._rooms
-        rooms.discard(None)
-        meta = BlockMeta(self._blk_seq, len(buf), self._blk_t0, self._t, sorted(rooms),
-                         self._state)
-        data = "".join(buf).encode("utf-8")
-        buf.clear()
-        rooms.clear()
-        self._blocks += 1
-        self._state = self._live.snapshot_text() if self._blocks % STATE_EVERY == 0 else None
-        self._sink.write(data, meta)
-
-    def flush(self) -> None:
-        """End the block here and wait until every block is in the file."""
-        self._drain()
-        self._sink.flush()
-
-    def close(self) -> None:
-        """Write the last block and close the file and the index."""
-        try:
-            self._drain()
-        finally:
-            try:
-                self._sink.close()
-            finally:
-                if self._index is not None:
-                    self._index.close()
-
-    def abandon(self) -> None:
-        """Close the files without writing what is buffered (after an error)."""
-        with contextlib.suppress(Exception):
-            self._sink.close()
-        if self._index is not None:
-            with contextlib.suppress(Exception):
-                self._index.close()
-
 
 # ---------------------------------------------------------------------------------------------
 # The encoder in a child process

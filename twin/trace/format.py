@@ -41,6 +41,7 @@ from typing import Any, cast
 from twin.core import events as ev
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import CATALOG
+from twin.trace import scan
 from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
@@ -50,6 +51,7 @@ from twin.trace.codec import (
     LINE_TEXT,
     MESSAGE_KINDS,
     TraceError,
+    _Lazy,
     event_from_json,
     field_specs,
 )
@@ -63,7 +65,9 @@ from twin.trace.encoder import (
     sigint_deferred,
 )
 from twin.trace.index import Block, IndexWriter, index_path
+from twin.trace.rowenc import count_lines
 from twin.trace.rows import CID, REDUCE, field_pos, msg_room
+from twin.trace.scan import NUMBER_RE, Kind, LineSkipper
 
 try:
     from orjson import loads as _fast_loads
@@ -296,13 +300,6 @@ def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
 _REDUCE_CONCLUDED = REDUCE[ev.RoomConcluded]
 
 
-def _item_lines(item: tuple[Any, ...]) -> int:
-    """How many trace lines an encoder item (``twin.trace.encoder``) becomes."""
-    if len(item) == 5:
-        return 1
-    return (item[2] is not None) + (0 if item[3] is None else len(item[3]))
-
-
 class TraceWriter:
     """Streams one trace to ``path``: gzip when the name ends in ``.gz``, zstd for ``.zst``,
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
@@ -385,7 +382,7 @@ class TraceWriter:
     # -- hot path ----------------------------------------------------------------------------
     def _where(self) -> str:
         """``path:line`` of the next line (exact: counts the items not yet handed on)."""
-        return f"{self.path}:{self._seq + sum(map(_item_lines, self._items)) + 2}"
+        return f"{self.path}:{self._seq + count_lines(self._items) + 2}"
 
     def _set_time(self, t: float) -> None:
         t = float(t)
@@ -467,7 +464,7 @@ class TraceWriter:
             items = self._items[:]  # the list itself stays: a runtime appends to it (row_sink)
             self._items.clear()
             if items:
-                self._seq += sum(map(_item_lines, items))
+                self._seq += count_lines(items)
                 t = items[-1][0]
                 if t > self._t:
                     self._t = float(t)
@@ -641,7 +638,7 @@ class Record:
                 d = _fast_loads(self.raw)
             except ValueError:
                 d = None
-            dec = FAST_LINE_DECODERS.get(self.type)
+            dec = FAST_LINE_DECODERS[self.type] if self.type in ev.EVENT_TYPES else None
             if type(d) is dict and dec is not None:
                 event = dec(d)
         if event is None:
@@ -741,7 +738,10 @@ def _unbatch(batches: Iterator[tuple[list[bytes], bool]]) -> Iterator[tuple[byte
 _ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),'
                      rb'("node":"[A-Za-z0-9_-]+","dir":"(?:in|out|sys)","type":"[A-Za-z_]+")[,}]')
 """The envelope as the writer writes it: seq, t, and node/dir/type as one group."""
-_NUMBER_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+_NUMBER_RE = NUMBER_RE
+SKIP_NATIVELY = not str(scan.__file__).endswith(".py")
+"""Whether select readers pass over the lines they do not hand on with ``scan.LineSkipper``:
+where it is compiled (``twin compile``); interpreted, ``_ENV_RE`` is the faster check."""
 _KEY_RE = re.compile(rb'"node":"([^"]+)","dir":"([a-z]+)","type":"([A-Za-z_]+)"')
 
 
@@ -955,90 +955,121 @@ class TraceReader:
         lineno = last_ok = self._first_seq + 1
         strict = self._strict
         done = False  # the Outcome was read
+        # lines of a kind neither selected nor sys, passed over natively (twin.trace.scan)
+        skipper = LineSkipper(passed) if select is not None and SKIP_NATIVELY else None
         try:
             for lines, ended in self._it:
                 base = lineno  # lines[i] is line base + 1 + i
-                it = iter(lines)
+                n_lines = len(lines)
+                i = 0
                 ahead = None  # the envelope match of the line after effect lines passed over
-                for raw in it:
-                    lineno += 1
-                    if ahead is None:
-                        m = match(raw)
-                    else:
-                        m, ahead = ahead, None
-                    if m is None or not ended or done:
-                        if done:
-                            if not ended and not raw.strip():
+                while i < n_lines:
+                    hit = None
+                    if (skipper is not None and ahead is None and ended and not done
+                            and self.first_t is not None):
+                        j = skipper.run(lines, i, lineno, last_t, last_tb)
+                        if j != i:
+                            lineno = last_ok = lineno + j - i
+                            last_t, last_tb = skipper.last_t, skipper.last_tb
+                            i = j
+                            hit = skipper.hit
+                            if hit is None and i == n_lines:
                                 break
-                            raise TraceError(f"{name}:{lineno}", "line after the Outcome record")
-                        rec = strict(raw, ended, lineno, last_t)
-                        if rec is None:
-                            break
-                        if self.first_t is None:
-                            self.first_t = rec.t
-                        last_t, last_tb, last_ok = rec.t, b"", lineno
-                        k = (rec.node, rec.dir, rec.type)
-                        counts[k] = counts.get(k, 0) + 1
-                        done = self.outcome is not None
-                        if select is None or rec.dir == "sys" or rec.type in select:
-                            if (yield rec) is not None:  # skip_effects: not after a strict line
-                                yield False
-                        elif passed is not None and rec.dir == "out":
-                            passed(rec.node, rec.body)
-                        continue
-                    seq_b, t_b, key = m.groups()
-                    if int(seq_b) != lineno - 2:
-                        raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
-                                         f"{seq_b.decode()} (seq must count 0, 1, 2, ... without "
-                                         "gaps)", "seq")
-                    if t_b != last_tb:
-                        t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
-                        if not t >= last_t or not math.isfinite(t):
-                            raise TraceError(f"{name}:{lineno}", f"time goes backwards ({t!r} < "
-                                             f"{last_t!r})" if t < last_t else
-                                             f"expected a finite number, got {t_b.decode()}", "t")
-                        if self.first_t is None:
-                            self.first_t = t
-                        last_t, last_tb = t, t_b
-                    try:
-                        by_key[key] += 1
-                        node, direction, rtype, body_from_key, wanted = keys[key]
-                    except KeyError:
-                        keys[key] = self._envelope_key(key, lineno)
-                        by_key[key] = 1
-                        node, direction, rtype, body_from_key, wanted = keys[key]
-                    last_ok = lineno
-                    if direction == "sys":
-                        by_key[key] -= 1  # counted by the strict path
-                        rec = strict(raw, ended, lineno, last_t)
-                        assert rec is not None
-                        counts[(node, direction, rec.type)] = counts.get(
-                            (node, direction, rec.type), 0) + 1
-                        done = self.outcome is not None
-                        if (yield rec) is not None:  # skip_effects: not after a sys record
-                            yield False
-                    elif not wanted:
-                        if passed is not None and direction == "out":
-                            passed(node, raw[m.start(3) + body_from_key:-1])
+                    if hit is not None:  # a wanted line, checked and counted natively
+                        raw = lines[i - 1]
+                        node, direction, rtype = hit.node, hit.direction, hit.rtype
+                        body_at = skipper.hit_at  # type: ignore[union-attr]
                     else:
-                        effects = yield Record(lineno - 2, last_t, node, direction, rtype, None,
-                                               None, lineno, raw, m.start(3) + body_from_key,
-                                               self)
-                        if effects is not None:  # RecordStream.skip_effects
-                            ahead = _written_next(
-                                lines, lineno - base, effects, lineno - 1,
-                                f'"t":{last_t!r},"node":"{node}","dir":"out",'
-                            ) if direction == "in" else None
-                            skip = ahead is not None
-                            if skip:
-                                n = len(effects)
-                                next(itertools.islice(it, n - 1, n))
-                                lineno = last_ok = lineno + n
-                                for e in effects:
-                                    k = (node, "out", type(e).__name__)
-                                    counts[k] = counts.get(k, 0) + 1
-                            yield skip
+                        raw = lines[i]
+                        i += 1
+                        lineno += 1
+                        if ahead is None:
+                            m = match(raw)
+                        else:
+                            m, ahead = ahead, None
+                        if m is None or not ended or done:
+                            if done:
+                                if not ended and not raw.strip():
+                                    break
+                                raise TraceError(f"{name}:{lineno}",
+                                                 "line after the Outcome record")
+                            rec = strict(raw, ended, lineno, last_t)
+                            if rec is None:
+                                break
+                            if self.first_t is None:
+                                self.first_t = rec.t
+                            last_t, last_tb, last_ok = rec.t, b"", lineno
+                            k = (rec.node, rec.dir, rec.type)
+                            counts[k] = counts.get(k, 0) + 1
+                            done = self.outcome is not None
+                            if select is None or rec.dir == "sys" or rec.type in select:
+                                if (yield rec) is not None:  # skip_effects: not after a
+                                    yield False  # strict line
+                            elif passed is not None and rec.dir == "out":
+                                passed(rec.node, rec.body)
+                            continue
+                        seq_b, t_b, key = m.groups()
+                        if int(seq_b) != lineno - 2:
+                            raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
+                                             f"{seq_b.decode()} (seq must count 0, 1, 2, ... "
+                                             "without gaps)", "seq")
+                        if t_b != last_tb:
+                            t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
+                            if not t >= last_t or not math.isfinite(t):
+                                raise TraceError(
+                                    f"{name}:{lineno}", f"time goes backwards ({t!r} < "
+                                    f"{last_t!r})" if t < last_t else
+                                    f"expected a finite number, got {t_b.decode()}", "t")
+                            if self.first_t is None:
+                                self.first_t = t
+                            last_t, last_tb = t, t_b
+                        try:
+                            by_key[key] += 1
+                            node, direction, rtype, body_from_key, wanted = keys[key]
+                        except KeyError:
+                            keys[key] = self._envelope_key(key, lineno)
+                            by_key[key] = 1
+                            node, direction, rtype, body_from_key, wanted = keys[key]
+                            if skipper is not None and direction != "sys":
+                                skipper.add(key, Kind(
+                                    node, direction, rtype, body_from_key, wanted,
+                                    body_from_key if passed is not None and direction == "out"
+                                    and not wanted else -1))
+                        last_ok = lineno
+                        if direction == "sys":
+                            by_key[key] -= 1  # counted by the strict path
+                            rec = strict(raw, ended, lineno, last_t)
+                            assert rec is not None
+                            counts[(node, direction, rec.type)] = counts.get(
+                                (node, direction, rec.type), 0) + 1
+                            done = self.outcome is not None
+                            if (yield rec) is not None:  # skip_effects: not after a sys record
+                                yield False
+                            continue
+                        if not wanted:
+                            if passed is not None and direction == "out":
+                                passed(node, raw[m.start(3) + body_from_key:-1])
+                            continue
+                        body_at = m.start(3) + body_from_key
+                    effects = yield Record(lineno - 2, last_t, node, direction, rtype, None, None,
+                                           lineno, raw, body_at, self)
+                    if effects is not None:  # RecordStream.skip_effects
+                        ahead = _written_next(
+                            lines, lineno - base, effects, lineno - 1,
+                            f'"t":{last_t!r},"node":"{node}","dir":"out",'
+                        ) if direction == "in" else None
+                        skip = ahead is not None
+                        if skip:
+                            n = len(effects)
+                            i += n
+                            lineno = last_ok = lineno + n
+                            for e in effects:
+                                k = (node, "out", type(e).__name__)
+                                counts[k] = counts.get(k, 0) + 1
+                        yield skip
         finally:
+            if skipper is not None:
+                skipper.add_counts(by_key)
             for key, n in by_key.items():
                 if n:
                     k = keys[key][:3]
@@ -1088,7 +1119,7 @@ class TraceReader:
                      self.truncated, self.warnings)
 
 
-_EFFECT_LINE = {cls: LINE_TEXT[cls] for cls in ev.EFFECT_TYPES}
+_EFFECT_LINE = _Lazy(LINE_TEXT.__getitem__, ev.EFFECT_TYPES)
 
 
 def _written_next(lines: list[bytes], start: int, effects: Sequence[Any], seq: int,

@@ -15,7 +15,8 @@ Every ``state_every``-th block (and the first) also carries ``state``: what was 
 block began, so a viewer can start there as if it had read everything before: ``alloc`` (live
 ring allocations per decode node, ``[alloc_id, size]``) and ``lines``, the trace lines still
 open (transfers and scatters in flight, deferral waits, forward passes, each decode node's
-latest watermark, each prefill node's newest watermark and first STAGING_REQ per session).
+latest watermark, each prefill node's newest watermark and first STAGING_REQ per session),
+as the encoder's ``twin.trace.rowenc.LiveState`` keeps them.
 
 The index is a cache: a reader checks that its header hash matches the trace and otherwise
 ignores it (and scans). A killed writer leaves an index of the blocks it finished.
@@ -31,36 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from twin.core import events as ev
-from twin.core import wire
-from twin.trace.rows import CID, Row, field_pos
-
-__all__ = ["INDEX_SUFFIX", "Block", "IndexWriter", "LiveState", "TraceIndex", "index_path"]
+__all__ = ["INDEX_SUFFIX", "Block", "IndexWriter", "TraceIndex", "index_path"]
 
 INDEX_FORMAT = "staging-twin-trace-index"
 INDEX_VERSION = 1
 INDEX_SUFFIX = ".idx"
 STATE_EVERY = 16
-
-# where the fields the live state follows sit in their rows
-_TD_WORKER = field_pos(ev.TransferDone, "worker")
-_WP_WORKER = field_pos(ev.WorkerPoll, "worker")
-_SD_ALLOC = field_pos(ev.ScatterDone, "alloc_id")
-_MA_MSG = field_pos(ev.MessageArrived, "msg")
-_WM = CID[wire.Watermark]
-_WM_SESSION = field_pos(wire.Watermark, "session_id")
-_WM_ROUND = field_pos(wire.Watermark, "round")
-_WM_TAIL = field_pos(wire.Watermark, "tail")
-_ST_WORKER = field_pos(ev.StartTransfer, "worker")
-_DF_WORKER = field_pos(ev.Deferred, "worker")
-_WW_WORKERS = field_pos(ev.WakeWorkers, "workers")
-_SS_ALLOC = field_pos(ev.StartScatter, "alloc_id")
-_AL_ALLOC = field_pos(ev.Allocated, "alloc_id")
-_AL_SIZE = field_pos(ev.Allocated, "size")
-_FR_ALLOC = field_pos(ev.Freed, "alloc_id")
-_SE_MSG = field_pos(ev.Send, "msg")
-_SR = CID[wire.StagingReq]
-_SR_SESSION = field_pos(wire.StagingReq, "session_id")
 
 
 def index_path(trace_path: str | os.PathLike[str]) -> Path:
@@ -70,98 +47,6 @@ def index_path(trace_path: str | os.PathLike[str]) -> Path:
 
 def header_digest(header_line: bytes) -> str:
     return hashlib.sha1(header_line.rstrip(b"\n")).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# What is open (kept by the writer, restored by viewers)
-# ---------------------------------------------------------------------------------------------
-class LiveState:
-    """The open things of a trace, updated by the writer for the records it writes.
-
-    ``hooks`` maps a core event class to ``fn(node, row, seq, line)`` for inputs and effects
-    (``row``: the event as ``twin.trace.rows`` reduces it); ``sys_hooks`` maps a driver record
-    type to ``fn(node, room, seq, line)``.
-    """
-
-    def __init__(self) -> None:
-        self.lines: dict[tuple[Any, ...], tuple[int, str]] = {}
-        self.alloc: dict[str, dict[int, int]] = {}
-        self._newest_wm: dict[tuple[str, str], tuple[int, int]] = {}
-        self.hooks: dict[type, Callable[[str, Row, int, str], None]] = {
-            ev.TransferDone: self._transfer_done, ev.WorkerPoll: self._worker_poll,
-            ev.ScatterDone: self._scatter_done, ev.MessageArrived: self._message,
-            ev.StartTransfer: self._start_transfer, ev.Deferred: self._deferred,
-            ev.WakeWorkers: self._wake, ev.StartScatter: self._start_scatter,
-            ev.Allocated: self._allocated, ev.Freed: self._freed,
-            ev.WatermarkMoved: self._watermark_moved, ev.Send: self._send,
-        }
-        self.sys_hooks: dict[str, Callable[[str, Any, int, str], None]] = {
-            "ForwardStart": self._forward_start, "ForwardEnd": self._forward_end,
-        }
-
-    # inputs
-    def _transfer_done(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines.pop(("x", node, r[_TD_WORKER]), None)
-        self.lines.pop(("d", node, r[_TD_WORKER]), None)
-
-    def _worker_poll(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines.pop(("d", node, r[_WP_WORKER]), None)
-
-    def _scatter_done(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines.pop(("s", node, r[_SD_ALLOC]), None)
-
-    def _message(self, node: str, r: Row, seq: int, line: str) -> None:
-        msg = r[_MA_MSG]
-        if msg[0] == _WM:
-            key = (node, msg[_WM_SESSION])
-            value = (msg[_WM_ROUND], msg[_WM_TAIL])
-            prev = self._newest_wm.get(key)
-            if prev is None or value > prev:
-                self._newest_wm[key] = value
-                self.lines[("p",) + key] = (seq, line)
-
-    # effects
-    def _start_transfer(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines.pop(("d", node, r[_ST_WORKER]), None)
-        self.lines[("x", node, r[_ST_WORKER])] = (seq, line)
-
-    def _deferred(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines.setdefault(("d", node, r[_DF_WORKER]), (seq, line))
-
-    def _wake(self, node: str, r: Row, seq: int, line: str) -> None:
-        for w in r[_WW_WORKERS]:
-            self.lines.pop(("d", node, w), None)
-
-    def _start_scatter(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines[("s", node, r[_SS_ALLOC])] = (seq, line)
-
-    def _allocated(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.alloc.setdefault(node, {})[r[_AL_ALLOC]] = r[_AL_SIZE]
-
-    def _freed(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.alloc.get(node, {}).pop(r[_FR_ALLOC], None)
-
-    def _watermark_moved(self, node: str, r: Row, seq: int, line: str) -> None:
-        self.lines[("w", node)] = (seq, line)
-
-    def _send(self, node: str, r: Row, seq: int, line: str) -> None:
-        msg = r[_SE_MSG]
-        if msg[0] == _SR:
-            self.lines.setdefault(("r", node, msg[_SR_SESSION]), (seq, line))
-
-    # driver records
-    def _forward_start(self, node: str, room: Any, seq: int, line: str) -> None:
-        self.lines[("f", node, room)] = (seq, line)
-
-    def _forward_end(self, node: str, room: Any, seq: int, line: str) -> None:
-        self.lines.pop(("f", node, room), None)
-
-    def snapshot_text(self) -> str:
-        """The ``state`` object as JSON text (its lines embedded as they were written)."""
-        alloc = {n: sorted(a.items()) for n, a in self.alloc.items() if a}
-        lines = sorted(self.lines.values())
-        return ('{"alloc":' + json.dumps(alloc, separators=(",", ":")) + ',"lines":['
-                + ",".join(text.rstrip("\n") for _, text in lines) + "]}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,17 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twin.core import events as ev
 from twin.core import wire
-from twin.trace import codec, reducers
-from twin.trace.codec import _SPECS, _compile, _fstring, _text_parts
+from twin.trace import codec, emitters, reducers
+from twin.trace.codec import _SPECS, _compile
 
-__all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "msg_room",
-           "row_emitters"]
+__all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "msg_room"]
 
 Row = tuple[Any, ...]
-Emit = Callable[[Row, int, str, str], None]
-Hook = Callable[[str, Row, int, str], None]
 
 CLASSES: tuple[type, ...] = tuple(_SPECS)
 """Every event, message and nested class; a row's tag is its class's position here."""
@@ -42,16 +38,10 @@ def field_pos(cls: type, name: str) -> int:
 REDUCE: dict[type, Callable[[Any], Row]] = dict(reducers.REDUCERS)
 """Event, message or nested class -> ``object -> row`` (the generated ``twin.trace.reducers``,
 compiled with the core by ``twin compile``)."""
-if reducers.TAGS != CID:  # pragma: no cover - a class or field changed since generation
-    raise ImportError("twin/trace/reducers.py is out of date with the event classes: run "
-                      "python scripts/generate_factories.py")
-
-for _cls in (*codec.MESSAGE_KINDS.values(), ev.Target):
-    _tag_key, _tag = ("type", "Target") if _cls is ev.Target else ("kind", codec._KIND_OF[_cls])
-    _scope: dict[str, Any] = {}
-    _parts = _text_parts(_cls, _tag_key, _tag, _scope, rows=True)
-    codec.ROW_TEXT[CID[_cls]] = _compile(
-        _cls, f"def fn(r):\n    return {_fstring('{{' + _parts + '}}')}\n", _scope, "row object")
+if reducers.TAGS != CID or set(emitters.LINES) | set(emitters.TEXTS) != set(CID.values()):
+    raise ImportError(  # pragma: no cover - a class or field changed since generation
+        "twin/trace/reducers.py or emitters.py is out of date with the event classes: run "
+        "python scripts/generate_factories.py")
 
 _MSG_ROOM: dict[int, int] = {CID[c]: field_pos(c, "room") for c in codec.MESSAGE_KINDS.values()
                              if any(f.name == "room" for f in _SPECS[c])}
@@ -104,39 +94,15 @@ class _Builders(dict):  # type: ignore[type-arg]
         return fn
 
 
-BUILD: dict[int, Callable[[Row], Any]] = _Builders()
+BUILD: dict[int, Callable[[Row], Any]] = (
+    _Builders() if str(reducers.__file__).endswith(".py") else dict(reducers.BUILDERS))
 """Tag -> ``row -> object``: the inverse of ``REDUCE`` (``BUILD[r[0]](r)`` equals the object
-the row was reduced from), for a process that receives events as rows."""
+the row was reduced from), for a process that receives events as rows. Compiled with the core,
+the generated ``reducers.BUILDERS`` (the classes called natively); interpreted, functions made
+on first use that set the objects' slots (a frozen dataclass's ``__init__`` costs more there)."""
 
 
-LINE_OF_ROW: dict[int, Callable[[Row, int, str], str]] = {}
-"""Event tag -> ``(row, seq, head) -> line`` (``head`` as for ``codec.LINE_TEXT``)."""
-_EMITTERS: dict[int, Callable[[Any, Any, Hook | None], Emit]] = {}
-for _cls in ev.EVENT_TYPES.values():
-    _scope = {}
-    _parts = _text_parts(_cls, "type", _cls.__name__, _scope, rows=True)
-    _line_src = _fstring('{{"seq":{seq},{head}' + _parts + '}}\\n')
-    LINE_OF_ROW[CID[_cls]] = _compile(_cls, f"def fn(r, seq, head):\n    return {_line_src}\n",
-                                      dict(_scope), "row line")
-    _names = [f.name for f in _SPECS[_cls]]
-    _room = (f"        _ra(r[{field_pos(_cls, 'room')}])\n" if "room" in _names else
-             f"        _ra(_mroom(r[{field_pos(_cls, 'msg')}]))\n" if "msg" in _names else "")
-    # The encoder's hot path: one call writes the line, notes the room and calls a hook.
-    _EMITTERS[CID[_cls]] = _compile(_cls, (
-        "def fn(_ap, _ra, _hook):\n"
-        "    def emit(r, seq, head, node):\n"
-        f"        line = {_line_src}\n"
-        "        _ap(line)\n"
-        + _room +
-        "        if _hook is not None:\n"
-        "            _hook(node, r, seq, line)\n"
-        "    return emit\n"), {**_scope, "_mroom": msg_room}, "row emitter")
-
-
-def row_emitters(append: Callable[[str], None], rooms_add: Callable[[Any], None],
-                 hooks: dict[type, Hook]) -> dict[int, Emit]:
-    """Event tag -> ``emit(row, seq, head, node)``, which appends the row's trace line (as
-    ``LINE_OF_ROW``) with ``append``, hands the room it names (or None) to ``rooms_add`` and
-    calls ``hooks[cls](node, row, seq, line)`` when the event's class has a hook."""
-    return {cid: make(append, rooms_add, hooks.get(CLASSES[cid]))
-            for cid, make in _EMITTERS.items()}
+LINE_OF_ROW: dict[int, Callable[[Row, int, str], str]] = dict(emitters.LINES)
+"""Event tag -> ``(row, seq, head) -> line`` (``head`` as for ``codec.LINE_TEXT``): the generated
+``twin.trace.emitters``, compiled with the core; the trace encoder (``twin.trace.rowenc``) calls
+them through ``emitters.event_line``."""

@@ -1,0 +1,185 @@
+"""The select reader's fast path over the lines it does not hand on (``TraceReader`` with
+``select``, ``twin.trace.format``): compiled with the core by ``twin compile``.
+
+A select reader checks every line's envelope (``format._ENV_RE``: seq, time, node, dir, type)
+and counts it, but builds records only of the lines it selects, its driver records and the
+lines it meets first. ``LineSkipper.run`` does that check for a run of lines whose envelope is
+already known to be neither selected nor a driver record, natively, and stops at the first line
+that needs more (a selected or new kind of line, a line the pattern does not match, a seq or
+time out of order: the reader then handles it, and raises what it raises).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Final
+
+__all__ = ["NUMBER_RE", "Kind", "LineSkipper", "is_number"]
+
+NUMBER_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+"""A JSON number, whole (``format`` checks an envelope's time with it)."""
+
+_SEQ: Final = b'{"seq":'
+_QUOTES: Final = 12
+"""The quotes of an envelope's node/dir/type text: ``"node":"N","dir":"D","type":"T"``."""
+
+
+def is_number(raw: bytes, p: int, end: int) -> bool:
+    """Whether ``raw[p:end]`` is a JSON number, whole (as ``NUMBER_RE`` matches)."""
+    if p < end and raw[p] == 45:  # -
+        p += 1
+    if p >= end:
+        return False
+    c = raw[p]
+    if c == 48:  # 0
+        p += 1
+    elif 49 <= c <= 57:
+        p += 1
+        while p < end and 48 <= raw[p] <= 57:
+            p += 1
+    else:
+        return False
+    if p < end and raw[p] == 46:  # .
+        p += 1
+        start = p
+        while p < end and 48 <= raw[p] <= 57:
+            p += 1
+        if p == start:
+            return False
+    if p < end and (raw[p] == 101 or raw[p] == 69):  # e E
+        p += 1
+        if p < end and (raw[p] == 43 or raw[p] == 45):  # + -
+            p += 1
+        start = p
+        while p < end and 48 <= raw[p] <= 57:
+            p += 1
+        if p == start:
+            return False
+    return p == end
+
+
+class Kind:
+    """A kind of line ``LineSkipper`` knows (by its node/dir/type text): its node, dir and
+    type, where its payload starts in that text, whether the reader hands such lines on
+    (``wanted``), where the payload goes to ``passed`` from (-1: it does not) and how many it
+    passed over or handed on."""
+
+    def __init__(self, node: str, direction: str, rtype: str, body_from_key: int,
+                 wanted: bool, at: int) -> None:
+        self.node = node
+        self.direction = direction
+        self.rtype = rtype
+        self.body_from_key = body_from_key
+        self.wanted = wanted
+        self.at = at
+        self.n = 0
+
+
+class LineSkipper:
+    """Checks and counts runs of lines a select reader passes over (module docstring).
+
+    It passes over lines whose envelope's node/dir/type text (``_ENV_RE``'s third group) was
+    ``add``-ed as not wanted (their payload going to ``passed`` where ``Kind.at`` says), and
+    stops after a line of a wanted kind, checked and counted: ``hit`` is then its kind and
+    ``hit_at`` where its payload starts in the line (None when it stopped otherwise).
+    ``add_counts`` adds how many of each kind it met to a reader's count by that text."""
+
+    def __init__(self, passed: Callable[[str, bytes], None] | None) -> None:
+        self.skip: dict[bytes, Kind] = {}
+        self.passed = passed
+        self.last_t = 0.0
+        self.last_tb = b""
+        self.hit: Kind | None = None
+        self.hit_at = 0
+
+    def add(self, key: bytes, kind: Kind) -> None:
+        """Know lines of node/dir/type text ``key`` from now on."""
+        self.skip[key] = kind
+
+    def add_counts(self, by_key: dict[bytes, int]) -> None:
+        """Add the lines passed over to ``by_key`` (node/dir/type text -> lines)."""
+        for key, kind in self.skip.items():
+            if kind.n:
+                by_key[key] = by_key.get(key, 0) + kind.n
+                kind.n = 0
+
+    def run(self, lines: list[bytes], i: int, lineno: int, last_t: float,
+            last_tb: bytes) -> int:
+        """Pass over ``lines[i:]`` (``lines[i]`` being line ``lineno + 1``, the line before at
+        time ``last_t``, written ``last_tb``) while each is such a line, up to a line of a
+        wanted kind included; the index after the last line taken (``len(lines)`` at the end).
+        ``last_t``/``last_tb`` are then the last line's."""
+        skip = self.skip
+        passed = self.passed
+        self.hit = None
+        n_lines = len(lines)
+        while i < n_lines:
+            raw = lines[i]
+            size = len(raw)
+            if not raw.startswith(_SEQ):
+                break
+            p = 7
+            seq = 0
+            while p < size:
+                c = raw[p]
+                if c < 48 or c > 57:
+                    break
+                seq = seq * 10 + (c - 48)
+                p += 1
+            # ',"t":' (p == 7: no digits, a line for the reader to reject)
+            if (p == 7 or seq != lineno - 1 or p + 5 >= size or raw[p] != 44
+                    or raw[p + 1] != 34 or raw[p + 2] != 116 or raw[p + 3] != 34
+                    or raw[p + 4] != 58):
+                break
+            p += 5
+            t0 = p
+            while p < size:
+                c = raw[p]
+                # [-+.0-9eE]
+                if not (48 <= c <= 57 or c == 46 or c == 45 or c == 43 or c == 101 or c == 69):
+                    break
+                p += 1
+            if p == t0 or p >= size or raw[p] != 44:
+                break
+            t1 = p
+            k0 = p + 1
+            # The key runs to its twelfth quote. Taken as it stands, it is one the reader has
+            # matched against the envelope pattern already (``skip``), or the line goes back to
+            # the reader: so the line matches the pattern exactly when it is found.
+            quotes = 0
+            p = k0
+            while p < size:
+                if raw[p] == 34:
+                    quotes += 1
+                    if quotes == _QUOTES:
+                        break
+                p += 1
+            p += 1
+            if quotes != _QUOTES or p >= size or (raw[p] != 44 and raw[p] != 125):  # [,}]
+                break
+            kind = skip.get(raw[k0:p])
+            if kind is None:
+                break
+            t_b = raw[t0:t1]
+            if t_b != last_tb:
+                if not is_number(raw, t0, t1):
+                    break
+                t = float(t_b)
+                if not t >= last_t or not math.isfinite(t):
+                    break
+                last_t = t
+                last_tb = t_b
+            lineno += 1
+            kind.n += 1
+            i += 1
+            if kind.wanted:
+                self.hit = kind
+                self.hit_at = k0 + kind.body_from_key
+                break
+            if kind.at >= 0 and passed is not None:
+                passed(kind.node, raw[k0 + kind.at:size - 1])
+        self.last_t = last_t
+        self.last_tb = last_tb
+        return i
