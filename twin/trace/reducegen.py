@@ -7,6 +7,7 @@ the core: the recording runtime then reduces with native field reads. Regenerate
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,23 +43,38 @@ def _expr(spec: tuple[Any, ...], value: str, var: str) -> str:
     raise AssertionError(spec)
 
 
-def _build(spec: tuple[Any, ...], value: str, var: str) -> str:
-    """Source of the field value of row value ``value`` (the inverse of ``_expr``)."""
+Render = Callable[[tuple[Any, ...], str, str], str]
+"""``(spec, value, var) -> source`` of one kind of field value, for ``build_expr``."""
+
+
+def _compiled_enum(spec: tuple[Any, ...], value: str, var: str) -> str:
+    return f"{spec[1].__name__}[{value}]"
+
+
+def _compiled_nested(spec: tuple[Any, ...], value: str, var: str) -> str:
+    if spec[0] == "msg":
+        return f"build_message({value})"
+    return f"build_{spec[1].__name__}({value})"
+
+
+def build_expr(spec: tuple[Any, ...], value: str, var: str, enum: Render = _compiled_enum,
+               nested: Render = _compiled_nested) -> str:
+    """Source of the field value of row value ``value`` (the inverse of ``_expr``); ``var``
+    names a temporary. ``enum`` and ``nested`` write an enum member's and a nested message's
+    or event's value (by default as the generated builders of ``twin/trace/reducers.py`` do)."""
     kind = spec[0]
     if kind in ("int", "str", "bool", "float"):
         return value
     if kind == "opt":
-        inner = _build(spec[1], var, var + "_")
+        inner = build_expr(spec[1], var, var + "_", enum, nested)
         return value if inner == var else f"(None if ({var} := {value}) is None else {inner})"
     if kind == "list":
-        inner = _build(spec[1], "x", "x_")
+        inner = build_expr(spec[1], "x", "x_", enum, nested)
         return f"tuple({value})" if inner == "x" else f"tuple([{inner} for x in {value}])"
     if kind == "enum":
-        return f"{spec[1].__name__}[{value}]"
-    if kind == "msg":
-        return f"build_message({value})"
-    if kind == "event":
-        return f"build_{spec[1].__name__}({value})"
+        return enum(spec, value, var)
+    if kind in ("msg", "event"):
+        return nested(spec, value, var)
     raise AssertionError(spec)
 
 
@@ -116,7 +132,7 @@ def reducers_source() -> str:
                   f"        return build_{cls.__name__}(r)"]
     lines.append("    raise KeyError(tag)")
     for cls in classes:
-        args = [f"{f.name}={_build(f.spec, f'r[{i + 1}]', f'_x{i}')}"
+        args = [f"{f.name}={build_expr(f.spec, f'r[{i + 1}]', f'_x{i}')}"
                 for i, f in enumerate(_SPECS[cls])]
         # the generated factory where there is one (it sets the fields natively), else the class
         maker = factory_name(cls) if factory_name(cls) in factory_names else cls.__name__

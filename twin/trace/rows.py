@@ -17,6 +17,7 @@ from typing import Any
 from twin.core import wire
 from twin.trace import codec, emitters, reducers
 from twin.trace.codec import _SPECS, _compile
+from twin.trace.reducegen import build_expr
 
 __all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "msg_room"]
 
@@ -53,23 +54,12 @@ def msg_room(m: Row) -> int | None:
     return None if pos is None else m[pos]
 
 
-def _build_expr(spec: tuple[Any, ...], value: str, var: str) -> str:
-    """Source of the field value of row value ``value`` (the inverse of a reducer's, as
-    ``twin.trace.reducegen`` writes it)."""
-    kind = spec[0]
-    if kind in ("int", "str", "bool", "float"):
-        return value
-    if kind == "opt":
-        inner = _build_expr(spec[1], var, var + "_")
-        return value if inner == var else f"(None if ({var} := {value}) is None else {inner})"
-    if kind == "list":
-        inner = _build_expr(spec[1], "x", "x_")
-        return f"tuple({value})" if inner == "x" else f"tuple([{inner} for x in {value}])"
-    if kind == "enum":
-        return f"_KVPOLL[{value}]"
-    if kind in ("msg", "event"):
-        return f"_B[({var} := {value})[0]]({var})"
-    raise AssertionError(spec)
+def _enum_member(spec: tuple[Any, ...], value: str, var: str) -> str:
+    return f"_KVPOLL[{value}]"
+
+
+def _nested_row(spec: tuple[Any, ...], value: str, var: str) -> str:
+    return f"_B[({var} := {value})[0]]({var})"
 
 
 def _make_build(cls: type) -> Callable[[Row], Any]:
@@ -81,7 +71,8 @@ def _make_build(cls: type) -> Callable[[Row], Any]:
                              "_KVPOLL": wire.KVPoll.__members__}
     for i, f in enumerate(specs):
         scope[f"_s{i}"] = cls.__dict__[f.name].__set__
-        lines.append(f"    _s{i}(o, {_build_expr(f.spec, f'r[{i + 1}]', f'_x{i}')})")
+        value = build_expr(f.spec, f"r[{i + 1}]", f"_x{i}", _enum_member, _nested_row)
+        lines.append(f"    _s{i}(o, {value})")
     lines.append("    return o")
     return _compile(cls, "\n".join(lines) + "\n", scope, "build")
 
