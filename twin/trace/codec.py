@@ -252,6 +252,7 @@ _STR_CACHE = _StrTextCache()
 
 
 def _float_text(v: Any) -> str:
+    """A float's JSON text (``repr``); ints as they are; not finite: ValueError."""
     if type(v) is float:
         if not math.isfinite(v):
             raise ValueError(f"out of range float value {v!r}: traces hold finite numbers only")

@@ -12,11 +12,13 @@ by ``repr`` (finite only), nested messages and targets as objects, ``KVPoll`` me
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from twin.core import events as ev
+from twin.trace import codec
 from twin.trace.codec import _KIND_OF, _SPECS, MESSAGE_KINDS, ROW_TAG
 from twin.trace.reducegen import reducer_name
 
@@ -165,16 +167,9 @@ def emitters_source() -> str:
              "            _STR_TEXT.clear()",
              "        text = _STR_TEXT[v] = encode_basestring_ascii(v)",
              "    return text", "", "",
-             "def float_text(v: Any) -> str:",
-             '    """A float\'s JSON text (``repr``); ints as they are; not finite: ValueError."""',
-             "    if type(v) is float:",
-             "        if not math.isfinite(v):",
-             '            raise ValueError(f"out of range float value {v!r}: traces hold finite '
-             'numbers only")',
-             "        return repr(v)",
-             "    if type(v) is int:",
-             "        return repr(v)",
-             "    return float_text(float(v))", "", "",
+             # the codec's own function, so that both write a float alike
+             *inspect.getsource(codec._float_text).replace("_float_text", "float_text")
+             .splitlines(), "", "",
              "def msg_text(m: tuple[Any, ...]) -> str:",
              '    """The JSON text of a control message\'s row."""',
              "    tag: int = m[0]",
