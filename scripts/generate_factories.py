@@ -28,3 +28,7 @@ from twin.trace.emitgen import EMITTERS_PATH, emitters_source  # noqa: E402
 
 EMITTERS_PATH.write_text(emitters_source())
 print(f"wrote {EMITTERS_PATH}")
+from twin.trace.packgen import PACKERS_PATH, packers_source  # noqa: E402
+
+PACKERS_PATH.write_text(packers_source())
+print(f"wrote {PACKERS_PATH}")

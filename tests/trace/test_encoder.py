@@ -193,8 +193,8 @@ def test_a_killed_or_interrupted_run_keeps_what_it_recorded(tmp_path: Path, sig:
 
 @pytest.mark.parametrize("encoder", ["inline", "process"])
 def test_writer_errors_count_the_lines_a_runtime_appended(tmp_path: Path, encoder: str) -> None:
-    """The runtime appends rows to the writer's list itself (``row_sink``); an error the
-    writer raises afterwards still names the right line."""
+    """The runtime packs into the writer's batch itself (``packer``); an error the writer
+    raises afterwards still names the right line."""
     cfg = TwinConfig()
     workload = parse_workload_spec("poisson:n=5,rate=20,input=3000~1000,output=8,seed=2")
     header = trace_header(cfg, workload, defects=Defects(), faults=[], seed=0,

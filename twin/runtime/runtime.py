@@ -31,6 +31,8 @@ from twin.core import events as ev
 from twin.core import factories, wire
 from twin.core.decode import DecodeRank
 from twin.core.prefill import PrefillRank
+from twin.trace.packing import pack_item
+from twin.trace.packio import Packer
 
 Rank = PrefillRank | DecodeRank
 Hook = Callable[[str, Any], None]
@@ -88,15 +90,13 @@ class Runtime:
         self.ranks = ranks
         self.driver = driver
         self.recorder = recorder
-        # A recorder with a ``row_sink`` (``TraceWriter``) is handed rows, not calls.
-        self._rows: list[Any] | None = None
-        self._in_rows: dict[str, Any] = {}
-        self._out_rows: dict[str, Any] = {}
-        self._rows_limit = 0
-        self._ship_rows: Callable[[], None] | None = None
-        sink = getattr(recorder, "row_sink", None)
+        # A recorder with a ``packer`` (``TraceWriter``) is packed into, not called.
+        self._packer: Packer | None = None
+        self._pack_limit = 0
+        self._ship: Callable[[], None] | None = None
+        sink = getattr(recorder, "packer", None)
         if sink is not None:
-            self._rows, self._in_rows, self._out_rows, self._rows_limit, self._ship_rows = sink()
+            self._packer, self._pack_limit, self._ship = sink()
         self.scripted = scripted
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
@@ -133,17 +133,13 @@ class Runtime:
         self.inputs += 1
         self._now = now
         effects = rank.handle(event, now)
-        rows = self._rows
-        if rows is not None:  # the trace writer's items (TraceWriter.row_sink)
-            try:
-                out = self._out_rows[node]
-                rows.append((now, node, self._in_rows[node][type(event)](event),
-                             [out[type(e)](e) for e in effects] if effects else ()))
-            except KeyError:
-                self._bad_rows(now, node, event, effects)
-            if len(rows) >= self._rows_limit:
-                assert self._ship_rows is not None
-                self._ship_rows()
+        p = self._packer
+        if p is not None:  # the trace writer's batch (TraceWriter.packer)
+            if pack_item(p, now, node, event, effects):
+                self._refused(now, node, event, effects)
+            if p.items >= self._pack_limit:
+                assert self._ship is not None
+                self._ship()
         elif self.recorder is not None:
             self.recorder.write_input(now, node, event)
             self.recorder.write_effects(now, node, effects)
@@ -152,8 +148,8 @@ class Runtime:
             table[type(e)](node, e)
         return effects
 
-    def _bad_rows(self, now: float, node: str, event: ev.Input,
-                  effects: list[ev.Effect]) -> None:
+    def _refused(self, now: float, node: str, event: ev.Input,
+                 effects: list[ev.Effect]) -> None:
         """Not the header's node, or not a core event: the writer's own methods say which."""
         assert self.recorder is not None
         self.recorder.write_input(now, node, event)

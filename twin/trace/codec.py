@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from json import encoder as json_encoder
 from typing import Any, Union
 
+from orjson import dumps as _orjson_dumps
+
 from twin import compiled
 from twin.core import events as ev
 from twin.core import wire
@@ -252,8 +254,12 @@ _STR_CACHE = _StrTextCache()
 
 
 def _float_text(v: Any) -> str:
-    """A float's JSON text (``repr``); ints as they are; not finite: ValueError."""
+    """A float's JSON text (``repr``); ints as they are; not finite: ValueError. From 1e-4 to
+    1e16, where ``repr`` writes no exponent, orjson writes the same shortest round-trip digits
+    in the same form, several times faster (``tests/trace/test_codec.py`` holds them equal)."""
     if type(v) is float:
+        if 0.0001 <= v < 1e16:
+            return _orjson_dumps(v).decode()
         if not math.isfinite(v):
             raise ValueError(f"out of range float value {v!r}: traces hold finite numbers only")
         return repr(v)

@@ -76,15 +76,17 @@ class _Gen:
         return ",".join(out)
 
 
-def _tree(tags: list[int], leaf: Callable[[int], str], pad: str = "    ") -> list[str]:
-    """An if-tree over the sorted ``tags`` (``tag``: a native int) returning ``leaf(tag)``;
-    any other tag raises KeyError."""
+def tree(tags: list[int], leaf: Callable[[int], str], pad: str = "    ", *,
+         call: bool = False) -> list[str]:
+    """An if-tree over the sorted ``tags`` (``tag``: a native int) returning ``leaf(tag)``
+    (with ``call``: calling it, then returning); any other tag raises KeyError."""
     if len(tags) <= 3:
-        out = [f"{pad}if tag == {t}:\n{pad}    return {leaf(t)}" for t in tags]
+        out = [f"{pad}if tag == {t}:\n{pad}    {leaf(t)}\n{pad}    return" if call else
+               f"{pad}if tag == {t}:\n{pad}    return {leaf(t)}" for t in tags]
         return [*out, f"{pad}raise KeyError(tag)"]
     mid = len(tags) // 2
-    return [f"{pad}if tag < {tags[mid]}:", *_tree(tags[:mid], leaf, pad + "    "),
-            *_tree(tags[mid:], leaf, pad)]
+    return [f"{pad}if tag < {tags[mid]}:", *tree(tags[:mid], leaf, pad + "    ", call=call),
+            *tree(tags[mid:], leaf, pad, call=call)]
 
 
 def _imports(events: list[type]) -> list[str]:
@@ -147,6 +149,7 @@ def emitters_source() -> str:
              "import math",
              "from json.encoder import encode_basestring_ascii",
              "from typing import Any, Final", "",
+             "from orjson import dumps as _orjson_dumps", "",
              *_imports(events),
              "", "SMALL_INTS: Final = 4096",
              "_INT_TEXT: Final[list[str]] = [str(i) for i in range(SMALL_INTS)]",
@@ -173,12 +176,12 @@ def emitters_source() -> str:
              "def msg_text(m: tuple[Any, ...]) -> str:",
              '    """The JSON text of a control message\'s row."""',
              "    tag: int = m[0]",
-             *_tree(msg_tags, lambda t: f"text_{by_tag[t].__name__}(m)"),
+             *tree(msg_tags, lambda t: f"text_{by_tag[t].__name__}(m)"),
              "", "",
              "def msg_room(m: tuple[Any, ...]) -> Any:",
              '    """The room a control message\'s row names (None: a kind without one)."""',
              "    tag: int = m[0]",
-             *_tree(msg_tags, lambda t: rooms[t]),
+             *tree(msg_tags, lambda t: rooms[t]),
              ]
     for _name, body in sorted(g.helpers.items()):
         lines += ["", "", *body]
@@ -186,12 +189,12 @@ def emitters_source() -> str:
     lines += ["", "", "def event_line(r: tuple[Any, ...], seq: int, head: str) -> str:",
               '    """The trace line of event row ``r`` (``seq``, ``head``: the envelope)."""',
               "    tag: int = r[0]",
-              *_tree(ev_tags, lambda t: f"line_{by_tag[t].__name__}(r, seq, head)"),
+              *tree(ev_tags, lambda t: f"line_{by_tag[t].__name__}(r, seq, head)"),
               "", "",
               "def event_room(r: tuple[Any, ...]) -> Any:",
               '    """The room event row ``r`` names, or None."""',
               "    tag: int = r[0]",
-              *_tree(ev_tags, lambda t: _room_expr(by_tag[t])),
+              *tree(ev_tags, lambda t: _room_expr(by_tag[t])),
               "", "",
               "def event_body(e: Any) -> str:",
               '    """``codec.BODY_TEXT[type(e)](e)``: the payload text of event ``e`` without braces',

@@ -1,24 +1,15 @@
 """The back half of the trace writer: rows in, trace lines, blocks and index out.
 
-``TraceWriter`` (``twin.trace.format``) checks each record and reduces its events to rows
-(``twin.trace.rows``); a ``RowEncoder`` turns batches of those *items* into lines, cuts the
-lines into blocks, keeps the index's live state and hands the blocks to a ``BlockSink``. It runs
-in the writer's process, or in a forked child (``EncoderProcess``) so that a simulation pays
-for reducing its events and not for their text: the child encodes on another core while the
-simulation goes on.
+``TraceWriter`` (``twin.trace.format``) checks each record and packs it into a batch
+(``twin.trace.packio``); a ``RowEncoder`` (``twin.trace.rowenc``, compiled with the core) turns
+the batches into lines, cuts the lines into blocks, keeps the index's live state and hands the
+blocks to a ``BlockSink``. It runs in the writer's process, or in a forked child
+(``EncoderProcess``) so that a simulation pays for packing its events and not for their text:
+the child encodes on another core while the simulation goes on.
 
-Items, in trace order:
-
-* ``(t, node, row, effects)``: an input's row (or None) and the rows of the effects it
-  returned (or None), all at time ``t`` on ``node``;
-* ``(t, node, type, room, record)``: a driver record (a dict, ``"type"`` its first key) and
-  the room it names (or None);
-* ``None``: end the block here (``TraceWriter.flush``).
-
-A ``RowEncoder`` fed the same items writes the same bytes, wherever it runs: blocks end after
+A ``RowEncoder`` fed the same batches writes the same bytes, wherever it runs: blocks end after
 an input's effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` lines after
-an input, after a driver record once ``flush_every`` are buffered, and at every ``None``.
-``RowEncoder`` itself lives in ``twin.trace.rowenc`` (compiled with the core).
+an input, after a driver record once ``flush_every`` are buffered, and at every ``K_FLUSH``.
 """
 
 from __future__ import annotations
@@ -77,9 +68,10 @@ class EncoderProcess:
         self._done = False
         self._error: BaseException | None = None  # the child's, raised once
 
-    def feed(self, items: list[Any]) -> None:
+    def feed(self, data: bytes, records: list[Any]) -> None:
+        """Send a packed batch (``RowEncoder.feed``'s arguments) to the child."""
         try:
-            payload = marshal.dumps(items)
+            payload = marshal.dumps((data, records))
         except ValueError as exc:
             raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
                             ) from None
@@ -207,7 +199,8 @@ def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
                     encoder.flush()
                     out.write(_FLUSH)
                     continue
-                encoder.feed(marshal.loads(payload))
+                data, records = marshal.loads(payload)
+                encoder.feed(data, records)
             encoder.close()
             out.write(b"ok")
         except BaseException as exc:  # noqa: BLE001 - reported to the parent

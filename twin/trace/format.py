@@ -65,7 +65,9 @@ from twin.trace.encoder import (
     sigint_deferred,
 )
 from twin.trace.index import Block, IndexWriter, index_path
-from twin.trace.rowenc import count_lines
+from twin.trace.packers import EFFECT_TAGS
+from twin.trace.packing import BAD_INPUT, BAD_NODE, pack_flush, pack_item, pack_sys
+from twin.trace.packio import Packer
 from twin.trace.rows import CID, REDUCE, field_pos, msg_room
 from twin.trace.scan import NUMBER_RE, Kind, LineSkipper
 
@@ -297,18 +299,15 @@ def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Writer
 # ---------------------------------------------------------------------------------------------
-_REDUCE_CONCLUDED = REDUCE[ev.RoomConcluded]
-
-
 class TraceWriter:
     """Streams one trace to ``path``: gzip when the name ends in ``.gz``, zstd for ``.zst``,
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
 
     The header is validated and written at once. Each record is checked as it comes (times
     finite and non-decreasing, nodes declared in the header, events of the core's classes) and
-    its events reduced to rows (``twin.trace.rows``); the rows become text, blocks and index in
+    packed into a batch (``twin.trace.packio``); the batches become text, blocks and index in
     a ``RowEncoder`` (``twin.trace.encoder``). ``encoder="process"`` runs it in a forked child
-    process, so that the caller pays for reducing, not for encoding; ``"inline"`` runs it here;
+    process, so that the caller pays for packing, not for encoding; ``"inline"`` runs it here;
     ``"auto"`` (the default) forks when ``can_fork()`` (no other threads) and otherwise runs
     inline. Both write the same bytes. A block ends every ``flush_every`` lines (after an
     input's effects, so an input and its effects share a block; ``2 * flush_every`` lines at
@@ -340,21 +339,12 @@ class TraceWriter:
         self.config, nodes = _check_header(self.header, f"{self.path}: header")
         self.flush_every = max(1, flush_every)
         self._nodes = nodes
-        self._seq = 0
         self._t = 0.0
         self._closed = False
         self.requests = 0
-        self.succeeded: set[int] = set()
-        self.failed: set[int] = set()
-        # items (twin.trace.encoder) go to the encoder flush_every at a time
-        self._items: list[Any] = []
-        inputs = {cls: REDUCE[cls] for cls in ev.INPUT_TYPES}
-        effects = {cls: REDUCE[cls] for cls in ev.EFFECT_TYPES}
-        decode_effects = {**effects, ev.RoomConcluded: self._concluded}
-        self._in_red = {nid: inputs for nid in nodes}
-        self._sys_nodes = frozenset((*nodes, DRIVER))
-        self._out_red = {nid: decode_effects if v["role"] == "decode" else effects
-                         for nid, v in nodes.items()}
+        # records are packed as they come and go to the encoder flush_every items at a time
+        self._p = Packer(list(nodes), {nid for nid, v in nodes.items() if v["role"] == "decode"},
+                         DRIVER)
         codec = codec_for_name(self.path.name)
         header_line = (JSON_TEXT(self.header) + "\n").encode("utf-8")
         if index:
@@ -375,14 +365,20 @@ class TraceWriter:
         self._back: RowEncoder | EncoderProcess = (
             EncoderProcess(back) if self.encoder == "process" else back)
 
-    def _concluded(self, e: Any) -> Any:
-        (self.succeeded if e.status == "Success" else self.failed).add(e.room)
-        return _REDUCE_CONCLUDED(e)
+    @property
+    def succeeded(self) -> set[int]:
+        """Rooms a decode node concluded with ``Success`` so far."""
+        return self._p.succeeded
+
+    @property
+    def failed(self) -> set[int]:
+        """Rooms a decode node concluded otherwise so far."""
+        return self._p.failed
 
     # -- hot path ----------------------------------------------------------------------------
     def _where(self) -> str:
         """``path:line`` of the next line (exact: counts the items not yet handed on)."""
-        return f"{self.path}:{self._seq + count_lines(self._items) + 2}"
+        return f"{self.path}:{self._p.lines + 2}"
 
     def _set_time(self, t: float) -> None:
         t = float(t)
@@ -391,56 +387,53 @@ class TraceWriter:
                              f"time {t!r} is before {self._t!r} or not finite", "t")
         self._t = t
 
-    def _unknown_node(self, node: str, d: str) -> TraceError:
-        return TraceError(self._where(), f"unknown node {node!r} for dir "
-                          f"{d!r}", "node")
+    def _refused(self, status: int, node: str, d: str, event: Any,
+                 effects: Iterable[Any]) -> Exception:
+        """The error for ``pack_item``'s ``status``."""
+        if status == BAD_NODE:
+            return TraceError(self._where(), f"unknown node {node!r} for dir {d!r}", "node")
+        if status == BAD_INPUT:
+            return TypeError(f"not a core input: {type(event).__name__}")
+        bad = next(e for e in effects if type(e) not in EFFECT_TAGS)
+        return TypeError(f"not a core effect: {type(bad).__name__}")
 
     def write_input(self, t: float, node: str, event: Any) -> None:
         """Record that ``node`` handled input ``event`` at time ``t``."""
         if t != self._t:
             self._set_time(t)
-        try:
-            reduce = self._in_red[node][type(event)]
-        except KeyError:
-            if node not in self._in_red:
-                raise self._unknown_node(node, "in") from None
-            raise TypeError(f"not a core input: {type(event).__name__}") from None
-        self._items.append((t, node, reduce(event), None))
-        if len(self._items) >= self.flush_every:
+        status = pack_item(self._p, t, node, event, None)
+        if status:
+            raise self._refused(status, node, "in", event, ())
+        if self._p.items >= self.flush_every:
             self._ship()
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
         """Record the effects ``node`` returned for its last input, in order."""
         if t != self._t:
             self._set_time(t)
-        try:
-            table = self._out_red[node]
-        except KeyError:
-            raise self._unknown_node(node, "out") from None
-        try:
-            rows = [table[type(e)](e) for e in effects]
-        except KeyError:
-            bad = next(e for e in effects if type(e) not in table)
-            raise TypeError(f"not a core effect: {type(bad).__name__}") from None
-        self._items.append((t, node, None, rows))
-        if len(self._items) >= self.flush_every:
+        effects = effects if type(effects) is list else list(effects)
+        status = pack_item(self._p, t, node, None, effects)
+        if status:
+            raise self._refused(status, node, "out", None, effects)
+        if self._p.items >= self.flush_every:
             self._ship()
 
-    def row_sink(self) -> tuple[list[Any], dict[str, Any], dict[str, Any], int,
-                                Callable[[], None]]:
-        """What a runtime needs to record without a call per input: ``(items, inputs, effects,
-        limit, ship)``. It appends ``(t, node, inputs[node][type(event)](event),
-        [effects[node][type(e)](e) for e in fx])`` to ``items`` (the writer's own list, so the
-        order with ``write_sys`` holds), and calls ``ship()`` once ``items`` holds ``limit``
-        items. Times must be non-decreasing and nodes the header's, as for ``write_input``."""
-        return self._items, self._in_red, self._out_red, self.flush_every, self._ship
+    def packer(self) -> tuple[Packer, int, Callable[[], None]]:
+        """What a runtime needs to record without a call into this writer per input:
+        ``(packer, limit, ship)``. It packs each input and its effects with
+        ``twin.trace.packing.pack_item(packer, t, node, event, effects)`` (into this writer's
+        own batch, so the order with ``write_sys`` holds) and calls ``ship()`` once
+        ``packer.items`` reaches ``limit``; where ``pack_item`` refuses, it calls
+        ``write_input`` and ``write_effects``, which raise the error. Times must be
+        non-decreasing, as for ``write_input``."""
+        return self._p, self.flush_every, self._ship
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
         if t != self._t:
             self._set_time(t)
-        if node not in self._sys_nodes:
-            raise self._unknown_node(node, "sys")
+        if node not in self._p.node_code:
+            raise TraceError(self._where(), f"unknown node {node!r} for dir 'sys'", "node")
         rec = dict(record)
         try:
             rtype = _check_sys(rec, "", self._nodes)
@@ -450,30 +443,28 @@ class TraceWriter:
             self.requests += 1
         if next(iter(rec)) != "type":
             rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
-        self._items.append((t, node, rtype, rec["room"] if "room" in SYS_TYPES[rtype] else None,
-                            rec))
-        if len(self._items) >= self.flush_every:
+        pack_sys(self._p, t, node, rtype, rec["room"] if "room" in SYS_TYPES[rtype] else None,
+                 rec)
+        if self._p.items >= self.flush_every:
             self._ship()
 
     # -- blocks and closing --------------------------------------------------------------------
     def _ship(self) -> None:
-        """Hand the items to the encoder."""
+        """Hand the batch to the encoder."""
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
+        p = self._p
         with sigint_deferred():  # a Ctrl-C here would drop the batch or send it twice
-            items = self._items[:]  # the list itself stays: a runtime appends to it (row_sink)
-            self._items.clear()
-            if items:
-                self._seq += count_lines(items)
-                t = items[-1][0]
-                if t > self._t:
-                    self._t = float(t)
-                self._back.feed(items)
+            if p.items:
+                if p.t > self._t:  # a runtime's records (packer)
+                    self._t = p.t
+                data, records = p.take()
+                self._back.feed(data, records)
 
     def flush(self) -> None:
         """Write everything buffered and wait until it is in the file."""
+        pack_flush(self._p)
         self._ship()
-        self._back.feed([None])
         self._back.flush()
 
     @property
@@ -489,8 +480,8 @@ class TraceWriter:
             return
         try:
             if outcome is not None:
-                if self._items and self._items[-1][0] > self._t:  # a runtime's rows (row_sink)
-                    self._t = float(self._items[-1][0])
+                if self._p.t > self._t:  # a runtime's records (packer)
+                    self._t = self._p.t
                 self.write_sys(self._t, DRIVER, {"type": "Outcome", **outcome})
             self._ship()
         finally:

@@ -1,6 +1,7 @@
-"""Rows in, trace lines, blocks and the index's live state out: the ``RowEncoder`` of
-``twin.trace.encoder`` (which describes its items) and the ``LiveState`` it keeps for the index
-(``twin.trace.index``).
+"""Packed batches in, trace lines, blocks and the index's live state out: the ``RowEncoder`` of
+``twin.trace.encoder`` and the ``LiveState`` it keeps for the index (``twin.trace.index``). The
+batches are the trace writer's (``twin.trace.packio`` describes them); each event is read back
+as its row (``twin.trace.rows``).
 
 Compiled with the core by ``twin compile``: the per-row work (the line, its room, the live
 state) then runs natively, each line one call into the generated ``twin.trace.emitters``.
@@ -16,11 +17,13 @@ from typing import Any, Final
 from twin.core import events as ev
 from twin.core import wire
 from twin.trace.blocks import BlockSink
-from twin.trace.emitters import event_line, event_room
+from twin.trace.emitters import event_line, event_room, float_text
 from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
+from twin.trace.packers import unpack_event
+from twin.trace.packio import K_END, K_FLUSH, K_IN, K_INOUT, K_OUT, K_RESET, K_SYS, K_TIME, Reader
 from twin.trace.rows import CID, field_pos
 
-__all__ = ["DRIVER", "JSON_TEXT", "LiveState", "RowEncoder", "count_lines"]
+__all__ = ["DRIVER", "JSON_TEXT", "LiveState", "RowEncoder"]
 
 DRIVER: Final = "driver"
 """The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
@@ -60,21 +63,6 @@ _SE_MSG: Final = field_pos(ev.Send, "msg")
 _SR: Final = CID[wire.StagingReq]
 _SR_SESSION: Final = field_pos(wire.StagingReq, "session_id")
 _HOOKED: Final = frozenset({_TD, _WP, _SD, _MA, _ST, _DF, _WW, _SS, _AL, _FR, _WMM, _SE})
-
-
-def count_lines(items: list[Any]) -> int:
-    """How many trace lines the encoder items ``items`` (``None`` excluded) become."""
-    n = 0
-    for item in items:
-        if len(item) == 5:
-            n += 1
-        else:
-            if item[2] is not None:
-                n += 1
-            effects = item[3]
-            if effects is not None:
-                n += len(effects)
-    return n
 
 
 class LiveState:
@@ -147,7 +135,8 @@ class LiveState:
 
 
 class RowEncoder:
-    """Items -> lines -> blocks written to ``sink`` (and described to ``index``)."""
+    """Packed batches (``twin.trace.packio``) -> lines -> blocks written to ``sink`` (and
+    described to ``index``). ``nodes``: the header's node ids, in order (their codes)."""
 
     def __init__(self, sink: BlockSink, index: IndexWriter | None,
                  nodes: Mapping[str, Any], flush_every: int) -> None:
@@ -155,10 +144,12 @@ class RowEncoder:
         self._index = index
         self.flush_every = flush_every
         self._hard_limit = 2 * flush_every
-        self._pin: dict[str, str] = {n: f'"node":{json.dumps(n)},"dir":"in",' for n in nodes}
-        self._pout: dict[str, str] = {n: f'"node":{json.dumps(n)},"dir":"out",' for n in nodes}
-        self._psys: dict[str, str] = {n: f'"node":{json.dumps(n)},"dir":"sys",' for n in nodes}
-        self._psys[DRIVER] = f'"node":"{DRIVER}","dir":"sys",'
+        names = [*nodes, DRIVER]
+        self._names: list[str] = names
+        self._pin: list[str] = [f'"node":{json.dumps(n)},"dir":"in",' for n in names]
+        self._pout: list[str] = [f'"node":{json.dumps(n)},"dir":"out",' for n in names]
+        self._psys: list[str] = [f'"node":{json.dumps(n)},"dir":"sys",' for n in names]
+        self._strs: list[str] = []
         self._seq = 0
         self._t = 0.0
         self._tt = '"t":0.0,'
@@ -170,33 +161,45 @@ class RowEncoder:
         self._blocks = 0
         self._state: str | None = '{"alloc":{},"lines":[]}'
 
-    def feed(self, items: list[Any]) -> None:
-        """Encode ``items`` (see ``twin.trace.encoder``), writing every block they complete."""
+    def feed(self, data: bytes, records: list[Any]) -> None:
+        """Encode one packed batch (``data``; ``records``: its driver records), writing every
+        block it completes."""
+        r = Reader(data, self._strs)
         buf = self._buf
         rooms = self._rooms
         live = self._live
         flush_every = self.flush_every
-        for item in items:
-            if item is None:
+        while True:
+            kind = r.get_tag()
+            if kind == K_TIME:
+                t = r.get_float()
+                self._t = t
+                self._tt = '"t":' + float_text(t) + ","
+                continue
+            if kind == K_END:
+                break
+            if kind == K_SYS:
+                code = r.get_int()
+                rtype, room, record = records[r.get_int()]
+                self._sys(code, rtype, room, record)
+                continue
+            if kind == K_FLUSH:
                 self._drain()
                 continue
-            t = item[0]
-            if t != self._t:
-                tf = float(t)
-                self._t = tf
-                self._tt = '"t":' + repr(tf) + ","
-            if len(item) == 5:
-                self._sys(item)
+            if kind == K_RESET:
+                self._strs.clear()
                 continue
-            node: str = item[1]
-            row = item[2]
-            effects = item[3]
+            if kind != K_IN and kind != K_OUT and kind != K_INOUT:
+                raise ValueError(f"a packed batch holds an unknown item kind {kind}")
+            code = r.get_int()
+            node = self._names[code]
             seq = self._seq
-            if row is not None:
+            if kind != K_OUT:
+                row = unpack_event(r)
                 if not buf:
                     self._blk_seq = seq
                     self._blk_t0 = self._t
-                line = event_line(row, seq, self._tt + self._pin[node])
+                line = event_line(row, seq, self._tt + self._pin[code])
                 buf.append(line)
                 room = event_room(row)
                 if room is not None:
@@ -205,33 +208,33 @@ class RowEncoder:
                 seq += 1
                 if len(buf) >= self._hard_limit:
                     self._drain()
-            if effects is not None:
+            if kind != K_IN:
                 if not buf:
                     self._blk_seq = seq
                     self._blk_t0 = self._t
-                head = self._tt + self._pout[node]
-                for r in effects:
-                    line = event_line(r, seq, head)
+                head = self._tt + self._pout[code]
+                for _ in range(r.get_int()):
+                    row = unpack_event(r)
+                    line = event_line(row, seq, head)
                     buf.append(line)
-                    room = event_room(r)
+                    room = event_room(row)
                     if room is not None:
                         rooms.add(room)
-                    live.on_row(r[0], node, r, seq, line)
+                    live.on_row(row[0], node, row, seq, line)
                     seq += 1
                 if len(buf) >= flush_every:
                     self._drain()
             self._seq = seq
 
-    def _sys(self, item: tuple[Any, ...]) -> None:
-        node: str = item[1]
-        rtype: str = item[2]
-        room = item[3]
+    def _sys(self, code: int, rtype: str, room: Any, record: Any) -> None:
+        node = self._names[code]
         seq = self._seq
         if not self._buf:
             self._blk_seq = seq
             self._blk_t0 = self._t
-        record_text: str = JSON_TEXT(item[4])
-        line = '{"seq":' + str(seq) + "," + self._tt + self._psys[node] + record_text[1:] + "\n"
+        record_text: str = JSON_TEXT(record)
+        line = ('{"seq":' + str(seq) + "," + self._tt + self._psys[code]
+                + record_text[1:] + "\n")
         self._buf.append(line)
         if room is not None:
             self._rooms.add(room)

@@ -1,0 +1,98 @@
+"""Records into a ``Packer``'s batch (``twin.trace.packio`` gives the layout): what the trace
+writer (``twin.trace.format.TraceWriter``) and a recording runtime (``twin.runtime.runtime``)
+call once per input, effect list or driver record. Compiled with the core.
+
+Each function writes a whole item or nothing: an item that fails half-way (a float that is not
+finite, a field of the wrong type) is rolled back before the error is raised, so the batch and
+the string codes stay as the reader expects them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from twin.core import events as ev
+from twin.trace.packers import EFFECT_TAGS, INPUT_TAGS, pack_event
+from twin.trace.packio import K_FLUSH, K_IN, K_INOUT, K_OUT, K_SYS, Packer
+
+__all__ = ["BAD_EFFECT", "BAD_INPUT", "BAD_NODE", "OK", "pack_flush", "pack_item", "pack_sys"]
+
+OK: Final = 0
+BAD_NODE: Final = 1
+BAD_INPUT: Final = 2
+BAD_EFFECT: Final = 3
+
+_CONCLUDED: Final = EFFECT_TAGS[ev.RoomConcluded]
+
+
+def pack_item(p: Packer, t: float, node: str, event: Any, effects: list[Any] | None) -> int:
+    """Pack input ``event`` handled on ``node`` at ``t`` and the ``effects`` it returned
+    (``K_INOUT``), or the input alone (``effects`` None: ``K_IN``) or the effects alone
+    (``event`` None: ``K_OUT``). ``OK``, or what was wrong (``BAD_NODE``: not one of the
+    header's nodes; ``BAD_INPUT``, ``BAD_EFFECT``: not a core input or effect), nothing
+    written. Times must be non-decreasing and finite (the caller's check)."""
+    code = p.node_code.get(node, -1)
+    if code < 0 or code == p.driver:
+        return BAD_NODE
+    tag = -1
+    if event is not None:
+        tag = INPUT_TAGS.get(type(event), -1)
+        if tag < 0:
+            return BAD_INPUT
+    size = len(p.w)
+    t0 = p.t
+    lines = p.lines
+    try:
+        p.time(t)
+        if effects is None:
+            p.put_tag(K_IN)
+            p.put_int(code)
+            pack_event(p, tag, event)
+            p.lines += 1
+        else:
+            if event is None:
+                p.put_tag(K_OUT)
+                p.put_int(code)
+            else:
+                p.put_tag(K_INOUT)
+                p.put_int(code)
+                pack_event(p, tag, event)
+                p.lines += 1
+            p.put_int(len(effects))
+            for e in effects:
+                etag = EFFECT_TAGS.get(type(e), -1)
+                if etag < 0:
+                    p.rollback(size, t0, lines)
+                    return BAD_EFFECT
+                pack_event(p, etag, e)
+                if etag == _CONCLUDED and code in p.decode:
+                    (p.succeeded if e.status == "Success" else p.failed).add(e.room)
+            p.lines += len(effects)
+    except BaseException:
+        p.rollback(size, t0, lines)
+        raise
+    p.fresh.clear()
+    p.items += 1
+    return OK
+
+
+def pack_sys(p: Packer, t: float, node: str, rtype: str, room: Any, record: Any) -> int:
+    """Pack driver record ``record`` (of type ``rtype``, naming ``room`` or None) written by
+    ``node`` (a node of the header's or ``"driver"``) at ``t``; ``OK`` or ``BAD_NODE``."""
+    code = p.node_code.get(node, -1)
+    if code < 0:
+        return BAD_NODE
+    p.time(t)
+    p.put_tag(K_SYS)
+    p.put_int(code)
+    p.put_int(len(p.sys))
+    p.sys.append((rtype, room, record))
+    p.items += 1
+    p.lines += 1
+    return OK
+
+
+def pack_flush(p: Packer) -> None:
+    """End the trace's block after the items packed so far (``K_FLUSH``)."""
+    p.put_tag(K_FLUSH)
+    p.items += 1
