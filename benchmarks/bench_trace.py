@@ -18,7 +18,9 @@ Run: ``python benchmarks/bench_trace.py [--quick] [--json out.json] [--keep DIR]
 ``compiled`` and ``pure``. Each step reports wall and CPU seconds, each with its ratio to the untraced simulation of the
 same length, and the process's peak resident memory (``os.wait4``'s ``ru_maxrss``). On a
 shared, busy machine the CPU ratios are the steadier measure; ``--repeat N`` keeps the least of
-N runs of each step. Goals
+N rounds (each round runs every step once, so that noise falls on all steps alike). Steps run
+with the modules' bytecode cached, as installed (``PYTHONDONTWRITEBYTECODE`` is dropped).
+Goals
 (issue 15): recording <= 1.3x, replay <= 1.5x, summary <= 0.5x the untraced simulation; peak
 memory of replay and inspection < 500 MB and flat across lengths; the Perfetto file at most a
 third of the JSON; a one-minute window in under 5 s.
@@ -53,20 +55,35 @@ CORE_ENV: dict[str, str] = {}
 """Set on every ``twin`` process: ``TWIN_PURE_PYTHON=1`` for the pure-Python core."""
 
 
+PLAN: list[tuple[dict[str, Any], list[str], Path | None]] = []
+"""Every step run so far for the current workload: its result, ``twin`` arguments and output."""
+
+
 def run(args: list[str], out: Path | None = None) -> dict[str, Any]:
-    """Run ``twin ARGS`` in fresh processes (``REPEAT`` times: the least wall and CPU seconds
-    and peak RSS count); exit code."""
-    runs = [_run_once(args, out) for _ in range(REPEAT)]
-    best = dict(runs[0])
-    for key in ("wall_s", "cpu_s", "rss_mb"):
-        best[key] = min(r[key] for r in runs)
-    return best
+    """Run ``twin ARGS`` in a fresh process: wall and CPU seconds, peak RSS, exit code. The
+    step joins ``PLAN``; ``rerun_plan`` runs every step again, in the same order."""
+    res = _run_once(args, out)
+    PLAN.append((res, args, out))
+    return res
+
+
+def rerun_plan() -> None:
+    """Run the steps of ``PLAN`` ``REPEAT - 1`` more times, round after round (each round every
+    step once, so that a busy spell on a shared machine falls on all of them alike), keeping
+    each step's least wall and CPU seconds and peak RSS."""
+    for _ in range(REPEAT - 1):
+        for res, args, out in PLAN:
+            again = _run_once(args, out)
+            for key in ("wall_s", "cpu_s", "rss_mb"):
+                res[key] = min(res[key], again[key])
+    PLAN.clear()
 
 
 def _run_once(args: list[str], out: Path | None = None) -> dict[str, Any]:
     """Run ``twin ARGS`` in a fresh process: wall and CPU seconds, peak RSS (MB), exit code."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TWIN_PURE_PYTHON", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: modules' bytecode cached
     env.update(CORE_ENV)
     sink = open(out, "wb") if out is not None else subprocess.DEVNULL  # noqa: SIM115
     t0 = time.perf_counter()
@@ -126,6 +143,9 @@ def steps(label: str, workload: list[str], work: Path) -> dict[str, Any]:
     res["window"] = run(["perfetto", str(zst), "-o", str(win), "--from", str(mid), "--to",
                          str(mid + 60)])
     res["perfetto_mb"] = {"proto": size_mb(pf), "json": size_mb(js), "window": size_mb(win)}
+    if REPEAT > 1:
+        print(f"[{label}] {REPEAT - 1} more rounds of every step ...", flush=True)
+    rerun_plan()
     base, base_cpu = res["sim"]["wall_s"], res["sim"]["cpu_s"]
     for key in ("record_zst", "record_gz", "replay", "summary", "room", "diff", "perfetto",
                 "perfetto_json", "window"):
@@ -163,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", help="keep the traces in this folder")
     ap.add_argument("--no-azure", action="store_true")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="run each step N times and keep the least time (a busy machine)")
+                    help="run every step N times, in rounds, and keep each step's least "
+                         "time (a busy machine)")
     ap.add_argument("--sizes", default="1,4,16", help="lengths in 16ths of the hour")
     ap.add_argument("--core", choices=["installed", "pure", "both"], default="installed",
                     help="the core every step runs: as installed (compiled after twin "

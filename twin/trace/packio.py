@@ -50,6 +50,7 @@ K_SYS: Final = 5
 K_FLUSH: Final = 6
 K_RESET: Final = 7
 
+_SHORT: Final = 2**60
 _I64_MAX: Final = 2**63 - 1
 _WIDE: Final = -(2**63)
 """An int field's escape: an int beyond i64 (or this one) follows as its decimal digits."""
@@ -92,7 +93,7 @@ class Packer:
         self.w.append(v)
 
     def put_int(self, v: int) -> None:
-        if _WIDE < v <= _I64_MAX:
+        if -_SHORT < v < _SHORT or _WIDE < v <= _I64_MAX:  # the first: native compares
             write_i64_le(self.w, v)
         else:  # beyond i64 (a 64-bit unsigned room id): the escape, then its digits
             write_i64_le(self.w, _WIDE)
