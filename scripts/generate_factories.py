@@ -1,9 +1,10 @@
-"""Regenerate ``twin/core/factories.py``, ``twin/trace/reducers.py`` and
-``twin/trace/emitters.py`` from the event and frame dataclasses.
+"""Regenerate ``twin/core/factories.py``, ``twin/trace/reducers.py``,
+``twin/trace/emitters.py`` and ``twin/trace/packers.py`` from the event and frame dataclasses.
 
 Run after changing a field of an event or frame (or ``twin.core.fastinit.FACTORY_CLASSES``):
 ``python scripts/generate_factories.py``. ``tests/core/test_fastinit.py``,
-``tests/trace/test_rows.py`` and ``tests/trace/test_emitters.py`` fail until then.
+``tests/trace/test_rows.py``, ``tests/trace/test_emitters.py`` and
+``tests/trace/test_packing.py`` fail until then.
 """
 
 from __future__ import annotations
