@@ -75,8 +75,9 @@ def test_an_item_that_fails_half_way_leaves_nothing() -> None:
     assert pack_item(p, 1.0, P, ev.Tick(), [_send("fresh")]) == OK
     before = (p.lines, p.items, dict(p.strs), p.t)
     # a new string, a new time, then a float that is not finite: all of it undone
+    newer = "".join(["new", "er"])  # one object, used twice in the item that fails
     with pytest.raises(ValueError, match="finite"):
-        pack_item(p, 2.0, P, ev.Tick(), [_send("newer"), ev.SetTimer(at=math.inf)])
+        pack_item(p, 2.0, P, ev.Tick(), [_send(newer), _send(newer), ev.SetTimer(at=math.inf)])
     assert (p.lines, p.items, dict(p.strs), p.t) == before
     # refused before anything is written: an unknown node, the driver, not a core event
     assert pack_item(p, 2.0, "p9g9r9", ev.Tick(), []) == BAD_NODE
@@ -84,7 +85,7 @@ def test_an_item_that_fails_half_way_leaves_nothing() -> None:
     assert pack_item(p, 2.0, P, ev.WorkerIdle(worker=0), []) == BAD_INPUT
     assert pack_item(p, 2.0, P, ev.Tick(), [_send("newest"), ev.Tick()]) == BAD_EFFECT
     assert (p.lines, p.items, dict(p.strs), p.t) == before
-    assert pack_item(p, 3.0, P, ev.Tick(), [_send("newer")]) == OK
+    assert pack_item(p, 3.0, P, ev.Tick(), [_send(newer)]) == OK
     data, _ = p.take()
     r = Reader(data, [])
     for t, dst in ((1.0, "fresh"), (3.0, "newer")):

@@ -33,6 +33,8 @@ __all__ = ["DRIVER", "JSON_TEXT", "EncoderProcess", "RowEncoder", "can_fork"]
 # The encoder in a child process
 # ---------------------------------------------------------------------------------------------
 _LEN = struct.Struct("<I")
+_BATCH_HEAD = struct.Struct("<II")
+"""A batch's frame: its length, then its packed bytes' length (the driver records follow)."""
 _FLUSH = b"F"
 _PIPE_SIZE = 1 << 20
 
@@ -69,16 +71,18 @@ class EncoderProcess:
         self._error: BaseException | None = None  # the child's, raised once
 
     def feed(self, data: bytes, records: list[Any]) -> None:
-        """Send a packed batch (``RowEncoder.feed``'s arguments) to the child."""
+        """Send a packed batch (``RowEncoder.feed``'s arguments) to the child: one frame of
+        ``data``'s length, ``data`` and the marshalled ``records``, written without joining
+        them first."""
         try:
-            payload = marshal.dumps((data, records))
+            blob = marshal.dumps(records)
         except ValueError as exc:
             raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
                             ) from None
-        self._send(payload)
+        self._send(_BATCH_HEAD.pack(4 + len(data) + len(blob), len(data)), data, blob)
 
     def flush(self) -> None:
-        self._send(_FLUSH)
+        self._send(_LEN.pack(len(_FLUSH)), _FLUSH)
         reply = self._r.read(1)
         if reply != _FLUSH:
             self._fail(reply + self._r.read())
@@ -98,13 +102,13 @@ class EncoderProcess:
 
     abandon = close
 
-    def _send(self, payload: bytes) -> None:
+    def _send(self, *parts: bytes) -> None:
         if self._error is not None:
             raise self._error
         if self._done:
             raise ValueError("trace encoder is closed")
         try:
-            write_frame(self._w, payload)
+            _write_all(self._w, *parts)
         except BrokenPipeError:
             self._fail(self._r.read())
 
@@ -137,7 +141,7 @@ def open_pipe() -> tuple[int, int]:
 
 def write_frame(fd: int, payload: bytes) -> None:
     """Write ``payload`` as one length-prefixed frame (``read_frame`` reads it)."""
-    _write_all(fd, _LEN.pack(len(payload)) + payload)
+    _write_all(fd, _LEN.pack(len(payload)), payload)
 
 
 def read_frame(src: Any) -> bytes | None:
@@ -151,20 +155,28 @@ def read_frame(src: Any) -> bytes | None:
     return payload if len(payload) == n else None
 
 
+_deferring = False
+"""A ``sigint_deferred`` block is running (a nested one has nothing to add)."""
+
+
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) off for the block, then act on it as the handler before would
     have (``KeyboardInterrupt`` by default). An interrupt raised between bytecodes could
     otherwise land between a write and the bookkeeping of what it wrote (a batch sent twice, or
-    dropped). Outside the main thread (no handler can be set there) the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
+    dropped). Outside the main thread (no handler can be set there), and inside another such
+    block, the block runs as is."""
+    global _deferring
+    if _deferring or threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[Any] = []
     old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    _deferring = True
     try:
         yield
     finally:
+        _deferring = False
         signal.signal(signal.SIGINT, old)
         if caught:
             if callable(old):
@@ -173,11 +185,15 @@ def sigint_deferred() -> Iterator[None]:
                 os.kill(os.getpid(), signal.SIGINT)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data``; a Ctrl-C meanwhile is raised once the frame is whole (the child
-    ignores SIGINT and goes on reading), so the interrupted run can still write its outcome."""
-    view = memoryview(data)
+def _write_all(fd: int, *parts: bytes) -> None:
+    """Write all of ``parts``, one after another, with as few copies and calls as the pipe
+    allows; a Ctrl-C meanwhile is raised once the frame is whole (the child ignores SIGINT and
+    goes on reading), so the interrupted run can still write its outcome."""
     with sigint_deferred():
+        done = os.writev(fd, parts)
+        if done == sum(len(p) for p in parts):
+            return
+        view = memoryview(b"".join(parts))[done:]  # the pipe took part of it: the rest
         while view:
             view = view[os.write(fd, view):]
 
@@ -199,8 +215,9 @@ def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
                     encoder.flush()
                     out.write(_FLUSH)
                     continue
-                data, records = marshal.loads(payload)
-                encoder.feed(data, records)
+                view = memoryview(payload)
+                n = _LEN.unpack_from(view)[0]
+                encoder.feed(bytes(view[4:4 + n]), marshal.loads(view[4 + n:]))
             encoder.close()
             out.write(b"ok")
         except BaseException as exc:  # noqa: BLE001 - reported to the parent

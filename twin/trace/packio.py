@@ -55,6 +55,8 @@ _I64_MAX: Final = 2**63 - 1
 _WIDE: Final = -(2**63)
 """An int field's escape: an int beyond i64 (or this one) follows as its decimal digits."""
 
+_SEEN_MASK: Final = 63
+
 STRINGS_KEPT: Final = 50_000
 """Past this many strings defined, the next batch starts with ``K_RESET`` (a run that names
 a new session per request would otherwise grow the table without bound)."""
@@ -87,6 +89,9 @@ class Packer:
         self.sys: list[Any] = []
         """This batch's driver records: ``(type, room, record)``."""
         self.keep_strings = STRINGS_KEPT
+        self._seen: list[Any] = [None] * (_SEEN_MASK + 1)
+        self._seen_code: list[int] = [0] * (_SEEN_MASK + 1)
+        """String objects lately packed and their codes, by address (a cache of ``strs``)."""
 
     # -- fields ---------------------------------------------------------------------------------
     def put_tag(self, v: int) -> None:
@@ -108,8 +113,14 @@ class Packer:
         self.w.append(1 if v else 0)
 
     def put_str(self, v: str) -> None:
+        slot = (id(v) >> 4) & _SEEN_MASK
+        if self._seen[slot] is v:  # the same object as lately: its code, no dict lookup
+            write_i64_le(self.w, self._seen_code[slot])
+            return
         code = self.strs.get(v, -1)
         if code >= 0:
+            self._seen[slot] = v
+            self._seen_code[slot] = code
             write_i64_le(self.w, code)
             return
         write_i64_le(self.w, -1)
@@ -137,6 +148,9 @@ class Packer:
         self.w.truncate(size)
         for v in self.fresh:
             del self.strs[v]
+            slot = (id(v) >> 4) & _SEEN_MASK
+            if self._seen[slot] is v:
+                self._seen[slot] = None
         self.fresh.clear()
         self.t = t
         self.lines = lines
@@ -151,6 +165,7 @@ class Packer:
         self.items = 0
         if len(self.strs) > self.keep_strings:
             self.strs.clear()
+            self._seen = [None] * (_SEEN_MASK + 1)
             self.w.append(K_RESET)
         return data, sys
 
