@@ -13,7 +13,10 @@ import math
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
-from orjson import dumps as _orjson_dumps
+try:
+    from orjson import dumps as _orjson_dumps
+except ImportError:  # pragma: no cover - a declared dependency
+    _orjson_dumps = None  # type: ignore[assignment]
 
 from twin.core.events import (
     AbortNotice,
@@ -122,7 +125,7 @@ def float_text(v: Any) -> str:
     1e16, where ``repr`` writes no exponent, orjson writes the same shortest round-trip digits
     in the same form, several times faster (``tests/trace/test_codec.py`` holds them equal)."""
     if type(v) is float:
-        if 0.0001 <= v < 1e16:
+        if 0.0001 <= v < 1e16 and _orjson_dumps is not None:
             return _orjson_dumps(v).decode()
         if not math.isfinite(v):
             raise ValueError(f"out of range float value {v!r}: traces hold finite numbers only")
