@@ -7,6 +7,7 @@ import json
 import marshal
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -164,6 +165,23 @@ def test_a_ctrl_c_while_a_batch_is_shipped_is_raised_after_it() -> None:
         time.sleep(0.05)  # a signal not held off would interrupt here
         done.append("the whole block")
     assert done == ["the whole block"]
+
+
+def test_a_batch_cut_short_by_a_dying_writer_is_dropped(tmp_path: Path) -> None:
+    """A run killed while it writes a batch leaves the child half a frame: the child writes
+    every whole batch before it and ends the file properly (not a truncated stream)."""
+    path = tmp_path / "cut.jsonl.zst"
+    w = TraceWriter(path, make_header("sim", small_config(), NODES), encoder="process",
+                    flush_every=10)
+    for i in range(35):
+        w.write_input(i * 0.5, P, ev.Tick())
+    w._ship()
+    os.write(w._back._w, struct.pack("<I", 5000) + b"\x01" * 100)  # the head, part of the body
+    w._back.close()  # the pipe ends mid-frame; the child reports success
+    trace = read_trace(path)
+    assert not trace.truncated
+    assert [r.type for r in trace.events] == ["Tick"] * 35
+    assert trace.outcome is None
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])

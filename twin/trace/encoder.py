@@ -49,8 +49,8 @@ class EncoderProcess:
     """Runs ``encoder`` in a forked child, fed batches of items through a pipe.
 
     The child ignores SIGINT (an interrupted run still writes its outcome through it) and ends
-    when the pipe does: on ``close()``, or when this process dies, after writing every item it
-    received. An error in the child (a full disk, say) is raised here on the next ``feed``,
+    when the pipe does: on ``close()``, or when this process dies, after writing every whole
+    batch it received (a batch the dying process was still writing is dropped). An error in the child (a full disk, say) is raised here on the next ``feed``,
     ``flush`` or ``close``; the exception is carried over by pickle.
     """
 
@@ -207,10 +207,9 @@ def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
         out = os.fdopen(res_w, "wb", buffering=0)
         try:
             while True:
-                head = src.read(4)
-                if len(head) < 4:
+                payload = read_frame(src)
+                if payload is None:  # the pipe's end, or a frame a killed writer cut short
                     break
-                payload = src.read(_LEN.unpack(head)[0])
                 if payload == _FLUSH:
                     encoder.flush()
                     out.write(_FLUSH)
