@@ -1,10 +1,12 @@
 """Events as rows: ``(tag, field, ...)`` tuples of plain values, and trace lines from rows.
 
-The trace writer reduces each event it records to a row at once (``REDUCE``: the field values
-in declaration order behind a class tag; nested messages and targets become rows themselves,
-``KVPoll`` members their names, floats are checked finite) and encodes rows into text later,
-possibly in another process: a row holds only ints, floats, strings, bools, None, tuples and
-lists, so ``marshal`` carries it. ``LINE_OF_ROW[row[0]](row, seq, head)`` is exactly the line
+A row (``REDUCE``: the field values in declaration order behind a class tag; nested messages
+and targets become rows themselves, ``KVPoll`` members their names, floats are checked finite)
+holds only ints, floats, strings, bools, None, tuples and lists, so ``marshal`` carries it
+between processes. The trace writer packs events field by field (``twin.trace.packio``) and its
+encoder reads them back as rows (``twin.trace.packers.unpack_event``, equal to ``REDUCE``'s);
+readers decode lines straight into rows, and a replay builds events back from them
+(``BUILD``). ``LINE_OF_ROW[row[0]](row, seq, head)`` is exactly the line
 ``twin.trace.codec.LINE_TEXT`` writes for the event (``tests/trace/test_rows.py``). Tags are
 positions in ``CLASSES``: they mean something within one process and its forks, never in a file.
 """
