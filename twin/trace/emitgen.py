@@ -20,7 +20,7 @@ from typing import Any
 from twin.core import events as ev
 from twin.trace import codec
 from twin.trace.codec import _KIND_OF, _SPECS, MESSAGE_KINDS, ROW_TAG
-from twin.trace.reducegen import reducer_name
+from twin.trace.reducegen import import_lines, reducer_name
 
 EMITTERS_PATH = Path(__file__).with_name("emitters.py")
 
@@ -91,15 +91,7 @@ def tree(tags: list[int], leaf: Callable[[int], str], pad: str = "    ", *,
 
 def _imports(events: list[type]) -> list[str]:
     """Imports of the event classes and their reducers (``twin.trace.reducers``)."""
-    by_module: dict[str, list[str]] = {}
-    for cls in events:
-        by_module.setdefault(cls.__module__, []).append(cls.__name__)
-    out = []
-    for module in sorted(by_module):
-        out += [f"from {module} import (", *(f"    {n}," for n in sorted(by_module[module])),
-                ")"]
-    return [*out, "from twin.trace.reducers import (",
-            *(f"    {reducer_name(c)}," for c in sorted(events, key=reducer_name)), ")"]
+    return import_lines(events, {"twin.trace.reducers": [reducer_name(c) for c in events]})
 
 
 def _room_expr(cls: type) -> str:

@@ -15,6 +15,7 @@ from twin.core import events as ev
 from twin.core import wire
 from twin.trace.codec import _SPECS, MESSAGE_KINDS, ROW_TAG
 from twin.trace.emitgen import tree
+from twin.trace.reducegen import import_lines
 
 PACKERS_PATH = Path(__file__).with_name("packers.py")
 
@@ -68,9 +69,6 @@ def _unpack(spec: tuple[Any, ...]) -> str:
 def packers_source() -> str:
     """The text of ``twin/trace/packers.py``."""
     classes = list(_SPECS)
-    by_module: dict[str, list[str]] = {}
-    for cls in classes:
-        by_module.setdefault(cls.__module__, []).append(cls.__name__)
     by_tag = {ROW_TAG[c]: c for c in classes}
     events = [*ev.INPUT_TYPES, *ev.EFFECT_TYPES]
     lines = ['"""Events packed into batches and read back as rows (``twin.trace.packio``).', "",
@@ -83,10 +81,7 @@ def packers_source() -> str:
              'read and one native write."""', "",
              "from __future__ import annotations", "",
              "from typing import Any, Final", ""]
-    for module in sorted(by_module):
-        names = sorted(by_module[module])
-        lines += [f"from {module} import (", *(f"    {n}," for n in names), ")"]
-    lines += ["from twin.trace.packio import Packer, Reader", "",
+    lines += [*import_lines(classes), "from twin.trace.packio import Packer, Reader", "",
               "KVPOLL_NAMES: Final[dict[int, str]] = {",
               *(f"    {m.value}: {m.name!r}," for m in wire.KVPoll), "}",
               "INPUT_TAGS: Final[dict[type, int]] = {",
