@@ -33,3 +33,7 @@ from twin.trace.packgen import PACKERS_PATH, packers_source  # noqa: E402
 
 PACKERS_PATH.write_text(packers_source())
 print(f"wrote {PACKERS_PATH}")
+from twin.trace.rowdecgen import ROWDECODERS_PATH, rowdecoders_source  # noqa: E402
+
+ROWDECODERS_PATH.write_text(rowdecoders_source())
+print(f"wrote {ROWDECODERS_PATH}")

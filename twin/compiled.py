@@ -51,6 +51,7 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.placement",
     "twin.trace.reducers",
     "twin.trace.emitters",
+    "twin.trace.rowdecoders",
     "twin.trace.rowenc",
     "twin.trace.scan",
     "twin.workloads.prefix_cache",

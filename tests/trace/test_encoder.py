@@ -27,9 +27,9 @@ from twin.runtime.header import trace_header
 from twin.runtime.params import SimParams
 from twin.sim.runner import run_sim
 from twin.trace import format as fmt
-from twin.trace.codec import FAST_LINE_DECODERS, FAST_LINE_ROWS, LINE_TEXT, TraceError
+from twin.trace.codec import FAST_LINE_DECODERS, LINE_TEXT, TraceError
 from twin.trace.format import TraceWriter, make_header, read_trace
-from twin.trace.rows import BUILD, LINE_OF_ROW, REDUCE
+from twin.trace.rows import BUILD, LINE_OF_ROW, LINE_ROWS, REDUCE
 from twin.workloads.spec import parse_workload_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_a_lines_row_is_its_events_row(event: Any) -> None:
     d = json.loads(LINE_TEXT[type(event)](event, 3, HEAD))
     name = type(event).__name__
     fast_event = FAST_LINE_DECODERS.get(name)
-    fast_row = FAST_LINE_ROWS[name]
+    fast_row = LINE_ROWS.get(name)
     assert (fast_event is None) == (fast_row is None)
     if fast_event is not None and fast_row is not None:
         decoded = fast_event(d)

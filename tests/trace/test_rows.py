@@ -14,6 +14,7 @@ from twin.core import factories, wire
 from twin.trace import reducers
 from twin.trace.reducegen import REDUCERS_PATH, reducers_source
 from twin.trace.reducers import reduce_message
+from twin.trace.rowdecgen import ROWDECODERS_PATH, rowdecoders_source
 from twin.trace.rows import BUILD, CID, REDUCE
 
 SAMPLES = [
@@ -34,6 +35,11 @@ SAMPLES = [
 
 def test_the_generated_reducers_are_current() -> None:
     assert REDUCERS_PATH.read_text() == reducers_source(), (
+        "run python scripts/generate_factories.py")
+
+
+def test_the_generated_row_decoders_are_current() -> None:
+    assert ROWDECODERS_PATH.read_text() == rowdecoders_source(), (
         "run python scripts/generate_factories.py")
 
 

@@ -4,17 +4,20 @@ envelope. Run against the compiled build too (``tests/test_compiled.py``)."""
 
 from __future__ import annotations
 
+import marshal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_streaming import record_sim_run
 
+from twin.replay import forked
 from twin.trace import format as fmt
 from twin.trace.codec import INPUT_NAMES, TraceError
 from twin.trace.format import TraceReader
 from twin.trace.inspect import _SUMMARY_TYPES
-from twin.trace.scan import NUMBER_RE, Kind, LineSkipper, is_number
+from twin.trace.rows import REDUCE
+from twin.trace.scan import NUMBER_RE, SEP, Collector, Kind, LineSkipper, is_number
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +112,78 @@ def test_the_pass_stops_at_the_first_line_it_cannot_vouch_for() -> None:
 def test_a_number_is_what_the_pattern_says(text: bytes) -> None:
     raw = b"x" + text + b","
     assert is_number(raw, 1, 1 + len(text)) == (NUMBER_RE.match(text) is not None)
+
+
+def batches(path: Path, native: bool, monkeypatch: pytest.MonkeyPatch, replayed: Any = None,
+            batch: int = 7) -> Any:
+    """What a replay's reader ships (``forked.read_batches``), with or without the native
+    pass: every batch's items and text, and what the reader learnt; or the error."""
+    monkeypatch.setattr(fmt, "SKIP_NATIVELY", native)
+    monkeypatch.setattr(forked, "BATCH", batch)
+    if replayed is None:
+        replayed = frozenset(TraceReader(path).nodes)
+    shipped: list[tuple[Any, ...]] = []
+
+    def ship(col: Collector) -> None:
+        shipped.append((marshal.loads(marshal.dumps(col.items)), b"\n".join(col.text),
+                        col.inputs))  # as the replaying process gets them
+        col.reset()
+
+    try:
+        reader = forked.read_batches(str(path), replayed, ship)
+    except TraceError as exc:
+        return "error", str(exc), exc.field
+    return (shipped, dict(reader.counts), reader.first_t, reader.last_t, reader.outcome,
+            reader.truncated, reader.warnings)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 10_000])
+def test_a_replays_batches_are_the_same_with_and_without_the_native_pass(
+        trace: Path, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    native = batches(trace, True, monkeypatch, batch=batch)
+    assert native == batches(trace, False, monkeypatch, batch=batch)
+    shipped = native[0]
+    assert all(n >= batch for *_, n in shipped[:-1]) and len(shipped) > (1 if batch < 100 else 0)
+    items = [x for s in shipped for x in s[0]]
+    inputs = [x for x in items if x[0] == 1]
+    assert len(inputs) == sum(n for (_, d, _), n in native[1].items() if d == "in") > 100
+    # every input row is the row of the event its line decodes to
+    events = [r for r in TraceReader(trace) if r.dir == "in"]
+    assert [x[3] for x in inputs] == [REDUCE[type(r.event)](r.event) for r in events]
+    # every input's effect payloads, then SEP
+    text = b"\n".join(s[1] for s in shipped if s[1])
+    assert text.count(SEP) == len(inputs)
+    assert sum(n for (_, d, _), n in native[1].items() if d == "out") == (
+        text.count(b"\n") + 1 - len(inputs))
+
+
+def test_nodes_not_replayed_have_no_rows(trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nodes = sorted(TraceReader(trace).nodes)
+    some = frozenset(nodes[:1])
+    native = batches(trace, True, monkeypatch, some)
+    assert native == batches(trace, False, monkeypatch, some)
+    items = [x for s in native[0] for x in s[0]]
+    assert {x[2] for x in items if x[0] == 1} == set(some)
+
+
+ROW_EDITS = {  # an input line the native pass must hand back to the reader, which raises
+    "field type": (b'"dir":"in","type":"ScatterDone"', b'"chunk_idx":', b'"chunk_idx":"0",'
+                   b'"x":'),
+    "room never introduced": (b'"dir":"in","type":"ScatterDone"', b'"room":', b'"room":9999'),
+    "unknown field": (b'"dir":"in","type":"SendKV"', b'"room":', b'"roomy":1,"room":'),
+}
+
+
+@pytest.mark.parametrize("edit", ROW_EDITS, ids=list(ROW_EDITS))
+def test_a_bad_input_raises_the_same_error_with_the_native_pass(
+        trace: Path, tmp_path: Path, edit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kind, old, new = ROW_EDITS[edit]
+    lines = trace.read_bytes().split(b"\n")
+    # the second such line: the native pass knows the kind by then
+    i = [k for k, raw in enumerate(lines) if kind in raw][1]
+    lines[i] = lines[i].replace(old, new, 1)
+    path = tmp_path / "edited.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    native = batches(path, True, monkeypatch)
+    assert native == batches(path, False, monkeypatch)
+    assert native[0] == "error" and f":{i + 1}:" in native[1]

@@ -5,7 +5,8 @@ every line's envelope and decoding every input's payload. ``run`` forks a reader
 own ``TraceReader`` of the same file (every check of the sequential reader, in the same order),
 reduces each input to a row (``twin.trace.rows``) and sends, in batches, each input with the
 payload text of the effect lines recorded after it, and the driver records the replay follows.
-This process rebuilds the inputs (``rows.BUILD``), feeds the cores and compares the text of
+The reader's native pass (``twin.trace.scan``) makes the rows and collects the text of most
+lines without a record per line (``TraceReader.collect``). This process rebuilds the inputs (``rows.BUILD``), feeds the cores and compares the text of
 every effect with the recorded text, as the sequential replay does, while the reader reads on.
 
 An error the reader meets (a ``TraceError``) is raised here, as the sequential replay raises
@@ -23,12 +24,14 @@ import marshal
 import os
 import pickle
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twin.trace.emitters import event_body
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
 from twin.trace.rows import BUILD
+from twin.trace.scan import SEP, Collector
 
 if TYPE_CHECKING:
     from twin.replay import Replayer, ReplayResult
@@ -40,8 +43,7 @@ MIN_BYTES = 1 << 20
 BATCH = 500
 """Inputs per message from the reader."""
 _INPUT, _SYS = 1, 2
-SEP = "\x1e"
-"""Ends an input's effect payloads in a batch's text (``_replay``)."""
+_SEP = SEP.decode()
 
 
 class Fallback(Exception):  # noqa: N818 - a signal to the caller, not an error
@@ -120,7 +122,7 @@ def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -
                     add(event_body(e))
                     if type(e) in observers:
                         observe(node, e)
-                add(SEP)
+                add(_SEP)
             else:
                 replayer._sys(item[1], item[2])
     except Exception as exc:  # the sequential replay raises it again, or finds a divergence
@@ -129,52 +131,41 @@ def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -
         raise Fallback("not the recorded effects")
 
 
-def _reader(path: str, replayed: frozenset[str], w: int) -> None:
-    """The forked reader: the trace's inputs for nodes in ``replayed`` (rows, with their effect
-    lines' payload text) and the followed driver records, to ``w``; then the end or the error."""
+def read_batches(path: str, replayed: frozenset[str], ship: Callable[[Collector], None]
+                 ) -> TraceReader:
+    """Read the trace at ``path`` as the forked reader does: its inputs for nodes in
+    ``replayed`` (rows, with their effect lines' payload text) and the followed driver records,
+    in batches of at least ``BATCH`` inputs handed to ``ship`` (the last one maybe smaller);
+    the reader, read to its end. Raises what the reader raises."""
     from twin.replay import _FOLLOWED
 
+    reader = TraceReader(path, select=INPUT_NAMES)
+    col = reader.collect(replayed, _FOLLOWED, BATCH, lambda: ship(col))
+    add_input, add_sys = col.add_input, col.add_sys
+    for rec in reader:  # what the native pass left: inputs and driver records
+        if rec.dir == "in":
+            add_input(rec.t, rec.node, rec.row if rec.node in replayed else None)
+        else:
+            add_sys(rec.type, rec.data)
+    if col.node is not None:
+        col.text.append(SEP)
+    ship(col)
+    return reader
+
+
+def _reader(path: str, replayed: frozenset[str], w: int) -> None:
+    """The forked reader: ``read_batches`` to ``w``, then the end or the error."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the replaying process decides
         gc.freeze()
-        items: list[tuple[Any, ...]] = []
-        text: list[bytes] = []  # the batch's recorded effect payloads, as _replay writes them
-        add = text.append
-        sep = SEP.encode()
-        node = None  # of the input whose effect lines come next
-        inputs = 0
-        reader = TraceReader(path, select=INPUT_NAMES)
 
-        def passed(of: str, body: bytes) -> None:
-            if of == node:
-                add(body)
-
-        reader.passed_effects = passed
-
-        def ship() -> None:
-            nonlocal items, text, add, inputs
-            write_frame(w, marshal.dumps(("items", items, b"\n".join(text))))
-            items, text, inputs = [], [], 0
-            add = text.append
+        def ship(col: Collector) -> None:
+            write_frame(w, marshal.dumps(("items", col.items, b"\n".join(col.text))))
+            col.reset()
 
         try:
-            for rec in reader:  # inputs and driver records; effect lines go to passed()
-                if node is not None:
-                    add(sep)
-                    node = None
-                    if inputs >= BATCH:
-                        ship()
-                if rec.dir == "in":
-                    if rec.node in replayed:
-                        node = rec.node
-                        items.append((_INPUT, rec.t, node, rec.row))
-                        inputs += 1
-                elif rec.type in _FOLLOWED:
-                    items.append((_SYS, rec.type, rec.data))
-            if node is not None:
-                add(sep)
-            ship()
+            reader = read_batches(path, replayed, ship)
             write_frame(w, marshal.dumps((
                 "end", reader.outcome, reader.warnings, reader.truncated,
                 [(*k, n) for k, n in reader.counts.items()], reader.first_t, reader.last_t)))
@@ -190,4 +181,3 @@ def _reader(path: str, replayed: frozenset[str], w: int) -> None:
         code = 1
     finally:
         os._exit(code)
-

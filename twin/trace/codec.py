@@ -541,10 +541,12 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int, rows: bool =
     return None
 
 
-def _make_fast(cls: type, extra: int = 0, rows: bool = False
-               ) -> Callable[[dict[str, Any]], Any] | None:
-    """A fast decoder of ``cls`` from a parsed dict (``extra`` more keys: a line's envelope):
-    the object, or with ``rows`` its row (``ROW_TAG``); None where it cannot vouch."""
+def fast_source(cls: type, extra: int = 0, rows: bool = False,
+                header: str = "def dec(d):") -> str | None:
+    """The source of a fast decoder of ``cls`` from a parsed dict (``extra`` more keys: a
+    line's envelope), opening with ``header``: it returns the object, or with ``rows`` its row
+    (``ROW_TAG``), and None where it cannot vouch; None when ``cls`` has no fast decoder. Free
+    names: ``_MISSING``, ``_isfinite``, ``_KVPOLL``, ``_fast_msg`` and ``_fast_Target``."""
     specs = _SPECS[cls]
     lines = [f"    if len(d) != {len(specs) + 1 + extra}: return None"]
     args = []
@@ -557,56 +559,50 @@ def _make_fast(cls: type, extra: int = 0, rows: bool = False
         args.append(expr if rows else f"{f.name}={expr}")
     lines.append(f"    return ({', '.join([str(ROW_TAG[cls]), *args])},)" if rows else
                  f"    return _cls({', '.join(args)})")
-    src = "def dec(d):\n" + "\n".join(lines) + "\n"
-    nested = _FAST_NESTED_ROW if rows else _FAST_NESTED
+    return header + "\n" + "\n".join(lines) + "\n"
+
+
+def _make_fast(cls: type, extra: int = 0) -> Callable[[dict[str, Any]], Any] | None:
+    """A fast decoder of ``cls`` from a parsed dict (``extra`` more keys: a line's envelope):
+    the object, or None where it cannot vouch (``fast_source``). Rows have theirs generated
+    (``twin.trace.rowdecoders``)."""
+    src = fast_source(cls, extra)
+    if src is None:
+        return None
     scope: dict[str, Any] = {"_cls": cls, "_isfinite": math.isfinite, "_MISSING": object(),
-                             "_KVPOLL": KVPoll.__members__,
-                             "_fast_msg": _fast_msg_row if rows else _fast_msg}
-    scope.update({f"_fast_{c.__name__}": fn for c, fn in nested.items()})
-    kind = "row decoder" if rows else "decoder"
-    exec(compile(src, f"<trace {kind} {cls.__name__}>", "exec"), scope)  # noqa: S102
+                             "_KVPOLL": KVPoll.__members__, "_fast_msg": _fast_msg}
+    scope.update({f"_fast_{c.__name__}": fn for c, fn in _FAST_NESTED.items()})
+    exec(compile(src, f"<trace decoder {cls.__name__}>", "exec"), scope)  # noqa: S102
     return scope["dec"]
 
 
 ROW_TAG: dict[type, int] = {cls: i for i, cls in enumerate(_SPECS)}
 """Every event, message and nested class -> its tag in rows (``twin.trace.rows``)."""
 _FAST_MSG: dict[str, Callable[[dict[str, Any]], Any]] = {}
-_FAST_MSG_ROW: dict[str, Callable[[dict[str, Any]], Any]] = {}
 _FAST_NESTED: dict[type, Callable[[Any], Any]] = {}
-_FAST_NESTED_ROW: dict[type, Callable[[Any], Any]] = {}
 
 
-def _message_decoder(by_kind: dict[str, Callable[[dict[str, Any]], Any]]
-                     ) -> Callable[[Any], Any]:
-    """A fast decoder of any message, by its ``kind``, from ``by_kind`` (objects or rows)."""
-    def dec(x: Any) -> Any:
-        if type(x) is not dict:
-            return None
-        kind = x.get("kind")
-        fn = by_kind.get(kind) if type(kind) is str else None
-        return None if fn is None else fn(x)
-
-    return dec
+def _fast_msg(x: Any) -> Any:
+    """A fast decoder of any message, by its ``kind``."""
+    if type(x) is not dict:
+        return None
+    kind = x.get("kind")
+    fn = _FAST_MSG.get(kind) if type(kind) is str else None
+    return None if fn is None else fn(x)
 
 
-_fast_msg = _message_decoder(_FAST_MSG)
-_fast_msg_row = _message_decoder(_FAST_MSG_ROW)
-
-
-for _rows, _msgs, _nested in ((False, _FAST_MSG, _FAST_NESTED),
-                              (True, _FAST_MSG_ROW, _FAST_NESTED_ROW)):
-    for _kind, _mcls in MESSAGE_KINDS.items():
-        _dec = _make_fast(_mcls, rows=_rows)
-        if _dec is not None:
-            _msgs[_kind] = _dec
-    _dec = _make_fast(ev.Target, rows=_rows)
+for _kind, _mcls in MESSAGE_KINDS.items():
+    _dec = _make_fast(_mcls)
     if _dec is not None:
-        def _fast_target(x: Any, _dec: Callable[[dict[str, Any]], Any] = _dec) -> Any:
-            if type(x) is not dict or x.get("type") != "Target":
-                return None
-            return _dec(x)
+        _FAST_MSG[_kind] = _dec
+_dec = _make_fast(ev.Target)
+if _dec is not None:
+    def _fast_target(x: Any, _dec: Callable[[dict[str, Any]], Any] = _dec) -> Any:
+        if type(x) is not dict or x.get("type") != "Target":
+            return None
+        return _dec(x)
 
-        _nested[ev.Target] = _fast_target
+    _FAST_NESTED[ev.Target] = _fast_target
 _FAST_EVENT: dict[str, Callable[[dict[str, Any]], Any]] = _Lazy(
     lambda name: _make_fast(ev.EVENT_TYPES[name]), ev.EVENT_TYPES)
 FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = _Lazy(
@@ -615,21 +611,6 @@ FAST_LINE_DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = _Lazy(
 ``t``, ``node``, ``dir`` included) when it is complete and well typed, else None (then
 ``event_from_json`` on the payload names the problem). Made on first use: look up with
 ``get`` (None for a type without one)."""
-
-
-class _LineRowDecoders(dict):  # type: ignore[type-arg]
-    """Made on first use: only a replay's reader decodes lines to rows."""
-
-    def __missing__(self, name: str) -> Callable[[dict[str, Any]], Any] | None:
-        cls = ev.EVENT_TYPES.get(name)
-        dec = self[name] = None if cls is None else _make_fast(cls, extra=4, rows=True)
-        return dec
-
-
-FAST_LINE_ROWS: dict[str, Callable[[dict[str, Any]], Any] | None] = _LineRowDecoders()
-"""Type name -> ``row(line dict)``: as ``FAST_LINE_DECODERS``, the event's row instead
-(``REDUCE`` of the event it would decode), or None; the entry itself is None for a type
-without a fast decoder. Look up with ``[]`` (made on first use)."""
 
 
 def event_from_json(d: Any, *, where: str) -> Any:

@@ -45,7 +45,6 @@ from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
     FAST_LINE_DECODERS,
-    FAST_LINE_ROWS,
     INPUT_NAMES,
     LINE_TEXT,
     MESSAGE_KINDS,
@@ -67,7 +66,7 @@ from twin.trace.index import Block, IndexWriter, index_path
 from twin.trace.packers import EFFECT_TAGS
 from twin.trace.packing import BAD_INPUT, BAD_NODE, pack_flush, pack_item, pack_sys
 from twin.trace.packio import Packer
-from twin.trace.rows import CID, REDUCE, field_pos, msg_room
+from twin.trace.rows import CID, LINE_ROWS, REDUCE, field_pos, msg_room
 from twin.trace.scan import NUMBER_RE, Kind, LineSkipper
 
 try:
@@ -607,7 +606,7 @@ class Record:
                 d = _fast_loads(self.raw)
             except ValueError:
                 d = None
-            dec = FAST_LINE_ROWS[self.type]
+            dec = LINE_ROWS.get(self.type)
             row = dec(d) if type(d) is dict and dec is not None else None
             if row is None:  # the checking path names the problem
                 event = self.event
@@ -806,6 +805,8 @@ class TraceReader:
         self.passed_effects: Callable[[str, bytes], None] | None = None
         """Set before iterating a select reader: called with the node and the payload text
         (``Record.body``) of every effect line it passes over, in order."""
+        self.collector: scan.Collector | None = None
+        """Set by ``collect``."""
         self._span: tuple[Block, Block | None] | None = None
         self._started = False
         self._first_seq = 0
@@ -948,7 +949,8 @@ class TraceReader:
         strict = self._strict
         done = False  # the Outcome was read
         # lines of a kind neither selected nor sys, passed over natively (twin.trace.scan)
-        skipper = LineSkipper(passed) if select is not None and SKIP_NATIVELY else None
+        skipper = (LineSkipper(passed, self.collector) if select is not None and SKIP_NATIVELY
+                   else None)
         try:
             for lines, ended in self._it:
                 base = lineno  # lines[i] is line base + 1 + i
@@ -1070,6 +1072,20 @@ class TraceReader:
             self.last_t = last_t if self.first_t is not None else None
         self._finish(last_ok)
 
+    def collect(self, replayed: frozenset[str], followed: frozenset[str], batch: int,
+                ship: Callable[[], None]) -> scan.Collector:
+        """Before iterating a reader that selects the inputs: a collector of its inputs and
+        effect payloads in batches (``twin.trace.scan.Collector``, with this reader's room
+        rule). The native pass then collects the lines it can vouch for itself and the
+        iteration yields only the rest, which the caller hands to the collector
+        (``add_input`` with the record's row, ``add_sys``); every effect line it passes over
+        goes to ``effect``."""
+        col = scan.Collector(replayed, followed, batch, ship, _fast_loads, LINE_ROWS,
+                             _ROW_ROOM_AT, self.rooms, self.partial, _PAYLOAD_EVENTS)
+        self.collector = col
+        self.passed_effects = col.effect
+        return col
+
     def _envelope_key(self, key: bytes, lineno: int) -> tuple[str, str, str, int, bool]:
         """Node, dir, type and the payload's offset in ``key`` of a fast-path envelope."""
         where = f"{self.name}:{lineno}"
@@ -1188,6 +1204,11 @@ def _row_room(cls: type) -> Callable[[tuple[Any, ...]], Any] | None:
 
 _ROW_ROOM = {CID[cls]: fn for cls in ev.EVENT_TYPES.values()
              if (fn := _row_room(cls)) is not None}
+_ROW_ROOM_AT = {CID[cls]: -1 if fn is None else field_pos(cls, "room")
+                for cls in ev.EVENT_TYPES.values()
+                if (fn := _row_room(cls)) is None or cls in _ROOM_FIELD}
+"""Row tag -> where ``_room_of``'s room sits in its rows (-1: not checked); a tag whose
+room sits in a nested message is left out (``scan.Collector``)."""
 
 
 def _room_of(event: Any) -> int | None:

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from twin.core import wire
-from twin.trace import codec, emitters, reducers
+from twin.trace import codec, emitters, reducers, rowdecoders
 from twin.trace.codec import _SPECS, _compile
 from twin.trace.reducegen import build_expr
 
-__all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "REDUCE", "Row", "field_pos", "msg_room"]
+__all__ = ["BUILD", "CID", "CLASSES", "LINE_OF_ROW", "LINE_ROWS", "REDUCE", "Row", "field_pos", "msg_room"]
 
 Row = tuple[Any, ...]
 
@@ -41,9 +41,16 @@ def field_pos(cls: type, name: str) -> int:
 REDUCE: dict[type, Callable[[Any], Row]] = dict(reducers.REDUCERS)
 """Event, message or nested class -> ``object -> row`` (the generated ``twin.trace.reducers``,
 compiled with the core by ``twin compile``)."""
-if reducers.TAGS != CID or set(emitters.LINES) | set(emitters.TEXTS) != set(CID.values()):
+LINE_ROWS: dict[str, Callable[[dict[str, Any]], Row | None]] = rowdecoders.LINE_ROWS
+"""Event type name -> ``row(line dict)``: the row of the event a whole parsed line holds
+(envelope keys included) when it is complete and well typed, else None (then
+``codec.event_from_json`` names the problem); no entry for a type without a fast path (the
+generated ``twin.trace.rowdecoders``)."""
+if (reducers.TAGS != CID or set(emitters.LINES) | set(emitters.TEXTS) != set(CID.values())
+        or {c.__name__: t for c, t in CID.items()} != rowdecoders.TAGS):
     raise ImportError(  # pragma: no cover - a class or field changed since generation
-        "twin/trace/reducers.py or emitters.py is out of date with the event classes: run "
+        "twin/trace/reducers.py, emitters.py or rowdecoders.py is out of date with the event "
+        "classes: run "
         "python scripts/generate_factories.py")
 
 _MSG_ROOM: dict[int, int] = {CID[c]: field_pos(c, "room") for c in codec.MESSAGE_KINDS.values()

@@ -7,6 +7,10 @@ lines it meets first. ``LineSkipper.run`` does that check for a run of lines who
 already known to be neither selected nor a driver record, natively, and stops at the first line
 that needs more (a selected or new kind of line, a line the pattern does not match, a seq or
 time out of order: the reader then handles it, and raises what it raises).
+
+A replay's reader (``twin.replay.forked``) also gives the skipper a ``Collector``: the skipper
+then turns the input lines it meets into rows itself where it can vouch for them, and hands the
+collector the effect lines' payloads, so that the reader builds no record for most lines.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["NUMBER_RE", "Kind", "LineSkipper", "is_number"]
+__all__ = ["NUMBER_RE", "SEP", "Collector", "Kind", "LineSkipper", "is_number"]
 
 NUMBER_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
 """A JSON number, whole (``format`` checks an envelope's time with it)."""
@@ -77,6 +81,111 @@ class Kind:
         self.n = 0
 
 
+SEP: Final = b"\x1e"
+"""Ends an input's effect payloads in a batch's text (``Collector``)."""
+
+
+class Collector:
+    """A replay reader's batches: the inputs of the nodes ``replayed`` and the ``followed``
+    driver records, as items (``(1, t, node, row)``, ``(2, type, data)``), and the text of the
+    effect lines recorded after each input of ``replayed``: its payloads one per line, then a
+    line holding only ``SEP`` (JSON text holds no raw control character, so the grouping is
+    unambiguous). ``ship()`` is called, to take and ``reset`` the batch, once it holds at least
+    ``batch`` inputs and the last input's effects are complete.
+
+    ``take`` turns an input line into its row itself (``decoders``: type name ->
+    ``row(parsed line)``, ``twin.trace.rows.LINE_ROWS``), or declines: the reader's record then
+    takes the line (``add_input``), and raises what it raises. It declines a line whose row it
+    cannot vouch for or whose room ``rooms`` does not hold (``room_at``: row tag -> where the
+    room is checked, -1 for a tag without the check; a tag missing there is declined)."""
+
+    def __init__(self, replayed: frozenset[str], followed: frozenset[str], batch: int,
+                 ship: Callable[[], None], loads: Callable[[bytes], Any],
+                 decoders: dict[str, Callable[[dict[str, Any]], tuple[Any, ...] | None]],
+                 room_at: dict[int, int], rooms: set[int], partial: bool,
+                 cache_size: int) -> None:
+        self.replayed = replayed
+        self.followed = followed
+        self.batch = batch
+        self.ship = ship
+        self.loads = loads
+        self.decoders = decoders
+        self.room_at = room_at
+        self.rooms = rooms
+        self.partial = partial
+        self.cache_size = cache_size
+        self.cache: dict[bytes, tuple[Any, ...]] = {}
+        self.items: list[tuple[Any, ...]] = []
+        self.text: list[bytes] = []
+        self.inputs = 0
+        self.node: str | None = None  # of the input whose effect lines come next
+
+    def reset(self) -> None:
+        """Start a new batch."""
+        self.items = []
+        self.text = []
+        self.inputs = 0
+
+    def boundary(self) -> None:
+        """A record starts: the last input's effect lines, if any are collected, end here."""
+        if self.node is not None:
+            self.text.append(SEP)
+            self.node = None
+            if self.inputs >= self.batch:
+                self.ship()
+
+    def add_input(self, t: float, node: str, row: tuple[Any, ...] | None) -> None:
+        """An input of ``node`` at ``t``; ``row`` may be None for a node not replayed."""
+        self.boundary()
+        if node in self.replayed:
+            self.node = node
+            self.items.append((1, t, node, row))
+            self.inputs += 1
+
+    def add_sys(self, rtype: str, data: Any) -> None:
+        """A driver record."""
+        self.boundary()
+        if rtype in self.followed:
+            self.items.append((2, rtype, data))
+
+    def effect(self, node: str, body: bytes) -> None:
+        """An effect line of ``node``, its payload ``body``."""
+        if node == self.node:
+            self.text.append(body)
+
+    def take(self, raw: bytes, at: int, node: str, rtype: str, t: float) -> bool:
+        """Input line ``raw`` (its payload from ``at``) of ``node``, type ``rtype``, at ``t``,
+        its envelope checked: collected (True) or declined (class docstring)."""
+        if node not in self.replayed:
+            self.add_input(t, node, None)
+            return True
+        key = raw[at:]
+        row = self.cache.get(key)
+        if row is None:
+            dec = self.decoders.get(rtype)
+            if dec is None:
+                return False
+            try:
+                d = self.loads(raw)
+            except ValueError:
+                return False
+            if type(d) is not dict:
+                return False
+            row = dec(d)
+            if row is None:
+                return False
+            if len(self.cache) >= self.cache_size:
+                self.cache.clear()
+            self.cache[key] = row
+        pos = self.room_at.get(row[0], -2)
+        if pos == -2:
+            return False
+        if pos >= 0 and row[pos] not in self.rooms and not self.partial:
+            return False
+        self.add_input(t, node, row)
+        return True
+
+
 class LineSkipper:
     """Checks and counts runs of lines a select reader passes over (module docstring).
 
@@ -86,9 +195,11 @@ class LineSkipper:
     ``hit_at`` where its payload starts in the line (None when it stopped otherwise).
     ``add_counts`` adds how many of each kind it met to a reader's count by that text."""
 
-    def __init__(self, passed: Callable[[str, bytes], None] | None) -> None:
+    def __init__(self, passed: Callable[[str, bytes], None] | None,
+                 collector: Collector | None = None) -> None:
         self.skip: dict[bytes, Kind] = {}
         self.passed = passed
+        self.collector = collector
         self.last_t = 0.0
         self.last_tb = b""
         self.hit: Kind | None = None
@@ -113,6 +224,7 @@ class LineSkipper:
         ``last_t``/``last_tb`` are then the last line's."""
         skip = self.skip
         passed = self.passed
+        collector = self.collector
         self.hit = None
         n_lines = len(lines)
         while i < n_lines:
@@ -175,11 +287,18 @@ class LineSkipper:
             kind.n += 1
             i += 1
             if kind.wanted:
+                if (collector is not None and kind.direction == "in" and collector.take(
+                        raw, k0 + kind.body_from_key, kind.node, kind.rtype, last_t)):
+                    continue
                 self.hit = kind
                 self.hit_at = k0 + kind.body_from_key
                 break
-            if kind.at >= 0 and passed is not None:
-                passed(kind.node, raw[k0 + kind.at:size - 1])
+            if kind.at >= 0:
+                if collector is not None:
+                    if kind.node == collector.node:
+                        collector.text.append(raw[k0 + kind.at:size - 1])
+                elif passed is not None:
+                    passed(kind.node, raw[k0 + kind.at:size - 1])
         self.last_t = last_t
         self.last_tb = last_tb
         return i
