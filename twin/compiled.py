@@ -54,6 +54,7 @@ MODULES: tuple[str, ...] = (
     "twin.trace.rowdecoders",
     "twin.trace.rowenc",
     "twin.trace.scan",
+    "twin.replay.feeding",
     "twin.workloads.prefix_cache",
     "twin.sim.metrics",
     "twin.sim.decode_loop",

@@ -24,6 +24,7 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
+from twin.replay import feeding
 from twin.runtime.diagnosis import diagnose, note_fault_record
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
@@ -205,11 +206,7 @@ class Replayer:
              ) -> list[ev.Effect]:
         """Hand ``event`` to ``rank`` (of ``node``) at time ``t``; its effects."""
         self.inputs += 1
-        if type(event) is ev.TransferDone and event.ok:
-            st = self.in_flight.pop((node, event.worker), None)
-            if st is not None:
-                self.integrity.on_transfer(st.session, st)
-        return rank.handle(event, t)
+        return feeding.feed(rank, node, event, t, self.in_flight, self.integrity)
 
     def _check(self, rec: Record, effects: list[ev.Effect], recorded: list[Record]) -> bool:
         """Compare the effects of input ``rec`` with its recorded effect lines; on a difference

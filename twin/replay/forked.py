@@ -6,14 +6,16 @@ own ``TraceReader`` of the same file (every check of the sequential reader, in t
 reduces each input to a row (``twin.trace.rows``) and sends, in batches, each input with the
 payload text of the effect lines recorded after it, and the driver records the replay follows.
 The reader's native pass (``twin.trace.scan``) makes the rows and collects the text of most
-lines without a record per line (``TraceReader.collect``). This process rebuilds the inputs (``rows.BUILD``), feeds the cores and compares the text of
-every effect with the recorded text, as the sequential replay does, while the reader reads on.
+lines without a record per line (``TraceReader.collect``). This process rebuilds the inputs,
+feeds the cores and writes the text of every effect (``twin.replay.feeding``), and compares it
+with the recorded text, as the sequential replay does, while the reader reads on.
 
 An error the reader meets (a ``TraceError``) is raised here, as the sequential replay raises
-it (which would have fed the inputs before it first, to no visible end). Whatever this path leaves to the sequential one
-raises ``Fallback``: effects whose text differs from the recording (a divergence, or a
-hand-edited line) and a reader that failed otherwise. The replay then starts over with fresh
-cores in this process, so a divergence and its report are always the sequential replay's.
+it (which would have fed the inputs before it first, to no visible end). Whatever this path
+leaves to the sequential one raises ``Fallback``: effects whose text differs from the recording
+(a divergence, or a hand-edited line) and a reader that failed otherwise. The replay then
+starts over with fresh cores in this process, so a divergence and its report are always the
+sequential replay's.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from twin.trace.emitters import event_body
+from twin.replay.feeding import feed_batch
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
-from twin.trace.rows import BUILD
 from twin.trace.scan import SEP, Collector
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ MIN_BYTES = 1 << 20
 """Smaller trace files are replayed in one process (forking would cost more than it saves)."""
 BATCH = 500
 """Inputs per message from the reader."""
-_INPUT, _SYS = 1, 2
-_SEP = SEP.decode()
 
 
 class Fallback(Exception):  # noqa: N818 - a signal to the caller, not an error
@@ -104,30 +103,14 @@ def run(replayer: Replayer) -> ReplayResult:
 
 
 def _replay(replayer: Replayer, items: list[tuple[Any, ...]], recorded: bytes) -> None:
-    """Feed one batch; its effects' text must be ``recorded``: every input's effect payloads
-    one per line, then a line holding only ``SEP`` (JSON text holds no raw control character,
-    so the grouping is unambiguous). One comparison per batch: on a difference the replay
-    starts over sequentially anyway, which finds the input."""
-    ranks = replayer.ranks
-    feed = replayer.feed
-    observers = replayer._observers
-    observe = replayer._observe
-    text: list[str] = []
-    add = text.append
+    """Feed one batch (``feeding.feed_batch``); its effects' text must be ``recorded``, the
+    text the reader collected (``twin.trace.scan.Collector``). One comparison per batch: on a
+    difference the replay starts over sequentially anyway, which finds the input."""
     try:
-        for item in items:
-            if item[0] == _INPUT:  # the effects' text, and what the replay observes of them
-                _, t, node, row = item
-                for e in feed(ranks[node], node, BUILD[row[0]](row), t):
-                    add(event_body(e))
-                    if type(e) in observers:
-                        observe(node, e)
-                add(_SEP)
-            else:
-                replayer._sys(item[1], item[2])
+        text = feed_batch(replayer, items)
     except Exception as exc:  # the sequential replay raises it again, or finds a divergence
         raise Fallback(f"{type(exc).__name__}: {exc}") from exc
-    if "\n".join(text).encode() != recorded:
+    if text.encode() != recorded:
         raise Fallback("not the recorded effects")
 
 
