@@ -101,9 +101,13 @@ _STR_TEXT: Final[dict[str, str]] = {}
 
 
 def int_text(v: Any) -> str:
-    """``str(v)``; a small int's text made once."""
-    if type(v) is int and 0 <= v < SMALL_INTS:
-        return _INT_TEXT[v]
+    """``str(v)``; a small int's text made once. (An int is read as one, so
+    that compiled, the compares and ``str`` are native.)"""
+    if type(v) is int:
+        i: int = v
+        if 0 <= i < SMALL_INTS:
+            return _INT_TEXT[i]
+        return str(i)
     return str(v)
 
 

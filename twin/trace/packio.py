@@ -54,6 +54,8 @@ _SHORT: Final = 2**60
 _I64_MAX: Final = 2**63 - 1
 _WIDE: Final = -(2**63)
 """An int field's escape: an int beyond i64 (or this one) follows as its decimal digits."""
+_WIDE_I64: Final[i64] = -9223372036854775807 - 1
+"""``_WIDE`` as an i64 (compared natively; the boxed ``_WIDE`` is converted at every use)."""
 
 _SEEN_MASK: Final = 63
 
@@ -187,7 +189,7 @@ class Reader:
     def get_int(self) -> int:
         v = read_i64_le(self.data, self.pos)
         self.pos += 8
-        if v == _WIDE:
+        if v == _WIDE_I64:
             return int(self._get_bytes().decode("ascii"))
         return v
 
