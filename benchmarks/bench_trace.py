@@ -18,7 +18,9 @@ Run: ``python benchmarks/bench_trace.py [--quick] [--json out.json] [--keep DIR]
 ``compiled`` and ``pure``. Each step reports wall and CPU seconds, each with its ratio to the untraced simulation of the
 same length, and the process's peak resident memory (``os.wait4``'s ``ru_maxrss``). On a
 shared, busy machine the CPU ratios are the steadier measure; ``--repeat N`` keeps the least of
-N rounds (each round runs every step once, so that noise falls on all steps alike). Steps run
+N rounds (each round runs every step once, so that noise falls on all steps alike), and the
+``median`` column is the median over the rounds of each round's wall ratio (a step against the
+untraced simulation of the same round, which cancels a slow spell that lasts a round). Steps run
 with the modules' bytecode cached, as installed (``PYTHONDONTWRITEBYTECODE`` is dropped).
 Goals
 (issue 15): recording <= 1.3x, replay <= 1.5x, summary <= 0.5x the untraced simulation; peak
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +66,7 @@ def run(args: list[str], out: Path | None = None) -> dict[str, Any]:
     """Run ``twin ARGS`` in a fresh process: wall and CPU seconds, peak RSS, exit code. The
     step joins ``PLAN``; ``rerun_plan`` runs every step again, in the same order."""
     res = _run_once(args, out)
+    res["walls"] = [res["wall_s"]]
     PLAN.append((res, args, out))
     return res
 
@@ -74,6 +78,7 @@ def rerun_plan() -> None:
     for _ in range(REPEAT - 1):
         for res, args, out in PLAN:
             again = _run_once(args, out)
+            res["walls"].append(again["wall_s"])
             for key in ("wall_s", "cpu_s", "rss_mb"):
                 res[key] = min(res[key], again[key])
     PLAN.clear()
@@ -151,6 +156,9 @@ def steps(label: str, workload: list[str], work: Path) -> dict[str, Any]:
                 "perfetto_json", "window"):
         res[key]["ratio"] = round(res[key]["wall_s"] / base, 3)
         res[key]["cpu_ratio"] = round(res[key]["cpu_s"] / base_cpu, 3)
+        res[key]["round_ratios"] = [
+            round(w / b, 3) for w, b in zip(res[key]["walls"], res["sim"]["walls"], strict=True)]
+        res[key]["median_ratio"] = round(statistics.median(res[key]["round_ratios"]), 3)
     for p in (js, pf, win, gz, Path(f"{gz}.idx")):
         p.unlink(missing_ok=True)
     return res
@@ -162,7 +170,8 @@ def show(label: str, r: dict[str, Any]) -> None:
           f"({r['trace_mb']['gz']} MB gz, index {r['trace_mb']['index']} MB); Perfetto "
           f"{r['perfetto_mb']['proto']} MB proto vs {r['perfetto_mb']['json']} MB JSON "
           f"({r['perfetto_mb']['proto'] / max(r['perfetto_mb']['json'], 1e-9):.2f}x)")
-    print(f"  {'step':<24}{'wall s':>8}{'x sim':>7}{'cpu s':>8}{'x sim':>7}{'peak MB':>9}")
+    print(f"  {'step':<24}{'wall s':>8}{'x sim':>7}{'median':>8}{'cpu s':>8}{'x sim':>7}"
+          f"{'peak MB':>9}")
     rows = [("sim (untraced)", "sim"), ("sim --trace-out .zst", "record_zst"),
             ("sim --trace-out .gz", "record_gz"), ("replay", "replay"),
             ("trace summary", "summary"), (f"trace room {r['room']['which']}", "room"),
@@ -172,8 +181,9 @@ def show(label: str, r: dict[str, Any]) -> None:
         s = r[key]
         ratio = f"{s['ratio']:.2f}" if "ratio" in s else "1.00"
         cpu_ratio = f"{s['cpu_ratio']:.2f}" if "cpu_ratio" in s else "1.00"
-        print(f"  {name:<24}{s['wall_s']:>8.2f}{ratio:>7}{s['cpu_s']:>8.2f}{cpu_ratio:>7}"
-              f"{s['rss_mb']:>9.0f}")
+        median = f"{s['median_ratio']:.2f}" if "median_ratio" in s else "1.00"
+        print(f"  {name:<24}{s['wall_s']:>8.2f}{ratio:>7}{median:>8}{s['cpu_s']:>8.2f}"
+              f"{cpu_ratio:>7}{s['rss_mb']:>9.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
