@@ -44,6 +44,7 @@ def feed_batch(replayer: Any, items: list[tuple[Any, ...]]) -> str:
     observers: frozenset[type] = replayer._observers
     observe = replayer._observe
     note_sys = replayer._sys
+    build = BUILD
     text: list[str] = []
     n = 0
     try:
@@ -52,7 +53,7 @@ def feed_batch(replayer: Any, items: list[tuple[Any, ...]]) -> str:
                 node: str = item[2]
                 row: tuple[Any, ...] = item[3]
                 n += 1
-                for e in feed(ranks[node], node, BUILD[row[0]](row), item[1], in_flight,
+                for e in feed(ranks[node], node, build[row[0]](row), item[1], in_flight,
                               integrity):
                     text.append(event_body(e))
                     if type(e) in observers:

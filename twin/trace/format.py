@@ -598,22 +598,11 @@ class Record:
         if self._event is not None or not self._body_at or src is None:
             event = self.event
             return REDUCE[type(event)](event)
-        cache = src.payload_rows
-        key = self.raw[self._body_at:]  # type: ignore[index]
-        row = cache.get(key)
-        if row is None:
-            try:
-                d = _fast_loads(self.raw)
-            except ValueError:
-                d = None
-            dec = LINE_ROWS.get(self.type)
-            row = dec(d) if type(d) is dict and dec is not None else None
-            if row is None:  # the checking path names the problem
-                event = self.event
-                return REDUCE[type(event)](event)
-            if len(cache) >= _PAYLOAD_EVENTS:
-                cache.clear()
-            cache[key] = row
+        row = scan.line_row(self.raw, self._body_at, self.type,  # type: ignore[arg-type]
+                            src.payload_rows, _PAYLOAD_EVENTS, _fast_loads, LINE_ROWS)
+        if row is None:  # the checking path names the problem
+            event = self.event
+            return REDUCE[type(event)](event)
         room_of = _ROW_ROOM.get(row[0])
         if room_of is not None:
             room = room_of(row)
@@ -1081,7 +1070,8 @@ class TraceReader:
         (``add_input`` with the record's row, ``add_sys``); every effect line it passes over
         goes to ``effect``."""
         col = scan.Collector(replayed, followed, batch, ship, _fast_loads, LINE_ROWS,
-                             _ROW_ROOM_AT, self.rooms, self.partial, _PAYLOAD_EVENTS)
+                             _ROW_ROOM_AT, self.rooms, self.partial, self.payload_rows,
+                             _PAYLOAD_EVENTS)
         self.collector = col
         self.passed_effects = col.effect
         return col

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["NUMBER_RE", "SEP", "Collector", "Kind", "LineSkipper", "is_number"]
+__all__ = ["NUMBER_RE", "SEP", "Collector", "Kind", "LineSkipper", "is_number", "line_row"]
 
 NUMBER_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
 """A JSON number, whole (``format`` checks an envelope's time with it)."""
@@ -81,6 +81,36 @@ class Kind:
         self.n = 0
 
 
+def line_row(raw: bytes, at: int, rtype: str, cache: dict[bytes, tuple[Any, ...]],
+             cache_size: int, loads: Callable[[bytes], Any],
+             decoders: dict[str, Callable[[dict[str, Any]], tuple[Any, ...] | None]]
+             ) -> tuple[Any, ...] | None:
+    """The row of the event on line ``raw`` (its payload from ``at``, type ``rtype``) when the
+    fast decoder vouches for the line (``decoders``: ``twin.trace.rows.LINE_ROWS``; ``loads``
+    parses the line), else None. Rows are kept in ``cache`` by payload text, up to
+    ``cache_size`` of them: a frame sent to several ranks, a timer and a transfer completion
+    repeat within a few hundred lines."""
+    key = raw[at:]
+    row = cache.get(key)
+    if row is None:
+        dec = decoders.get(rtype)
+        if dec is None:
+            return None
+        try:
+            d = loads(raw)
+        except ValueError:
+            return None
+        if type(d) is not dict:
+            return None
+        row = dec(d)
+        if row is None:
+            return None
+        if len(cache) >= cache_size:
+            cache.clear()
+        cache[key] = row
+    return row
+
+
 SEP: Final = b"\x1e"
 """Ends an input's effect payloads in a batch's text (``Collector``)."""
 
@@ -93,17 +123,17 @@ class Collector:
     unambiguous). ``ship()`` is called, to take and ``reset`` the batch, once it holds at least
     ``batch`` inputs and the last input's effects are complete.
 
-    ``take`` turns an input line into its row itself (``decoders``: type name ->
-    ``row(parsed line)``, ``twin.trace.rows.LINE_ROWS``), or declines: the reader's record then
-    takes the line (``add_input``), and raises what it raises. It declines a line whose row it
-    cannot vouch for or whose room ``rooms`` does not hold (``room_at``: row tag -> where the
-    room is checked, -1 for a tag without the check; a tag missing there is declined)."""
+    ``take`` turns an input line into its row itself (``line_row`` with ``loads``,
+    ``decoders``, ``cache`` and ``cache_size``), or declines: the reader's record then takes the
+    line (``add_input``), and raises what it raises. It declines a line whose row it cannot
+    vouch for or whose room ``rooms`` does not hold (``room_at``: row tag -> where the room is
+    checked, -1 for a tag without the check; a tag missing there is declined)."""
 
     def __init__(self, replayed: frozenset[str], followed: frozenset[str], batch: int,
                  ship: Callable[[], None], loads: Callable[[bytes], Any],
                  decoders: dict[str, Callable[[dict[str, Any]], tuple[Any, ...] | None]],
                  room_at: dict[int, int], rooms: set[int], partial: bool,
-                 cache_size: int) -> None:
+                 cache: dict[bytes, tuple[Any, ...]], cache_size: int) -> None:
         self.replayed = replayed
         self.followed = followed
         self.batch = batch
@@ -113,8 +143,8 @@ class Collector:
         self.room_at = room_at
         self.rooms = rooms
         self.partial = partial
+        self.cache = cache
         self.cache_size = cache_size
-        self.cache: dict[bytes, tuple[Any, ...]] = {}
         self.items: list[tuple[Any, ...]] = []
         self.text: list[bytes] = []
         self.inputs = 0
@@ -159,24 +189,9 @@ class Collector:
         if node not in self.replayed:
             self.add_input(t, node, None)
             return True
-        key = raw[at:]
-        row = self.cache.get(key)
+        row = line_row(raw, at, rtype, self.cache, self.cache_size, self.loads, self.decoders)
         if row is None:
-            dec = self.decoders.get(rtype)
-            if dec is None:
-                return False
-            try:
-                d = self.loads(raw)
-            except ValueError:
-                return False
-            if type(d) is not dict:
-                return False
-            row = dec(d)
-            if row is None:
-                return False
-            if len(self.cache) >= self.cache_size:
-                self.cache.clear()
-            self.cache[key] = row
+            return False
         pos = self.room_at.get(row[0], -2)
         if pos == -2:
             return False
@@ -193,7 +208,10 @@ class LineSkipper:
     ``add``-ed as not wanted (their payload going to ``passed`` where ``Kind.at`` says), and
     stops after a line of a wanted kind, checked and counted: ``hit`` is then its kind and
     ``hit_at`` where its payload starts in the line (None when it stopped otherwise).
-    ``add_counts`` adds how many of each kind it met to a reader's count by that text."""
+    ``add_counts`` adds how many of each kind it met to a reader's count by that text.
+
+    With a ``collector``, the payloads go to it instead of ``passed``, and it passes over an
+    input line of a wanted kind as well when the collector takes it (``Collector.take``)."""
 
     def __init__(self, passed: Callable[[str, bytes], None] | None,
                  collector: Collector | None = None) -> None:
