@@ -61,6 +61,8 @@ def _edit(trace: Path, tmp_path: Path, lineno: int, edit: Any) -> Path:
 
 EDITS = {
     "seq": lambda raw: raw.replace(b'{"seq":', b'{"seq":1', 1),
+    "seq beyond i64": lambda raw: raw.replace(b'{"seq":', b'{"seq":' + b"9" * 25, 1),
+    "seq of 19 digits": lambda raw: raw.replace(b'{"seq":', b'{"seq":1' + b"0" * 18, 1),
     "time backwards": lambda raw: raw.replace(b',"t":', b',"t":-', 1),
     "time not a number": lambda raw: raw.replace(b',"t":', b',"t":1e', 1),
     "unknown node": lambda raw: raw.replace(b'"node":"', b'"node":"x', 1),

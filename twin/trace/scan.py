@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable
 from typing import Any, Final
 
+from mypy_extensions import i64
+
 __all__ = ["NUMBER_RE", "SEP", "Collector", "Kind", "LineSkipper", "is_number", "line_row"]
 
 NUMBER_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
@@ -28,9 +30,11 @@ NUMBER_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-
 _SEQ: Final = b'{"seq":'
 _QUOTES: Final = 12
 """The quotes of an envelope's node/dir/type text: ``"node":"N","dir":"D","type":"T"``."""
+_SEQ_DIGITS: Final = 18
+"""A longer seq goes to the reader (the pass counts in i64)."""
 
 
-def is_number(raw: bytes, p: int, end: int) -> bool:
+def is_number(raw: bytes, p: i64, end: i64) -> bool:
     """Whether ``raw[p:end]`` is a JSON number, whole (as ``NUMBER_RE`` matches)."""
     if p < end and raw[p] == 45:  # -
         p += 1
@@ -47,7 +51,7 @@ def is_number(raw: bytes, p: int, end: int) -> bool:
         return False
     if p < end and raw[p] == 46:  # .
         p += 1
-        start = p
+        start: i64 = p
         while p < end and 48 <= raw[p] <= 57:
             p += 1
         if p == start:
@@ -245,26 +249,29 @@ class LineSkipper:
         collector = self.collector
         self.hit = None
         n_lines = len(lines)
+        # positions, digits and counts in i64: compiled, plain machine arithmetic
+        want_seq: i64 = lineno - 1
         while i < n_lines:
             raw = lines[i]
-            size = len(raw)
+            size: i64 = len(raw)
             if not raw.startswith(_SEQ):
                 break
-            p = 7
-            seq = 0
-            while p < size:
-                c = raw[p]
+            p: i64 = 7
+            seq: i64 = 0
+            end: i64 = min(size, 7 + _SEQ_DIGITS)
+            while p < end:
+                c: i64 = raw[p]
                 if c < 48 or c > 57:
                     break
                 seq = seq * 10 + (c - 48)
                 p += 1
             # ',"t":' (p == 7: no digits, a line for the reader to reject)
-            if (p == 7 or seq != lineno - 1 or p + 5 >= size or raw[p] != 44
+            if (p == 7 or seq != want_seq or p + 5 >= size or raw[p] != 44
                     or raw[p + 1] != 34 or raw[p + 2] != 116 or raw[p + 3] != 34
                     or raw[p + 4] != 58):
                 break
             p += 5
-            t0 = p
+            t0: i64 = p
             while p < size:
                 c = raw[p]
                 # [-+.0-9eE]
@@ -273,12 +280,12 @@ class LineSkipper:
                 p += 1
             if p == t0 or p >= size or raw[p] != 44:
                 break
-            t1 = p
-            k0 = p + 1
+            t1: i64 = p
+            k0: i64 = p + 1
             # The key runs to its twelfth quote. Taken as it stands, it is one the reader has
             # matched against the envelope pattern already (``skip``), or the line goes back to
             # the reader: so the line matches the pattern exactly when it is found.
-            quotes = 0
+            quotes: i64 = 0
             p = k0
             while p < size:
                 if raw[p] == 34:
@@ -301,7 +308,7 @@ class LineSkipper:
                     break
                 last_t = t
                 last_tb = t_b
-            lineno += 1
+            want_seq += 1
             kind.n += 1
             i += 1
             if kind.wanted:
