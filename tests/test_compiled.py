@@ -129,7 +129,7 @@ def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
                                           "test_calendar.py", "test_replay_forked.py")] + [
         "tests/trace/test_rows.py", "tests/trace/test_emitters.py",
         "tests/trace/test_scan.py", "tests/trace/test_parallel.py",
-        "tests/trace/test_packing.py"] + [
+        "tests/trace/test_packing.py", "tests/trace/test_sysrec.py"] + [
         "tests/test_path.py"]
     proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                 *files)

@@ -44,6 +44,7 @@ MODULES: tuple[str, ...] = (
     "twin.core.decode",
     "twin.core.prefill",
     "twin.trace.packio",
+    "twin.trace.sysrec",
     "twin.trace.packers",
     "twin.trace.packing",
     "twin.runtime.runtime",

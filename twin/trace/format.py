@@ -64,10 +64,11 @@ from twin.trace.encoder import (
 )
 from twin.trace.index import Block, IndexWriter, index_path
 from twin.trace.packers import EFFECT_TAGS
-from twin.trace.packing import BAD_INPUT, BAD_NODE, pack_flush, pack_item, pack_sys
+from twin.trace.packing import BAD_INPUT, BAD_NODE, pack_flush, pack_item, pack_record
 from twin.trace.packio import Packer
 from twin.trace.rows import CID, LINE_ROWS, REDUCE, field_pos, msg_room
 from twin.trace.scan import NUMBER_RE, Kind, LineSkipper
+from twin.trace.sysrec import sys_type
 
 try:
     from orjson import loads as _fast_loads
@@ -151,7 +152,7 @@ SYS_DOCS: dict[str, str] = {
 _SYS_CHECK = {
     "int": lambda v: type(v) is int,
     "str": lambda v: type(v) is str,
-    "number": lambda v: type(v) in (int, float) and math.isfinite(v),
+    "number": lambda v: type(v) is int or (type(v) is float and math.isfinite(v)),
     "list[str]": lambda v: type(v) is list and all(type(x) is str for x in v),
 }
 _SYS_WANT = {"int": "an integer", "str": "a string", "number": "a finite number",
@@ -432,19 +433,17 @@ class TraceWriter:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
         if t != self._t:
             self._set_time(t)
-        if node not in self._p.node_code:
-            raise TraceError(self._where(), f"unknown node {node!r} for dir 'sys'", "node")
-        rec = dict(record)
-        try:
-            rtype = _check_sys(rec, "", self._nodes)
-        except TraceError as exc:
-            raise TraceError(self._where(), exc.detail, exc.field) from None
+        rtype = pack_record(self._p, t, node, record, SYS_TYPES, OUTCOME_STATUSES, self._nodes)
+        if rtype is None:  # refused: say why
+            if node not in self._p.node_code:
+                raise TraceError(self._where(), f"unknown node {node!r} for dir 'sys'", "node")
+            try:
+                _check_sys(dict(record), "", self._nodes)
+            except TraceError as exc:
+                raise TraceError(self._where(), exc.detail, exc.field) from None
+            raise AssertionError(f"a valid driver record refused: {record!r}")
         if rtype == "RequestArrived":
             self.requests += 1
-        if next(iter(rec)) != "type":
-            rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
-        pack_sys(self._p, t, node, rtype, rec["room"] if "room" in SYS_TYPES[rtype] else None,
-                 rec)
         if self._p.items >= self.flush_every:
             self._ship()
 
@@ -900,7 +899,8 @@ class TraceReader:
         return Record(seq, float(t), node, direction, rtype, d, event, lineno)
 
     def _sys(self, d: dict[str, Any], where: str, node: str) -> tuple[str, int | None]:
-        rtype = _check_sys(d, where, self.nodes)
+        rtype = (sys_type(d, SYS_TYPES, OUTCOME_STATUSES, self.nodes)
+                 or _check_sys(d, where, self.nodes))
         room = d.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
         if rtype == "RequestArrived":
             if d["room"] in self.rooms and not self.partial:

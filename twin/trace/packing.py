@@ -9,13 +9,16 @@ the string codes stay as the reader expects them.
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from typing import Any, Final
 
 from twin.core import events as ev
 from twin.trace.packers import EFFECT_TAGS, INPUT_TAGS, pack_event
 from twin.trace.packio import K_FLUSH, K_IN, K_INOUT, K_OUT, K_SYS, Packer
+from twin.trace.sysrec import sys_type
 
-__all__ = ["BAD_EFFECT", "BAD_INPUT", "BAD_NODE", "OK", "pack_flush", "pack_item", "pack_sys"]
+__all__ = ["BAD_EFFECT", "BAD_INPUT", "BAD_NODE", "OK", "pack_flush", "pack_item", "pack_record",
+           "pack_sys"]
 
 OK: Final = 0
 BAD_NODE: Final = 1
@@ -90,6 +93,25 @@ def pack_sys(p: Packer, t: float, node: str, rtype: str, room: Any, record: Any)
     p.items += 1
     p.lines += 1
     return OK
+
+
+def pack_record(p: Packer, t: float, node: str, record: Mapping[str, Any],
+                types: dict[str, dict[str, str]], statuses: tuple[str, ...],
+                nodes: Container[str]) -> str | None:
+    """Check driver record ``record`` (``twin.trace.sysrec.sys_type`` with ``types``,
+    ``statuses`` and ``nodes``) and pack a copy of it, its ``type`` first, written by ``node``
+    at ``t`` (``pack_sys``); its type, or None when it is not valid or ``node`` is not one of
+    the header's nodes or ``"driver"`` (nothing written)."""
+    if node not in p.node_code:
+        return None
+    rec = dict(record)
+    rtype = sys_type(rec, types, statuses, nodes)
+    if rtype is None:
+        return None
+    if next(iter(rec)) != "type":
+        rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
+    pack_sys(p, t, node, rtype, rec["room"] if "room" in types[rtype] else None, rec)
+    return rtype
 
 
 def pack_flush(p: Packer) -> None:
