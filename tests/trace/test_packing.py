@@ -19,7 +19,7 @@ from twin.core import events as ev
 from twin.core import factories
 from twin.trace import codec, emitters
 from twin.trace.format import TraceWriter, make_header, read_trace
-from twin.trace.packers import EFFECT_TAGS, INPUT_TAGS, pack_event, unpack_event
+from twin.trace.packers import EFFECT_TAGS, INPUT_TAGS, pack_effect, pack_input, unpack_event
 from twin.trace.packgen import PACKERS_PATH, packers_source
 from twin.trace.packing import BAD_EFFECT, BAD_INPUT, BAD_NODE, OK, pack_item
 from twin.trace.packio import K_END, K_INOUT, K_TIME, Packer, Reader
@@ -52,7 +52,8 @@ def test_events_pack_to_their_rows(events: list[Any]) -> None:
     second time come as codes."""
     p = _packer()
     for e in events:
-        pack_event(p, TAGS[type(e)], e)
+        assert (pack_input if type(e) in INPUT_TAGS else pack_effect)(p, e)
+        assert not (pack_effect if type(e) in INPUT_TAGS else pack_input)(p, e)  # nothing
     data, records = p.take()
     assert records == []
     r = Reader(data, [])

@@ -13,7 +13,7 @@ from collections.abc import Container, Mapping
 from typing import Any, Final
 
 from twin.core import events as ev
-from twin.trace.packers import EFFECT_TAGS, INPUT_TAGS, pack_event
+from twin.trace.packers import pack_effect, pack_input
 from twin.trace.packio import K_FLUSH, K_IN, K_INOUT, K_OUT, K_SYS, Packer
 from twin.trace.sysrec import sys_type
 
@@ -25,9 +25,6 @@ BAD_NODE: Final = 1
 BAD_INPUT: Final = 2
 BAD_EFFECT: Final = 3
 
-_CONCLUDED: Final = EFFECT_TAGS[ev.RoomConcluded]
-
-
 def pack_item(p: Packer, t: float, node: str, event: Any, effects: list[Any] | None) -> int:
     """Pack input ``event`` handled on ``node`` at ``t`` and the ``effects`` it returned
     (``K_INOUT``), or the input alone (``effects`` None: ``K_IN``) or the effects alone
@@ -37,38 +34,28 @@ def pack_item(p: Packer, t: float, node: str, event: Any, effects: list[Any] | N
     code = p.node_code.get(node, -1)
     if code < 0 or code == p.driver:
         return BAD_NODE
-    tag = -1
-    if event is not None:
-        tag = INPUT_TAGS.get(type(event), -1)
-        if tag < 0:
-            return BAD_INPUT
     size = len(p.w)
     t0 = p.t
     lines = p.lines
     try:
         p.time(t)
-        if effects is None:
-            p.put_tag(K_IN)
+        if event is not None:
+            p.put_tag(K_IN if effects is None else K_INOUT)
             p.put_int(code)
-            pack_event(p, tag, event)
+            if not pack_input(p, event):
+                p.rollback(size, t0, lines)
+                return BAD_INPUT
             p.lines += 1
         else:
-            if event is None:
-                p.put_tag(K_OUT)
-                p.put_int(code)
-            else:
-                p.put_tag(K_INOUT)
-                p.put_int(code)
-                pack_event(p, tag, event)
-                p.lines += 1
+            p.put_tag(K_OUT)
+            p.put_int(code)
+        if effects is not None:
             p.put_int(len(effects))
             for e in effects:
-                etag = EFFECT_TAGS.get(type(e), -1)
-                if etag < 0:
+                if not pack_effect(p, e):
                     p.rollback(size, t0, lines)
                     return BAD_EFFECT
-                pack_event(p, etag, e)
-                if etag == _CONCLUDED and code in p.decode:
+                if type(e) is ev.RoomConcluded and code in p.decode:
                     (p.succeeded if e.status == "Success" else p.failed).add(e.room)
             p.lines += len(effects)
     except BaseException:
