@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 from typing import Any, Final
 
-from twin.core import events as ev
+from twin.core.events import RoomConcluded
 from twin.trace.packers import pack_effect, pack_input
 from twin.trace.packio import K_FLUSH, K_IN, K_INOUT, K_OUT, K_SYS, Packer
 from twin.trace.sysrec import sys_type
@@ -55,7 +55,7 @@ def pack_item(p: Packer, t: float, node: str, event: Any, effects: list[Any] | N
                 if not pack_effect(p, e):
                     p.rollback(size, t0, lines)
                     return BAD_EFFECT
-                if type(e) is ev.RoomConcluded and code in p.decode:
+                if type(e) is RoomConcluded and code in p.decode:
                     (p.succeeded if e.status == "Success" else p.failed).add(e.room)
             p.lines += len(effects)
     except BaseException:
