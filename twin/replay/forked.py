@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from twin.replay.feeding import feed_batch
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
-from twin.trace.scan import SEP, Collector
+from twin.trace.scan import Collector
 
 if TYPE_CHECKING:
     from twin.replay import Replayer, ReplayResult
@@ -130,8 +130,7 @@ def read_batches(path: str, replayed: frozenset[str], ship: Callable[[Collector]
             add_input(rec.t, rec.node, rec.row if rec.node in replayed else None)
         else:
             add_sys(rec.type, rec.data)
-    if col.node is not None:
-        col.text.append(SEP)
+    col.end_input()
     ship(col)
     return reader
 

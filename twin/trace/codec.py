@@ -501,6 +501,11 @@ def message_from_json(d: Any, *, where: str, path: str = "msg") -> Any:
 
 # Fast decoders: generated per class; they accept only complete, well-typed objects and return
 # None for anything else, which then takes the checking path above for a precise error.
+def _guard(lines: list[str], cond: str) -> None:
+    """Append ``if cond: return None``, one statement a line, to a fast decoder's body."""
+    lines += [f"    if {cond}:", "        return None"]
+
+
 def _fast_check(spec: Spec, var: str, lines: list[str], depth: int, rows: bool = False
                 ) -> str | None:
     """Append checks of ``var`` to ``lines``; return the expression of its decoded value (with
@@ -508,35 +513,32 @@ def _fast_check(spec: Spec, var: str, lines: list[str], depth: int, rows: bool =
     kind = spec[0]
     pad = "    "
     if kind in ("int", "str", "bool"):
-        lines.append(f"{pad}if type({var}) is not {kind}: return None")
+        _guard(lines, f"type({var}) is not {kind}")
         return var
     if kind == "float":
-        lines.append(f"{pad}if type({var}) not in (int, float) or not _isfinite({var}): "
-                     "return None")
+        _guard(lines, f"type({var}) not in (int, float) or not _isfinite({var})")
         return f"float({var})"
     if kind == "opt" and spec[1][0] in ("int", "str"):
-        lines.append(f"{pad}if {var} is not None and type({var}) is not {spec[1][0]}: "
-                     "return None")
+        _guard(lines, f"{var} is not None and type({var}) is not {spec[1][0]}")
         return var
     if kind == "list" and spec[1][0] in ("int", "str"):
         item = spec[1][0]
-        lines.append(f"{pad}if type({var}) is not list or not all(type(y) is {item} "
-                     f"for y in {var}): return None")
+        _guard(lines, f"type({var}) is not list or not all(type(y) is {item} for y in {var})")
         return f"tuple({var})"
     if kind == "enum":
-        lines.append(f"{pad}if type({var}) is not str or {var} not in _KVPOLL: return None")
+        _guard(lines, f"type({var}) is not str or {var} not in _KVPOLL")
         return var if rows else f"_KVPOLL[{var}]"
     if kind == "msg":
         tmp = f"m{depth}"
         lines.append(f"{pad}{tmp} = _fast_msg({var})")
-        lines.append(f"{pad}if {tmp} is None: return None")
+        _guard(lines, f"{tmp} is None")
         return tmp
     if kind == "list" and spec[1][0] == "event" and spec[1][1] in _FAST_NESTED:
         tmp = f"l{depth}"
-        lines.append(f"{pad}if type({var}) is not list: return None")
+        _guard(lines, f"type({var}) is not list")
         lines.append(f"{pad}{tmp} = {'list' if rows else 'tuple'}(map("
                      f"_fast_{spec[1][1].__name__}, {var}))")
-        lines.append(f"{pad}if None in {tmp}: return None")
+        _guard(lines, f"None in {tmp}")
         return tmp
     return None
 
@@ -548,7 +550,8 @@ def fast_source(cls: type, extra: int = 0, rows: bool = False,
     (``ROW_TAG``), and None where it cannot vouch; None when ``cls`` has no fast decoder. Free
     names: ``_MISSING``, ``_isfinite``, ``_KVPOLL``, ``_fast_msg`` and ``_fast_Target``."""
     specs = _SPECS[cls]
-    lines = [f"    if len(d) != {len(specs) + 1 + extra}: return None"]
+    lines: list[str] = []
+    _guard(lines, f"len(d) != {len(specs) + 1 + extra}")
     args = []
     for i, f in enumerate(specs):
         var = f"v{i}"

@@ -89,15 +89,14 @@ def pack_record(p: Packer, t: float, node: str, record: Mapping[str, Any],
     ``statuses`` and ``nodes``) and pack a copy of it, its ``type`` first, written by ``node``
     at ``t`` (``pack_sys``); its type, or None when it is not valid or ``node`` is not one of
     the header's nodes or ``"driver"`` (nothing written)."""
-    if node not in p.node_code:
-        return None
     rec = dict(record)
     rtype = sys_type(rec, types, statuses, nodes)
     if rtype is None:
         return None
     if next(iter(rec)) != "type":
         rec = {"type": rtype, **{k: v for k, v in rec.items() if k != "type"}}
-    pack_sys(p, t, node, rtype, rec["room"] if "room" in types[rtype] else None, rec)
+    if pack_sys(p, t, node, rtype, rec["room"] if "room" in types[rtype] else None, rec):
+        return None
     return rtype
 
 

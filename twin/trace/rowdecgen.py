@@ -19,19 +19,9 @@ _SIG = "(d: dict[str, Any]) -> tuple[Any, ...] | None:"
 
 
 def _function(cls: type, name: str, extra: int) -> str | None:
-    """The row decoder of ``cls`` named ``name``, one statement a line."""
+    """The row decoder of ``cls`` named ``name`` (``extra`` envelope keys), or None."""
     src = fast_source(cls, extra, rows=True, header=f"def {name}{_SIG}")
-    if src is None:
-        return None
-    out = []
-    for line in src.rstrip().split("\n"):
-        head, colon, tail = line.rpartition(": return None")
-        if colon and not tail:
-            pad = line[:len(line) - len(line.lstrip())]
-            out += [head + ":", pad + "    return None"]
-        else:
-            out.append(line)
-    return "\n".join(out)
+    return None if src is None else src.rstrip()
 
 
 def rowdecoders_source() -> str:

@@ -160,13 +160,18 @@ class Collector:
         self.text = []
         self.inputs = 0
 
+    def end_input(self) -> bool:
+        """The last input's effect lines end here; False when none were being collected."""
+        if self.node is None:
+            return False
+        self.text.append(SEP)
+        self.node = None
+        return True
+
     def boundary(self) -> None:
-        """A record starts: the last input's effect lines, if any are collected, end here."""
-        if self.node is not None:
-            self.text.append(SEP)
-            self.node = None
-            if self.inputs >= self.batch:
-                self.ship()
+        """A record starts: the last input's effect lines end here, and a full batch ships."""
+        if self.end_input() and self.inputs >= self.batch:
+            self.ship()
 
     def add_input(self, t: float, node: str, row: tuple[Any, ...] | None) -> None:
         """An input of ``node`` at ``t``; ``row`` may be None for a node not replayed."""
@@ -320,8 +325,7 @@ class LineSkipper:
                 break
             if kind.at >= 0:
                 if collector is not None:
-                    if kind.node == collector.node:
-                        collector.text.append(raw[k0 + kind.at:size - 1])
+                    collector.effect(kind.node, raw[k0 + kind.at:size - 1])
                 elif passed is not None:
                     passed(kind.node, raw[k0 + kind.at:size - 1])
         self.last_t = last_t
