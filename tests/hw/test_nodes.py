@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from twin.hw.auth import SECRET_FILE_ENV, RunKey, write_key_file
 from twin.hw.netns import TwoNodes, time_namespaces_work, two_nodes
 from twin.hw.netutil import free_port
 from twin.runtime.outcome import EXIT_CORRUPTION, EXIT_ERROR, EXIT_OK, EXIT_WEDGE
@@ -62,20 +63,23 @@ class Run:
         self.heartbeat_s = heartbeat_s
         self.skew = SKEW_S if skew and net.isolated and time_namespaces_work() else 0.0
         self.agents: dict[str, subprocess.Popen[Any]] = {}
+        # The run's secret, for the coordinator and its agents alike (twin.hw.auth).
+        secret = write_key_file(RunKey.new(), tmp / "run-secret")
+        self.env = {**ENV, SECRET_FILE_ENV: str(secret)}
         for role in agents:
             node = "a" if role == "prefill" else "b"
             out = open(tmp / f"agent-{role}.log", "w")  # noqa: SIM115 - closed by the process
             self.agents[role] = net.popen(
                 node, [sys.executable, "-m", "twin", "agent", "--join", self.join, "--role",
                        role, "--name", f"node-{node}", "--log-dir", str(tmp / f"logs-{role}")],
-                clock_offset_s=self.skew if node == "b" else None, env=ENV, stdout=out,
+                clock_offset_s=self.skew if node == "b" else None, env=self.env, stdout=out,
                 stderr=subprocess.STDOUT, cwd=tmp)
 
     def coordinator(self, args: list[str]) -> subprocess.Popen[str]:
         return self.net.popen("a", [sys.executable, "-m", "twin", *args, "--listen", self.join,
                                     "--agents", "2", "--heartbeat-timeout",
                                     f"{self.heartbeat_s:g}"],
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, cwd=self.tmp)
 
     def finish(self, proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:

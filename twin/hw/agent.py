@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -32,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from twin.hw import messages
+from twin.hw.auth import SECRET_ENV, SECRET_FILE_ENV, RunKey, key_from_env
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.hostmem import available_host_bytes
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
@@ -133,12 +134,18 @@ class Agent:
                  control_ports: tuple[int, int] | None = None,
                  data_ports: tuple[int, int] | None = None, log_dir: str | None = None,
                  join_timeout_s: float = 300.0, heartbeat_timeout_s: float | None = None,
-                 echo: Callable[[str], None] = print) -> None:
+                 echo: Callable[[str], None] = print, key: RunKey | None = None) -> None:
         if role is not None and role not in ROLES:
             raise ValueError(f"--role {role!r}: expected prefill or decode")
         host, port = parse_host_port(join)
         if is_unspecified(host):
             raise ValueError(f"--join {join!r}: give the coordinator's address, not 0.0.0.0")
+        key = key or key_from_env()
+        if key is None:
+            raise ValueError(f"no run secret: set {SECRET_FILE_ENV} to the secret file the "
+                             f"coordinator wrote (or {SECRET_ENV} to its contents); "
+                             f"`twin hw --listen` prints where it is")
+        self.key = key
         self.coordinator = f"tcp://{host}:{port}"
         self.address = address or local_address_towards(host, port)
         self.name = name or socket.gethostname()
@@ -155,7 +162,7 @@ class Agent:
         self.heartbeat_s = 0.5
         self.echo = echo
         self.sock = ControlSocket(host=self.address, ports=control_ports,
-                                  send_timeout_ms=5000)
+                                  send_timeout_ms=5000, key=key)
         self.procs: dict[str, Any] = {}
         self.reported: set[str] = set()
         self.failed = False
@@ -193,7 +200,7 @@ class Agent:
             while frames is not None:
                 tag = bytes(frames[0])
                 if tag == AGENT_WELCOME:
-                    w = json.loads(frames[1])
+                    w = messages.json_object(frames[1])
                     self.name = w["name"]
                     self.heartbeat_s = float(w.get("heartbeat_s", 0.5))
                     if self.heartbeat_timeout_s is None:
@@ -204,7 +211,7 @@ class Agent:
                         self.data_ports = tuple(w["data_ports"])  # type: ignore[assignment]
                         self.ucx = rank_env(self.address, self.data_ports)
                     self.last_heard = time.monotonic()
-                    self.beater = Beater(self.heartbeat_s)
+                    self.beater = Beater(self.heartbeat_s, self.key)
                     self.beater.set(self.name, self.coordinator)
                     self.beater.start()
                     self.echo(f"agent       {self.name}: joined; heartbeat timeout "
@@ -212,7 +219,7 @@ class Agent:
                     return
                 if tag == AGENT_REJECT:
                     raise AgentError(f"the coordinator refused this agent: "
-                                     f"{json.loads(frames[1]).get('reason', '')}")
+                                     f"{_reason(frames)}")
                 frames = self.sock.recv_frames(timeout_ms=0)
 
     # -- ranks ---------------------------------------------------------------------------------
@@ -224,6 +231,7 @@ class Agent:
         os.environ.update(env)
         names = []
         for spec in specs:
+            spec.secret = self.key.secret
             spec.coordinator = self.coordinator
             spec.bind_host = self.address
             spec.control_ports = self.control_ports
@@ -279,6 +287,9 @@ class Agent:
             if self.beater is not None:
                 self.beater.halt.set()
             self._stop_ranks(grace_s=0)
+            if self.sock.refused:
+                self.echo(f"agent       {self.name}: refused {self.sock.refused} connection(s) "
+                          f"from processes without the run's key")
             self.sock.close(linger_ms=1000)
             if self.beater is not None:
                 self.beater.join(5)
@@ -292,12 +303,22 @@ class Agent:
             while frames is not None:
                 self.last_heard = time.monotonic()
                 tag = bytes(frames[0])
-                if tag == AGENT_PING:
+                if tag == AGENT_PING and len(frames) != 3:
+                    self.echo(f"agent       {self.name}: dropped a TWIN_AGENT_PING frame of "
+                              f"{len(frames)} frames (3 expected)")
+                elif tag == AGENT_PING:
                     self._send([AGENT_PONG, self.name.encode(), frames[1], frames[2],
                                 repr(time.monotonic()).encode()], timeout_ms=1000)
                 elif tag == AGENT_LAUNCH:
                     try:
-                        self._launch(pickle.loads(frames[1]))
+                        specs = messages.decode_launch(frames[1], "TWIN_AGENT_LAUNCH")
+                    except (messages.BadFrame, IndexError) as exc:
+                        self.echo(f"agent       {self.name}: dropped a TWIN_AGENT_LAUNCH frame "
+                                  f"that does not decode: {str(exc)[:200]}")
+                        frames = self.sock.recv_frames(timeout_ms=0)
+                        continue
+                    try:
+                        self._launch(specs)
                     except Exception as exc:  # noqa: BLE001 - reported, then the run ends
                         self.failed = True
                         self._send([AGENT_ERROR, self.name.encode(), json.dumps(
@@ -322,6 +343,13 @@ class Agent:
                           f"its ranks")
                 self._stop_ranks(grace_s=0)
                 return EXIT_LOST
+
+
+def _reason(frames: list[bytes]) -> str:
+    try:
+        return str(messages.json_object(frames[1]).get("reason", ""))[:500]
+    except (messages.BadFrame, IndexError):
+        return "(no reason given)"
 
 
 def run_agent(join: str, **kwargs: Any) -> int:

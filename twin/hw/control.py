@@ -18,6 +18,12 @@ apart from the manager's cached socket that carries CHUNK_READY, KV_STATUS and A
 ``"prefetch"`` sockets here live in a second context the same way, so frames on different
 sockets reach the peer's PULL socket over separate connections and may overtake each other.
 
+Authentication: with a ``key`` (:class:`twin.hw.auth.RunKey`; every run passes one) the PULL
+socket is a CurveZMQ server that admits only holders of the run's key and every PUSH socket a
+client with it, so frames from processes outside the run never arrive; their refused
+handshakes are counted (:attr:`ControlSocket.refused`). Without a key (tests of the socket
+itself, benchmarks) the sockets are plain TCP.
+
 Delivery notes: PUSH sockets use ``ZMQ_IMMEDIATE`` so :meth:`ControlSocket.send` blocks (up
 to its timeout) until the peer's PULL socket is reachable instead of queueing silently.
 A send returns once the message is queued; ``close()`` defaults to linger 0, which drops
@@ -38,6 +44,7 @@ from typing import Any
 
 import zmq
 
+from twin.hw.auth import RefusalCounter, RunKey, guard_context, unguard_context
 from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import RegionDesc
 
@@ -65,8 +72,10 @@ class ControlSocket:
         ports: tuple[int, int] | None = None,
         context: zmq.Context[Any] | None = None,
         send_timeout_ms: int = 5000,
+        key: RunKey | None = None,
     ) -> None:
         self._owns_ctx = context is None
+        self.key = key
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._send_timeout_ms = send_timeout_ms
         self._push: dict[tuple[str, str], zmq.Socket[Any]] = {}
@@ -75,7 +84,12 @@ class ControlSocket:
         self._closed = False
         self._pull: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._refusals: RefusalCounter | None = None
         try:
+            if key is not None:
+                guard_context(self._ctx, key)
+                key.serve(self._pull)
+                self._refusals = RefusalCounter(self._pull)
             if bind is None and ports is None:
                 port = self._pull.bind_to_random_port(f"tcp://{host}")
                 self.endpoint = f"tcp://{host}:{port}"
@@ -86,8 +100,11 @@ class ControlSocket:
                 last = self._pull.getsockopt(zmq.LAST_ENDPOINT)
                 self.endpoint = last.decode() if isinstance(last, bytes) else str(last)
         except Exception:
+            if self._refusals is not None:
+                self._refusals.close()
             self._pull.close(0)
             if self._owns_ctx:
+                unguard_context(self._ctx)
                 self._ctx.term()
             raise
 
@@ -95,6 +112,11 @@ class ControlSocket:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def refused(self) -> int:
+        """Connections refused so far because the peer did not prove the run's key."""
+        return self._refusals.poll() if self._refusals is not None else 0
 
     @property
     def context(self) -> zmq.Context[Any]:
@@ -122,11 +144,14 @@ class ControlSocket:
         for sock in self._push.values():
             sock.close(linger_ms)
         self._push.clear()
+        if self._refusals is not None:
+            self._refusals.close()
         self._pull.close(0)
         self._backlog.clear()
         if self._prefetch_ctx is not None:
             self._prefetch_ctx.term()
         if self._owns_ctx:
+            unguard_context(self._ctx)
             self._ctx.term()
 
     def _check_open(self) -> None:
@@ -145,6 +170,8 @@ class ControlSocket:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self.key is not None:
+                self.key.join(sock)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as e:

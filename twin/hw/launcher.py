@@ -22,7 +22,6 @@ import contextlib
 import heapq
 import json
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -35,6 +34,8 @@ from twin.core.config import TwinConfig
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology, build_rank
+from twin.hw import messages
+from twin.hw.auth import RunKey
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.hostmem import RANK_OVERHEAD_BYTES, available_host_bytes, fits, host_need
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
@@ -265,7 +266,11 @@ class Launcher:
         self.scripts = scripts
         self.requests = requests or {}
         self.hub = hub
-        self.sock = hub.sock if hub is not None else ControlSocket()
+        # The run's key: every socket of the run proves it (twin.hw.auth).
+        self.key = hub.key if hub is not None else RunKey.new()
+        self.sock = hub.sock if hub is not None else ControlSocket(key=self.key)
+        # One note per control frame that did not decode (the hub's list, across nodes).
+        self.dropped: list[str] = hub.dropped if hub is not None else []
         self.procs: dict[str, Any] = {}  # node -> multiprocessing.Process, or RemoteRank
         self.endpoints: dict[str, str] = {}
         self.t0 = 0.0
@@ -311,11 +316,16 @@ class Launcher:
         deadline = time.monotonic() + self.options.start_timeout_s
         while len(hellos) < len(self.procs):
             frames = self._recv(deadline, "start")
-            if frames[0] == HELLO:
-                info = json.loads(frames[1])
-                hellos[info["node"]] = (info, frames[2])
-            elif frames[0] == REPORT:
-                raise LaunchError(self._start_error(frames))
+            try:
+                if frames[0] == HELLO:
+                    info = _hello(frames, set(self.procs))
+                    hellos[info["node"]] = (info, frames[2])
+                elif frames[0] == REPORT:
+                    raise LaunchError(self._start_error(frames))
+                else:
+                    raise messages.BadFrame("not expected while ranks start")
+            except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
+                self.drop(frames, exc)
         order = sorted(hellos)
         directory = [hellos[n][0] for n in order]
         metas = [hellos[n][1] for n in order]
@@ -327,10 +337,15 @@ class Launcher:
         ready: set[str] = set()
         while len(ready) < len(self.procs):
             frames = self._recv(deadline, "bootstrap")
-            if frames[0] == b"TWIN_READY":
-                ready.add(frames[1].decode())
-            elif frames[0] == REPORT:
-                raise LaunchError(self._start_error(frames))
+            try:
+                if frames[0] == b"TWIN_READY":
+                    ready.add(self._node_of(frames))
+                elif frames[0] == REPORT:
+                    raise LaunchError(self._start_error(frames))
+                else:
+                    raise messages.BadFrame("not expected while ranks bootstrap")
+            except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
+                self.drop(frames, exc)
         self.t0 = time.monotonic()
         for node in order:
             # Each rank's clock origin in its own host's clock: its records are our time.
@@ -372,6 +387,7 @@ class Launcher:
             os.environ["UCX_NET_DEVICES"] = "lo"
             self._set_env.append("UCX_NET_DEVICES")
         for spec in self._specs(lambda n, k: self.options.device_of(n.role, k)):
+            spec.secret = self.key.secret
             self.procs[spec.node] = start_rank(spec)
 
     def _launch_remote(self) -> None:
@@ -435,7 +451,8 @@ class Launcher:
                 self.errors.append(text)
 
     def _start_error(self, frames: list[bytes]) -> str:
-        report = json.loads(frames[2])
+        self._node_of(frames)
+        report = messages.json_object(frames[2])
         node = report.get("node", frames[1].decode())
         self.failed_nodes.add(node)
         return f"{node} failed to start: {_last_line(report.get('detail', ''))} (full " \
@@ -539,12 +556,12 @@ class Launcher:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def command(self, node: str, cmd: dict[str, Any]) -> None:
+    def command(self, node: str, cmd: messages.Command) -> None:
         """Send ``cmd`` to ``node``; a rank that cannot take it is an error, not a raise."""
         if node in self.failed_nodes:
             return
         try:
-            self.sock.send(self.endpoints[node], [CMD, pickle.dumps(cmd)])
+            self.sock.send(self.endpoints[node], [CMD, messages.encode(cmd)])
         except ControlError as exc:
             self.failed_nodes.add(node)
             proc = self.procs.get(node)
@@ -554,13 +571,13 @@ class Launcher:
             self.errors.append(f"{node}: the coordinator cannot reach it ({state}): {exc}")
 
     def feed(self, node: str, event: Any) -> None:
-        self.command(node, {"op": "feed", "event": event})
+        self.command(node, messages.Feed(event=messages.event_to_json(event)))
 
-    def request_states(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Every rank's state: ``{"snapshot", "next" (replay), "held" (replay)}``."""
+    def request_states(self, timeout_s: float = 10.0) -> dict[str, messages.RankState]:
+        """Every rank's state (``messages.RankState``: snapshot, next scripted input, held)."""
         self.states = {}
         for node in self.endpoints:
-            self.command(node, {"op": "state"})
+            self.command(node, messages.QueryState())
         deadline = time.monotonic() + timeout_s
         while len(self.states) < len(self.endpoints) and time.monotonic() < deadline:
             self.pump(50)
@@ -572,25 +589,52 @@ class Launcher:
         frames = self.sock.recv_frames(timeout_ms=timeout_ms)
         while frames is not None:
             n += 1
-            tag = bytes(frames[0])
-            if self.hub is not None and self.hub.handle(frames):
-                pass
-            elif tag == RECORDS:
-                node = frames[1].decode()
-                records, reports, upto = pickle.loads(frames[2])
-                self._sent_upto[node] = upto
-                self._records(node, records)
-                for r in reports:
-                    self._report(r)
-            elif tag == REPORT:
-                self._report(json.loads(frames[2]))
-            elif tag == STATE:
-                self.states[frames[1].decode()] = pickle.loads(frames[2])
+            try:
+                self._dispatch(frames)
+            except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
+                self.drop(frames, exc)
             frames = self.sock.recv_frames(timeout_ms=0)
         if self.hub is not None:
             self._tick_agents()  # after reading what arrived, heartbeats included
         self.flush_records()
         return n
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        tag = bytes(frames[0])
+        if self.hub is not None and self.hub.handle(frames):
+            return
+        if tag == RECORDS:
+            node = self._node_of(frames)
+            records, reports, upto = messages.decode_records(frames[2], f"TWIN_REC from {node}")
+            self._sent_upto[node] = upto
+            self._records(node, records)
+            for r in reports:
+                self._report(r)
+        elif tag == REPORT:
+            self._node_of(frames)
+            report = messages.json_object(frames[2])
+            try:
+                self._report(report)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise messages.BadFrame(f"a report lacking what its kind needs: {exc!r}"
+                                        ) from None
+        elif tag == STATE:
+            node = self._node_of(frames)
+            self.states[node] = messages.decode(frames[2], messages.RankState)
+        else:
+            raise messages.BadFrame("not a frame kind the coordinator takes")
+
+    def _node_of(self, frames: list[bytes]) -> str:
+        node = bytes(frames[1]).decode()
+        if node not in self.endpoints and node not in self.procs:
+            raise messages.BadFrame(f"no rank {node[:40]!r} in this run")
+        return node
+
+    def drop(self, frames: list[bytes], exc: Exception) -> None:
+        """One note for a frame that does not decode; the run goes on."""
+        tag = bytes(frames[0][:32]) if frames else b""
+        self.dropped.append(f"dropped a {tag.decode('ascii', 'replace')!r} frame on the "
+                            f"coordinator's socket ({len(frames)} frames): {str(exc)[:200]}")
 
     def _report(self, report: dict[str, Any]) -> None:
         if report.get("kind") == "error":
@@ -638,6 +682,16 @@ class Launcher:
                 event, effects = p.payload
                 self.writer.write_input(t, p.node, event)
                 self.writer.write_effects(t, p.node, effects)
+
+
+def _hello(frames: list[bytes], nodes: set[str]) -> dict[str, Any]:
+    """A rank's HELLO: ``[tag, json {node, endpoint, ring}, nixl metadata]``."""
+    info = messages.json_object(frames[1])
+    if len(frames) != 3 or info.get("node") not in nodes or \
+            not isinstance(info.get("endpoint"), str) or \
+            not isinstance(info.get("ring"), (dict, type(None))):
+        raise messages.BadFrame("not a HELLO of one of this run's ranks")
+    return info
 
 
 def _last_line(text: str) -> str:

@@ -30,7 +30,9 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,6 +42,8 @@ from typing import Any
 import zmq
 
 from twin.core.topology import Topology
+from twin.hw import messages
+from twin.hw.auth import SECRET_FILE_ENV, RunKey, key_from_env, write_key_file
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.hostmem import RANK_OVERHEAD_BYTES, fits, host_need
 from twin.hw.netutil import format_port_range, is_unspecified
@@ -50,7 +54,7 @@ AGENT_WELCOME = b"TWIN_AGENT_WELCOME"  # coordinator: [tag, json {name, heartbea
 AGENT_REJECT = b"TWIN_AGENT_REJECT"    # coordinator: [tag, json {reason}]
 AGENT_PING = b"TWIN_AGENT_PING"        # coordinator: [tag, seq, t1]
 AGENT_PONG = b"TWIN_AGENT_PONG"        # agent: [tag, name, seq, t1, t_agent]
-AGENT_LAUNCH = b"TWIN_AGENT_LAUNCH"    # coordinator: [tag, pickled list of RankSpec]
+AGENT_LAUNCH = b"TWIN_AGENT_LAUNCH"    # coordinator: [tag, msgpack twin.hw.messages.Launch]
 AGENT_BEAT = b"TWIN_AGENT_BEAT"        # both ways: [tag, name]
 AGENT_EXIT = b"TWIN_AGENT_EXIT"        # agent: [tag, name, json {node, exitcode, text, tail}]
 AGENT_ERROR = b"TWIN_AGENT_ERROR"      # agent: [tag, name, json {detail}]
@@ -337,9 +341,10 @@ class Beater(threading.Thread):
     own (own zmq sockets, never blocking), so that a process busy for a while (the coordinator
     in a send to a dead rank, an agent starting its ranks) is not taken for a lost one."""
 
-    def __init__(self, period_s: float) -> None:
+    def __init__(self, period_s: float, key: RunKey | None) -> None:
         super().__init__(name="twin-heartbeat", daemon=True)
         self.period_s = period_s
+        self.key = key
         self.lock = threading.Lock()
         self.targets: dict[str, str] = {}  # agent name -> endpoint
         self.halt = threading.Event()
@@ -364,6 +369,8 @@ class Beater(threading.Thread):
                         sock = socks[endpoint] = ctx.socket(zmq.PUSH)
                         sock.setsockopt(zmq.LINGER, 0)
                         sock.setsockopt(zmq.SNDHWM, 4)
+                        if self.key is not None:
+                            self.key.join(sock)
                         sock.connect(endpoint)
                     # Unreachable for now: the peer's own timeout decides.
                     with contextlib.suppress(zmq.ZMQError):
@@ -386,9 +393,22 @@ class AgentHub:
                  control_ports: tuple[int, int] | None = None,
                  data_ports: tuple[int, int] | None = None,
                  placement: Sequence[PlacementEntry] | None = None,
-                 echo: Callable[[str], None] | None = None) -> None:
+                 echo: Callable[[str], None] | None = None,
+                 key: RunKey | None = None) -> None:
         host, port = listen
-        self.sock = ControlSocket(f"tcp://{host}:{port}", send_timeout_ms=5000)
+        # The run's key: given, or from TWIN_RUN_SECRET(_FILE), else a new one that agents
+        # read from a file only this user can read (twin.hw.auth).
+        self.key_file: str | None = None
+        self._own_key_dir: str | None = None
+        if key is None:
+            key = key_from_env()
+            self.key_file = os.environ.get(SECRET_FILE_ENV) if key is not None else None
+        if key is None:
+            key = RunKey.new()
+            self._own_key_dir = tempfile.mkdtemp(prefix="twin-run-")
+            self.key_file = str(write_key_file(key, os.path.join(self._own_key_dir, "secret")))
+        self.key = key
+        self.sock = ControlSocket(f"tcp://{host}:{port}", send_timeout_ms=5000, key=key)
         self.listen = listen
         self.endpoint = self.sock.endpoint
         self.expected = expected
@@ -404,8 +424,9 @@ class AgentHub:
         self.ranks: dict[str, RemoteRank] = {}
         self.newly_lost: list[AgentInfo] = []
         self.errors: list[str] = []
+        self.dropped: list[str] = []  # one note per frame that did not decode
         self._last_tick = time.monotonic()
-        self._beater = Beater(heartbeat_s)
+        self._beater = Beater(heartbeat_s, key)
         self._beater.start()
         self._ping_seq = 0
         self._pending_pings: dict[tuple[str, int], float] = {}
@@ -419,8 +440,13 @@ class AgentHub:
         where, join = self.endpoint, f"{self.listen[0]}:{self.listen[1]}"
         if is_unspecified(self.listen[0]):
             where, join = where + " (every interface)", f"THIS_HOST:{self.listen[1]}"
+        secret = (f"{SECRET_FILE_ENV}={self.key_file}" if self.key_file is not None
+                  else "TWIN_RUN_SECRET=(this run's secret)")
         self.echo(f"listening   {where} for {self.expected} agent(s); start each with "
-                  f"`twin agent --join {join}`")
+                  f"`{secret} twin agent --join {join}`")
+        if self._own_key_dir is not None:
+            self.echo(f"secret      {self.key_file} (mode 0600): copy it to each agent's node "
+                      f"over a channel you trust; only holders of it can talk to this run")
         deadline = time.monotonic() + self.join_timeout_s
         while len(self.agents) < self.expected:
             left = deadline - time.monotonic()
@@ -488,11 +514,11 @@ class AgentHub:
         now = time.monotonic()
         try:
             if tag == AGENT_JOIN:
-                self._join(json.loads(frames[1]), now)
+                self._join(messages.json_object(frames[1]), now)
                 return True
             a = self.agents.get(bytes(frames[1]).decode())
             if a is None:
-                return True
+                raise ValueError("from no agent of this run")
             a.last_heard = now
             if tag == AGENT_PONG:
                 seq, t1, ta = int(frames[2]), float(frames[3]), float(frames[4])
@@ -510,8 +536,11 @@ class AgentHub:
             elif tag == AGENT_BYE:
                 a.gone = True
                 self._beater.set(a.name, None)
-        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
-            pass  # a malformed agent frame is dropped, like a malformed rank frame
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+            # A malformed agent frame is dropped, with one note, like a malformed rank frame.
+            self.dropped.append(f"dropped a {tag.decode('ascii', 'replace')!r} frame on the "
+                                f"coordinator's socket ({len(frames)} frames): "
+                                f"{type(exc).__name__}: {str(exc)[:200]}")
         return True
 
     def _join(self, info: dict[str, Any], now: float) -> None:
@@ -627,13 +656,12 @@ class AgentHub:
     # -- running -------------------------------------------------------------------------------
     def launch(self, specs: Iterable[Any]) -> None:
         """Send each agent the ``RankSpec``s of its ranks."""
-        import pickle
-
         by_agent: dict[str, list[Any]] = {}
         for spec in specs:
             by_agent.setdefault(self.ranks[spec.node].agent.name, []).append(spec)
         for name, a in self.agents.items():
-            if not self._send(a.endpoint, [AGENT_LAUNCH, pickle.dumps(by_agent.get(name, []))],
+            if not self._send(a.endpoint, [AGENT_LAUNCH,
+                                           messages.encode_launch(by_agent.get(name, []))],
                               timeout_ms=5000):
                 a.lost = f"cannot reach it at {a.endpoint} to start its ranks"
                 self.newly_lost.append(a)
@@ -674,6 +702,8 @@ class AgentHub:
         if not self.sock.closed:
             self.stop_agents()
             self.sock.close(linger_ms=500)
+        if self._own_key_dir is not None:
+            shutil.rmtree(self._own_key_dir, ignore_errors=True)
         self._beater.join(5)
 
     def records(self) -> list[dict[str, Any]]:

@@ -19,7 +19,6 @@ import heapq
 import json
 import math
 import os
-import pickle
 import random
 import time
 import traceback
@@ -38,6 +37,8 @@ from twin.core.grid import pages_for_tokens
 from twin.core.layout import compute_head_slice_params
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Node, build_rank
+from twin.hw import messages
+from twin.hw.auth import RunKey
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
@@ -111,7 +112,7 @@ class RankProcess:
                      rank=spec.rank, prefill_attn_tp=cfg.prefill.attn_tp_size,
                      decode_attn_tp=cfg.decode.attn_tp_size, total_kv_heads=m.num_kv_heads)
         self.sock = ControlSocket(host=spec.bind_host, ports=spec.control_ports,
-                                  send_timeout_ms=60_000)
+                                  send_timeout_ms=60_000, key=spec_key(spec))
         # One CPU host (ranks on loopback, DRAM over shared memory): no NIXL progress thread,
         # which would spin a core per rank. Across nodes (TCP) and on GPUs it runs.
         self.nixl = NixlEndpoint(spec.node, progress_thread=not (
@@ -146,6 +147,7 @@ class RankProcess:
         self.verified: dict[int, set[int]] = {}
         self.mismatch: dict[int, list[tuple[range, str]]] = {}
         self.outbox: list[tuple[float, Any, list[Any]]] = []
+        self._refused_reported = 0  # connections refused for want of the run key, reported
         self.reports: list[dict[str, Any]] = []
         self.stopping = False
         self.script: deque[Any] | None = deque(spec.script) if spec.script is not None else None
@@ -244,16 +246,16 @@ class RankProcess:
             self.log.write(f"{self.now():.6f} recv {tag[:16]!r} ({len(frames)} frames)\n")
         try:
             if tag == CMD:
-                self._command(pickle.loads(frames[1]))
+                self._command(messages.decode(frames[1], messages.Command))
             elif tag == META:
-                d = json.loads(frames[1])
+                d = messages.json_object(frames[1])
                 target = ev.Target(**d["target"])
                 self.input(ev.RoomBootstrapped(room=d["room"], targets=(target,)))
             elif tag == ABORT:
-                d = json.loads(frames[1])
+                d = messages.json_object(frames[1])
                 self.input(ev.RoomAborted(room=d["room"], reason=d["reason"]))
             elif tag == PEER:
-                d = json.loads(frames[1])
+                d = messages.json_object(frames[1])
                 self.input(ev.PeerPolled(room=d["room"], peer=d["peer"], poll=d["poll"]))
             elif tag == STOP:
                 self.stopping = True
@@ -266,27 +268,26 @@ class RankProcess:
                 if rank is not None:
                     src = self.spec.nodes_by_unique.get(rank, "")
                 self.input(ev.MessageArrived(src=src, msg=msg))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             self.reports.append({"kind": "bad-frame", "node": self.spec.node,
                                  "detail": f"{tag[:24]!r}: {exc}"})
 
-    def _command(self, cmd: dict[str, Any]) -> None:
-        op = cmd["op"]
-        if op == "feed":
-            self.input(cmd["event"])
-        elif op == "request":
-            self._setup_request(cmd)
-        elif op == "state":
+    def _command(self, cmd: messages.Command) -> None:
+        if isinstance(cmd, messages.Feed):
+            self.input(messages.event_of(cmd.event, f"{self.spec.node}: TWIN_CMD"))
+        elif isinstance(cmd, messages.SetupRequest):
+            self._setup_request(messages.request_dict(cmd))
+        elif isinstance(cmd, messages.QueryState):
             self._flush()
             # The byte check's verdict so far on rooms not concluded: a wedged run can have
             # corrupted them too (the first wrong range of each, in page order).
             wrong = {room: first for room in self.mismatch
                      if (first := self._first_wrong(room)) is not None}
-            state = {"snapshot": self.core.snapshot(),
-                     "next": self.script[0] if self.script else None,
-                     "held": sum(len(v) for v in self.held.values()), "mismatch": wrong}
+            state = messages.rank_state(self.core.snapshot(),
+                                        self.script[0] if self.script else None,
+                                        sum(len(v) for v in self.held.values()), wrong)
             self.sock.send(self.coordinator, [STATE, self.spec.node.encode(),
-                                              pickle.dumps(state)])
+                                              messages.encode(state)])
 
     def _setup_request(self, cmd: dict[str, Any]) -> None:
         """KV pages for a room. A prefill room's pages hold the request's pattern up to
@@ -580,8 +581,12 @@ class RankProcess:
         """Send new records, and at least every ``FLUSH_IDLE_S`` the time up to which this
         rank has sent everything (the coordinator merges ranks' records up to the minimum)."""
         now = self.now()
+        refused = self.sock.refused
+        if refused > self._refused_reported:
+            self._refused_reported = refused
+            self.reports.append({"kind": "refused", "node": self.spec.node, "count": refused})
         if self.outbox or self.reports or now - self._flushed_at >= FLUSH_IDLE_S:
-            body = pickle.dumps((self.outbox, self.reports, now))
+            body = messages.encode_records(self.outbox, self.reports, now)
             self.outbox, self.reports = [], []
             self._flushed_at = now
             self.sock.send(self.coordinator, [RECORDS, self.spec.node.encode(), body])
@@ -594,6 +599,11 @@ class RankProcess:
             self.sock.close(linger_ms=2000)
 
 
+
+
+def spec_key(spec: RankSpec) -> RunKey | None:
+    """The run key a rank's spec carries (``None``: an unauthenticated socket, tests only)."""
+    return None if spec.secret is None else RunKey.from_text(spec.secret, f"{spec.node}'s spec")
 
 
 def rank_main(spec: RankSpec) -> None:
@@ -614,7 +624,7 @@ def rank_main(spec: RankSpec) -> None:
     except Exception:
         text = traceback.format_exc()
         try:
-            sock = proc.sock if proc is not None else ControlSocket()
+            sock = proc.sock if proc is not None else ControlSocket(key=spec_key(spec))
             sock.send(spec.coordinator, [REPORT, spec.node.encode(), json.dumps(
                 {"kind": "error", "node": spec.node, "detail": text}).encode()])
         except Exception:  # noqa: BLE001 - best effort while dying

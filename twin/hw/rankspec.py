@@ -42,3 +42,5 @@ class RankSpec:
     bind_host: str = LOOPBACK_HOST  # where the rank's control socket listens
     control_ports: tuple[int, int] | None = None  # within these ports (inclusive), if given
     env: dict[str, str] | None = None  # the launcher's environment at start (twin.hw.procs)
+    # The run's secret key (twin.hw.auth); set by whoever starts the rank, never sent to agents.
+    secret: bytes | None = field(default=None, repr=False)

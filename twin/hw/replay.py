@@ -113,14 +113,15 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     stuck = sorted(n for n in scripts if n not in done)
     if stuck or errors:
         node = stuck[0] if stuck else ""
-        nxt = states.get(node, {}).get("next")
+        st = states.get(node)
+        nxt = st.next_event(f"{node}'s state") if st is not None else None
         divergence = Divergence(
             line=0, node=node, t=0.0,
             expected=("the next recorded input: " + str(event_to_json(nxt))) if nxt is not None
             else "(rank error)",
             got=(f"nothing matching arrived for {stall_s:g} s on real hardware"
                  if not errors else errors[0][:2000]))
-    snapshots = {n: st["snapshot"] for n, st in states.items()}
+    snapshots = {n: st.snapshot for n, st in states.items()}
     status, completed, failed, unfinished = verdict(rooms, concluded, corruption, trace.outcome)
     diagnosis = (diagnose(snapshots, crashed, unfinished, dropped, fault_notes).lines()
                  if unfinished else [])

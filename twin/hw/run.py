@@ -30,6 +30,7 @@ from twin.core.config import TwinConfig
 from twin.core.defects import SILENT_SLICE_FALLBACK, Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.sendplan import early_send_end
+from twin.hw import messages
 from twin.hw.launcher import HwOptions, Launcher, open_hub
 from twin.runtime.diagnosis import diagnose, fault_record
 from twin.runtime.faults import FaultSpec, fault_report, parse_fault
@@ -73,6 +74,10 @@ class HwResult:
     log_dir: str | None = None
     agents: list[dict[str, Any]] | None = None  # across nodes: each agent, its ranks and clock
     coordinator_cpu_s: float = 0.0  # CPU the coordinator process used while driving the run
+    # Connections refused because the peer did not prove the run's key, by socket owner
+    # ("coordinator" or a rank), and control frames dropped because they did not decode.
+    refused: dict[str, int] = field(default_factory=dict)
+    dropped_frames: int = 0
 
     @property
     def status(self) -> RunStatus:
@@ -113,6 +118,8 @@ class HwResult:
             "verified": self.verified,
             "corrupted_requests": len(self.corrupted_rooms), "failures": self._failures(),
             "fault_report": self.faults, "log_dir": self.log_dir,
+            "refused_connections": dict(sorted(self.refused.items())),
+            "dropped_frames": self.dropped_frames,
             **({"agents": self.agents} if self.agents is not None else {}),
         }
 
@@ -153,6 +160,7 @@ class HwRun:
         self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
         self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
         self.notes: list[str] = []
+        self.refused: dict[str, int] = {}  # node -> connections refused for want of the run key
         self.echo = echo
         self.faults = list(faults or [])
         self.fired = [0] * len(self.faults)
@@ -219,6 +227,8 @@ class HwRun:
                         break
         elif kind in ("bad-frame", "bad-scatter", "send-failed"):
             self.notes.append(f"{r['node']}: {r['detail']}")
+        elif kind == "refused":
+            self.refused[str(r["node"])] = int(r["count"])
 
     # -- the KV pools --------------------------------------------------------------------------
     def _nodes_of(self, index: int) -> list[str]:
@@ -271,7 +281,7 @@ class HwRun:
                  "computed": req.extend_end}  # the cached prefix; forwards write the rest
         for n in (*pg.nodes, *dg.nodes):
             self.setting_up.add((n.id, req.room))
-            self.launcher.command(n.id, setup)
+            self.launcher.command(n.id, messages.setup_request(setup))
         total = self.placement.total_pages(req)
         for d in dg.nodes:
             self.launcher.feed(d.id, ev.DecodeRoomInit(
@@ -392,13 +402,13 @@ class HwRun:
         diagnosis: list[str] = []
         if wedged:
             states = lau.request_states()
-            snapshots = {n: st["snapshot"] for n, st in states.items()}
+            snapshots = {n: st.snapshot for n, st in states.items()}
             diagnosis = diagnose(snapshots, self.crashed, set(unfinished), self.dropped,
                                  self.fault_notes).lines()
             # Wrong bytes the decode ranks' per-scatter checks found in rooms that never
             # finished: the run corrupted them before it wedged.
             for node, st in sorted(states.items()):
-                for room, text in sorted(st.get("mismatch", {}).items()):
+                for room, text in sorted(st.mismatch.items()):
                     if room in unfinished:
                         self.corrupted_rooms.add(room)
                         self.corruption.append(f"{node} room {room} (unfinished): {text}")
@@ -411,6 +421,13 @@ class HwRun:
             r.status == "Success" and self.verified.get(r.room, set()) >= set(r.decode_status)
             for r in self.reqs.values())
         rooms = sorted(self.corrupted_rooms)
+        refused = {**self.refused, "coordinator": lau.sock.refused}
+        refused = {k: v for k, v in refused.items() if v}
+        if refused:
+            self.notes.append(
+                f"refused {sum(refused.values())} connection(s) from processes without this "
+                f"run's key (" + ", ".join(f"{k}: {v}" for k, v in sorted(refused.items())) + ")")
+        self.notes.extend(lau.dropped)
         return HwResult(
             verified=verified,
             requests=len(self.workload.requests), done=[r for r in self.reqs.values()
@@ -422,7 +439,8 @@ class HwRun:
             faults=fault_report(self.faults, self.fired),
             log_dir=lau.log_dir if lau.failed_nodes else None,
             agents=lau.hub.records() if lau.hub is not None else None,
-            coordinator_cpu_s=time.process_time() - self._cpu0)
+            coordinator_cpu_s=time.process_time() - self._cpu0,
+            refused=refused, dropped_frames=len(lau.dropped))
 
 
 def check_supported(defects: Defects, faults: list[str]) -> None:
