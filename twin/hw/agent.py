@@ -303,9 +303,9 @@ class Agent:
             while frames is not None:
                 self.last_heard = time.monotonic()
                 tag = bytes(frames[0])
-                if tag == AGENT_PING and len(frames) != 3:
-                    self.echo(f"agent       {self.name}: dropped a TWIN_AGENT_PING frame of "
-                              f"{len(frames)} frames (3 expected)")
+                if tag == AGENT_PING and not _is_ping(frames):
+                    self.echo(f"agent       {self.name}: dropped a TWIN_AGENT_PING frame that "
+                              f"is not [tag, seq, t1]")
                 elif tag == AGENT_PING:
                     self._send([AGENT_PONG, self.name.encode(), frames[1], frames[2],
                                 repr(time.monotonic()).encode()], timeout_ms=1000)
@@ -343,6 +343,18 @@ class Agent:
                           f"its ranks")
                 self._stop_ranks(grace_s=0)
                 return EXIT_LOST
+
+
+def _is_ping(frames: list[bytes]) -> bool:
+    """``[AGENT_PING, seq (int), t1 (float)]``, both short ASCII numbers."""
+    if len(frames) != 3 or len(frames[1]) > 20 or len(frames[2]) > 40:
+        return False
+    try:
+        int(frames[1])
+        float(frames[2])
+    except ValueError:
+        return False
+    return True
 
 
 def _reason(frames: list[bytes]) -> str:

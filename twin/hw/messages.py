@@ -93,11 +93,11 @@ class RankState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scripted input it waits for (replay), how many real inputs it holds back, and the first
     wrong byte range of each room the byte check found corrupt."""
 
-    prefill: snap.PrefillSnapshot | None = None
-    decode: snap.DecodeSnapshot | None = None
-    next: dict[str, Any] | None = None
-    held: int = 0
-    mismatch: dict[int, str] = {}
+    prefill: snap.PrefillSnapshot | None
+    decode: snap.DecodeSnapshot | None
+    next: dict[str, Any] | None
+    held: int
+    mismatch: dict[int, str]
 
     @property
     def snapshot(self) -> snap.RankSnapshot | None:
