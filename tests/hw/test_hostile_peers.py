@@ -33,7 +33,7 @@ import zmq
 
 from twin.hw import messages
 from twin.hw.auth import SECRET_FILE_ENV, RunKey, key_from_env, write_key_file
-from twin.hw.nodes import AGENT_TAGS, AGENT_LAUNCH, AGENT_PING, AGENT_STOP, AGENT_WELCOME
+from twin.hw.nodes import AGENT_LAUNCH, AGENT_PING, AGENT_STOP, AGENT_TAGS, AGENT_WELCOME
 from twin.hw.rankspec import ABORT, CMD, DIRECTORY, HELLO, META, PEER, RECORDS, REPORT, STATE
 from twin.runtime.outcome import EXIT_OK
 
