@@ -24,13 +24,19 @@ import contextlib
 import gc
 import marshal
 import os
-import pickle
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from twin.replay.feeding import feed_batch
-from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
+from twin.trace.encoder import (
+    can_fork,
+    error_from_bytes,
+    error_to_bytes,
+    open_pipe,
+    read_frame,
+    write_frame,
+)
 from twin.trace.format import FORMAT_VERSION, INPUT_NAMES, TraceReader
 from twin.trace.scan import Collector
 
@@ -85,7 +91,8 @@ def run(replayer: Replayer) -> ReplayResult:
                 _, outcome, warnings, truncated, counts, first_t, last_t = msg
                 break
             elif msg[0] == "error":
-                raise pickle.loads(msg[1])  # a TraceError, as the sequential replay raises it
+                # a TraceError, as the sequential replay raises it
+                raise error_from_bytes(msg[1], "the trace reader failed")
             else:
                 raise Fallback(f"the trace reader failed: {msg[1]}")
     finally:
@@ -156,7 +163,7 @@ def _reader(path: str, replayed: frozenset[str], w: int) -> None:
 
             if isinstance(exc, TraceError):  # raised there at once: nothing replayed since
                 # shows (the sequential replay would have fed the inputs before it, unseen)
-                write_frame(w, marshal.dumps(("error", pickle.dumps(exc))))
+                write_frame(w, marshal.dumps(("error", error_to_bytes(exc))))
             else:
                 write_frame(w, marshal.dumps(("failed", f"{type(exc).__name__}: {exc}")))
     except BaseException:  # noqa: BLE001 - a closed pipe: the replay is over

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import marshal
 import os
-import pickle
 import signal
 import struct
 import threading
@@ -117,12 +117,7 @@ class EncoderProcess:
         if reply == b"ok":
             return
         if reply[:1] == b"E":
-            try:
-                exc = pickle.loads(reply[1:])
-            except Exception:  # noqa: BLE001 - an exception that does not unpickle
-                exc = RuntimeError("the trace encoder failed")
-            if not isinstance(exc, BaseException):
-                exc = RuntimeError(f"the trace encoder failed: {exc!r:.80}")
+            exc = error_from_bytes(reply[1:], "the trace encoder failed")
         else:
             exc = RuntimeError(f"the trace encoder process ended early ({reply[:40]!r})")
         self._error = exc
@@ -222,11 +217,48 @@ def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             code = 1
             encoder.abandon()
-            try:
-                blob = pickle.dumps(exc)
-            except Exception:  # noqa: BLE001
-                blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
             with contextlib.suppress(OSError):
-                out.write(b"E" + blob)
+                out.write(b"E" + error_to_bytes(exc))
     finally:
         os._exit(code)
+
+
+def error_to_bytes(exc: BaseException) -> bytes:
+    """An exception as JSON data (its type's name, text, and what rebuilds a ``TraceError`` or
+    an ``OSError``), for a forked child to report to its parent: never pickled."""
+    from twin.trace.codec import TraceError
+
+    d: dict[str, object] = {"type": type(exc).__name__, "text": str(exc)[:2000]}
+    if isinstance(exc, TraceError):
+        d["trace"] = [exc.where, exc.detail, exc.field]
+    elif isinstance(exc, OSError) and exc.errno is not None:
+        d["os"] = [exc.errno, exc.strerror, exc.filename if isinstance(exc.filename, str)
+                   else None]
+    return json.dumps(d).encode()
+
+
+_PLAIN_ERRORS: dict[str, type[Exception]] = {
+    e.__name__: e for e in (TypeError, ValueError, OverflowError, RuntimeError, MemoryError,
+                            KeyError, IndexError, UnicodeError)}
+
+
+def error_from_bytes(data: bytes, context: str) -> BaseException:
+    """The exception :func:`error_to_bytes` described: a ``TraceError`` or ``OSError`` as it
+    was, a plain built-in error of its type, anything else a ``RuntimeError`` naming its type;
+    ``context`` if ``data`` is bad."""
+    from twin.trace.codec import TraceError
+
+    try:
+        d = json.loads(data)
+        if "trace" in d:
+            where, detail, field = d["trace"]
+            return TraceError(str(where), str(detail), None if field is None else str(field))
+        if "os" in d:
+            errno, strerror, filename = d["os"]
+            return OSError(int(errno), str(strerror), *([filename] if filename else []))
+        kind = _PLAIN_ERRORS.get(d["type"])
+        if kind is not None:
+            return kind(str(d["text"]))
+        return RuntimeError(f"{context}: {d['type']}: {d['text']}")
+    except (ValueError, KeyError, TypeError):
+        return RuntimeError(context)
