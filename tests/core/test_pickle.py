@@ -1,5 +1,6 @@
-"""Events and frames cross process boundaries pickled (the hardware mode's commands and reports):
-every kind round-trips to an equal object, in the pure-Python path and, run by
+"""Events and frames cross into processes the project starts itself pickled (a rank's start-up
+spec, with its replay script, through ``multiprocessing``; never anything read from a socket,
+which travels as typed msgpack, ``twin.hw.messages``): every kind round-trips to an equal object, in the pure-Python path and, run by
 ``tests/test_compiled.py``, as the compiled core's native classes."""
 
 from __future__ import annotations

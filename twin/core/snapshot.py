@@ -1,8 +1,9 @@
 """Read-only views of a rank's state, for diagnosis, invariant checks and inspection.
 
 ``PrefillRank.snapshot()`` and ``DecodeRank.snapshot()`` copy what a reader may need into frozen
-values; nothing outside ``twin/core`` reads a rank's own attributes. Snapshots are plain data
-(picklable), so a hardware rank can ship one to its coordinator.
+values; nothing outside ``twin/core`` reads a rank's own attributes. Snapshots are plain typed
+data, so a hardware rank can ship one to its coordinator (``twin.hw.messages.RankState``,
+MessagePack decoded against these classes).
 """
 
 from __future__ import annotations
