@@ -316,16 +316,10 @@ class Launcher:
         deadline = time.monotonic() + self.options.start_timeout_s
         while len(hellos) < len(self.procs):
             frames = self._recv(deadline, "start")
-            try:
-                if frames[0] == HELLO:
-                    info = _hello(frames, set(self.procs))
-                    hellos[info["node"]] = (info, frames[2])
-                elif frames[0] == REPORT:
-                    raise LaunchError(self._start_error(frames))
-                else:
-                    raise messages.BadFrame("not expected while ranks start")
-            except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
-                self.drop(frames, exc)
+            info = self._starting(frames, HELLO, "start",
+                                  lambda f: _hello(f, set(self.procs)))
+            if info is not None:
+                hellos[info["node"]] = (info, frames[2])
         order = sorted(hellos)
         directory = [hellos[n][0] for n in order]
         metas = [hellos[n][1] for n in order]
@@ -337,20 +331,28 @@ class Launcher:
         ready: set[str] = set()
         while len(ready) < len(self.procs):
             frames = self._recv(deadline, "bootstrap")
-            try:
-                if frames[0] == b"TWIN_READY":
-                    ready.add(self._node_of(frames))
-                elif frames[0] == REPORT:
-                    raise LaunchError(self._start_error(frames))
-                else:
-                    raise messages.BadFrame("not expected while ranks bootstrap")
-            except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
-                self.drop(frames, exc)
+            node = self._starting(frames, b"TWIN_READY", "bootstrap", self._node_of)
+            if node is not None:
+                ready.add(node)
         self.t0 = time.monotonic()
         for node in order:
             # Each rank's clock origin in its own host's clock: its records are our time.
             t0 = self.t0 + (self.hub.offset_of(node) if self.hub is not None else 0.0)
             self.sock.send(self.endpoints[node], [START, repr(t0).encode()])
+
+    def _starting(self, frames: list[bytes], tag: bytes, phase: str,
+                  take: Callable[[list[bytes]], Any]) -> Any:
+        """``take(frames)`` for the frame kind a start-up phase waits for; a rank's error
+        report ends the start (``LaunchError``); anything else is dropped with a note (None)."""
+        try:
+            if frames[0] == tag:
+                return take(frames)
+            if frames[0] == REPORT:
+                raise LaunchError(self._start_error(frames))
+            raise messages.BadFrame(f"not expected while ranks {phase}")
+        except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
+            self.drop(frames, exc)
+            return None
 
     def _specs(self, device_of: Callable[[Any, int], str]) -> list[RankSpec]:
         by_unique = {n.unique_rank: n.id for n in self.topo.nodes.values()
