@@ -757,7 +757,15 @@ class TraceReader:
                 self._it = itertools.chain([(batch[0][1:], batch[1])], self._it)
         where = f"{self.name}:1"
         if first is None or not first[0].strip():
-            raise TraceError(where, "not a staging-twin trace (empty file)")
+            bad = self._source.corrupt
+            if bad is not None:
+                raise TraceError(where, f"not a staging-twin trace ({bad.codec} data that "
+                                 f"cannot be decoded from byte {bad.offset}: {bad.detail})")
+            if first is None and self._source.cut:
+                raise TraceError(where, f"not a staging-twin trace (the {self._source.codec} "
+                                 "stream ends before its first line)")
+            raise TraceError(where, "not a staging-twin trace ("
+                             + ("empty file" if first is None else "line 1 is empty") + ")")
         self.header_line = first[0]
         try:
             header = json.loads(first[0])
@@ -805,7 +813,8 @@ class TraceReader:
         self.partial = True
         self._span = span
         self._source = BlockSource(self.path, start=first_blk.off,
-                                   end=None if last_blk is None else last_blk.end)
+                                   end=None if last_blk is None else last_blk.end,
+                                   first_block=first_blk.b)
         self._gen = self._it = _batches(self._source)
         self._first_seq, self._first_t = first_blk.seq, first_blk.t0
 
@@ -830,21 +839,24 @@ class TraceReader:
     def _records(self) -> Iterator[Record]:
         lineno = last_ok = self._first_seq + 1
         last_t = self._first_t
-        for raw, ended in _unbatch(self._it):
-            lineno += 1
-            if self.outcome is not None:
-                if not ended and not raw.strip():
+        try:
+            for raw, ended in _unbatch(self._it):
+                lineno += 1
+                if self.outcome is not None:
+                    if not ended and not raw.strip():
+                        break
+                    raise TraceError(f"{self.name}:{lineno}", "line after the Outcome record")
+                rec = self._strict(raw, ended, lineno, last_t)
+                if rec is None:
                     break
-                raise TraceError(f"{self.name}:{lineno}", "line after the Outcome record")
-            rec = self._strict(raw, ended, lineno, last_t)
-            if rec is None:
-                break
-            if self.first_t is None:
-                self.first_t = rec.t
-            last_t = self.last_t = rec.t
-            last_ok = lineno
-            self.counts[(rec.node, rec.dir, rec.type)] += 1
-            yield rec
+                if self.first_t is None:
+                    self.first_t = rec.t
+                last_t = self.last_t = rec.t
+                last_ok = lineno
+                self.counts[(rec.node, rec.dir, rec.type)] += 1
+                yield rec
+        except TraceError as exc:
+            raise self._damaged(exc, last_ok) from None
         self._finish(last_ok)
 
     def _strict(self, raw: bytes, ended: bool, lineno: int, last_t: float) -> Record | None:
@@ -913,6 +925,8 @@ class TraceReader:
         return rtype, room
 
     def _finish(self, last_ok: int) -> None:
+        if self._source.corrupt is not None:
+            raise self._corrupt(last_ok)
         if self._source.cut:
             self._truncate(f"gzip stream ends early: trace ends at line {last_ok}"
                            if self._source.codec == "gzip" else
@@ -920,6 +934,54 @@ class TraceReader:
                            f"{last_ok}")
         if self.outcome is None and not self.partial:
             self.warnings.append(f"{self.name}: no Outcome record: trace is incomplete")
+
+    def _corrupt(self, last_ok: int) -> TraceError:
+        """The error for a compressed stream that could not be decoded (``BlockSource``)."""
+        return TraceError(self.name, f"{self._corrupt_text()}; the trace is damaged after "
+                          f"line {last_ok} (the lines up to there read)")
+
+    def _corrupt_text(self) -> str:
+        """Where the compressed stream could not be decoded: the block (a gzip trace's from
+        its index) and the byte offset."""
+        bad = self._source.corrupt
+        assert bad is not None
+        if bad.block is None:
+            from twin.trace.index import TraceIndex
+
+            with contextlib.suppress(OSError):
+                index = TraceIndex.load(self.path, self.header_line, os.path.getsize(self.path))
+                for blk in index.blocks if index is not None else ():
+                    if blk.off <= bad.offset < blk.end:
+                        bad = bad._replace(block=blk.b)
+                        break
+        return str(bad)
+
+    def _damaged(self, exc: TraceError, last_ok: int) -> TraceError:
+        """``exc``, met on a line of a compressed trace, or, when the rest of the stream turns
+        out not to decode (a gzip trace's one checksum is at its end; damaged data decodes to
+        wrong text before it), the corruption, which caused it."""
+        if self._source.codec == "none" or self._source.corrupt is not None:
+            return exc
+        for _ in self._it:  # decode the rest: does the stream hold together?
+            pass
+        if self._source.corrupt is None:
+            return exc
+        return TraceError(self.name, f"{self._corrupt_text()}; the damage shows first at "
+                          f"{exc.where}: {exc.detail}")
+
+    def _whole(self, raw: bytes, lineno: int) -> None:
+        """Line ``raw`` (``lineno``), whose envelope matched, must be whole JSON: a line that
+        does not end in ``}`` or holds unequal numbers of ``{`` and ``}`` is parsed (a string
+        may hold a brace) and, when it does not parse, is reported (a line cut short)."""
+        try:
+            d = _fast_loads(raw)
+        except ValueError:
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                raise TraceError(f"{self.name}:{lineno}", "not valid JSON") from None
+        if type(d) is not dict:
+            raise TraceError(f"{self.name}:{lineno}", "expected a JSON object")
 
     # -- lazy --------------------------------------------------------------------------------
     def _records_lazy(self) -> Generator[Any, Sequence[Any] | None, None]:
@@ -992,6 +1054,8 @@ class TraceReader:
                                 passed(rec.node, rec.body)
                             continue
                         seq_b, t_b, key = m.groups()
+                        if raw[-1] != 125 or raw.count(b"{") != raw.count(b"}"):  # 125: }
+                            self._whole(raw, lineno)
                         if int(seq_b) != lineno - 2:
                             raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
                                              f"{seq_b.decode()} (seq must count 0, 1, 2, ... "
@@ -1050,6 +1114,8 @@ class TraceReader:
                                 k = (node, "out", type(e).__name__)
                                 counts[k] = counts.get(k, 0) + 1
                         yield skip
+        except TraceError as exc:
+            raise self._damaged(exc, last_ok) from None
         finally:
             if skipper is not None:
                 skipper.add_counts(by_key)

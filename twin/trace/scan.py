@@ -6,7 +6,8 @@ and counts it, but builds records only of the lines it selects, its driver recor
 lines it meets first. ``LineSkipper.run`` does that check for a run of lines whose envelope is
 already known to be neither selected nor a driver record, natively, and stops at the first line
 that needs more (a selected or new kind of line, a line the pattern does not match, a seq or
-time out of order: the reader then handles it, and raises what it raises).
+time out of order, a line that may not be whole JSON: the reader then handles it, and raises
+what it raises).
 
 A replay's reader (``twin.replay.forked``) also gives the skipper a ``Collector``: the skipper
 then turns the input lines it meets into rows itself where it can vouch for them, and hands the
@@ -303,6 +304,10 @@ class LineSkipper:
                 break
             kind = skip.get(raw[k0:p])
             if kind is None:
+                break
+            # a whole line ends in its object's '}' and closes every '{' it opens; a line cut
+            # short (or one whose strings hold braces) goes to the reader, which parses it
+            if raw[size - 1] != 125 or raw.count(b"{") != raw.count(b"}"):
                 break
             t_b = raw[t0:t1]
             if t_b != last_tb:
