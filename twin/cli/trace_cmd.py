@@ -162,7 +162,10 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
     With --mode hw and --listen HOST:PORT the ranks run on the nodes of the agents that join
     (`twin agent --join HOST:PORT`), as in `twin hw`.
 
-    Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
+    Ctrl-C, SIGTERM and SIGHUP stop the replay with what it replayed so far (exit 1).
+
+    Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, the trace ends
+    before its Outcome, or the replay was interrupted, 2 a bad or damaged trace, 3 wedge,
     4 corruption, 5 failed requests (reproduced).
     """
     if mode == "hw" and config_path is not None:
