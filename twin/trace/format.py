@@ -721,6 +721,11 @@ _NUMBER_RE = NUMBER_RE
 SKIP_NATIVELY = not str(scan.__file__).endswith(".py")
 """Whether select readers pass over the lines they do not hand on with ``scan.LineSkipper``:
 where it is compiled (``twin compile``); interpreted, ``_ENV_RE`` is the faster check."""
+_NESTED = frozenset(cls.__name__ for cls in (*ev.INPUT_TYPES, *ev.EFFECT_TYPES)
+                    if any(f.spec[0] in ("msg", "event") or f.spec[-1][0] == "event"
+                           for f in field_specs(cls)))
+"""Input and effect types with objects inside (a message, targets), last in their lines: a
+whole line ends in ``}}`` or ``]}`` (``TraceReader._whole``)."""
 _KEY_RE = re.compile(rb'"node":"([^"]+)","dir":"([a-z]+)","type":"([A-Za-z_]+)"')
 
 
@@ -970,9 +975,13 @@ class TraceReader:
                           f"{exc.where}: {exc.detail}")
 
     def _whole(self, raw: bytes, lineno: int) -> None:
-        """Line ``raw`` (``lineno``), whose envelope matched, must be whole JSON: a line that
-        does not end in ``}`` or holds unequal numbers of ``{`` and ``}`` is parsed (a string
-        may hold a brace) and, when it does not parse, is reported (a line cut short)."""
+        """Line ``raw`` (``lineno``), an input or effect whose envelope matched, must be whole
+        JSON. A line as the writer writes it ends in ``}``, and one of a type with an object
+        inside (``_NESTED``) in ``}}`` or ``]}`` (the message or the targets come last); cut
+        short, it cannot: a line of a flat type has no other ``}``, and a nested one cut
+        right after an inner object ends in that object's last value and ``}``. A line that
+        does not end so is parsed here (fields in another order are fine) and, when it does
+        not parse, reported as a line cut short."""
         try:
             d = _fast_loads(raw)
         except ValueError:
@@ -990,7 +999,7 @@ class TraceReader:
         lines, then goes on with the next record."""
         name = self.name
         match = _ENV_RE.match
-        keys: dict[bytes, tuple[str, str, str, int, bool]] = {}
+        keys: dict[bytes, tuple[str, str, str, int, bool, bool]] = {}
         by_key: dict[bytes, int] = {}  # fast-path lines by their node/dir/type text
         counts: dict[tuple[str, str, str], int] = {}  # strict-path lines
         select = self.select
@@ -1054,8 +1063,6 @@ class TraceReader:
                                 passed(rec.node, rec.body)
                             continue
                         seq_b, t_b, key = m.groups()
-                        if raw[-1] != 125 or raw.count(b"{") != raw.count(b"}"):  # 125: }
-                            self._whole(raw, lineno)
                         if int(seq_b) != lineno - 2:
                             raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
                                              f"{seq_b.decode()} (seq must count 0, 1, 2, ... "
@@ -1072,16 +1079,16 @@ class TraceReader:
                             last_t, last_tb = t, t_b
                         try:
                             by_key[key] += 1
-                            node, direction, rtype, body_from_key, wanted = keys[key]
+                            node, direction, rtype, body_from_key, wanted, nested = keys[key]
                         except KeyError:
                             keys[key] = self._envelope_key(key, lineno)
                             by_key[key] = 1
-                            node, direction, rtype, body_from_key, wanted = keys[key]
+                            node, direction, rtype, body_from_key, wanted, nested = keys[key]
                             if skipper is not None and direction != "sys":
                                 skipper.add(key, Kind(
                                     node, direction, rtype, body_from_key, wanted,
                                     body_from_key if passed is not None and direction == "out"
-                                    and not wanted else -1))
+                                    and not wanted else -1, nested))
                         last_ok = lineno
                         if direction == "sys":
                             by_key[key] -= 1  # counted by the strict path
@@ -1093,6 +1100,9 @@ class TraceReader:
                             if (yield rec) is not None:  # skip_effects: not after a sys record
                                 yield False
                             continue
+                        if raw[-1] != 125 or (nested and raw[-2] != 125  # '}'
+                                              and raw[-2] != 93):  # ']'
+                            self._whole(raw, lineno)
                         if not wanted:
                             if passed is not None and direction == "out":
                                 passed(node, raw[m.start(3) + body_from_key:-1])
@@ -1142,8 +1152,11 @@ class TraceReader:
         self.passed_effects = col.effect
         return col
 
-    def _envelope_key(self, key: bytes, lineno: int) -> tuple[str, str, str, int, bool]:
-        """Node, dir, type and the payload's offset in ``key`` of a fast-path envelope."""
+    def _envelope_key(self, key: bytes, lineno: int
+                      ) -> tuple[str, str, str, int, bool, bool]:
+        """Node, dir, type, the payload's offset in ``key`` of a fast-path envelope, whether
+        the reader hands such lines on and whether their payload holds objects
+        (``_NESTED``)."""
         where = f"{self.name}:{lineno}"
         m = _KEY_RE.fullmatch(key)
         assert m is not None
@@ -1159,7 +1172,7 @@ class TraceReader:
                 kind = "input" if direction == "in" else "effect"
                 raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
         wanted = self.select is None or rtype in self.select
-        return node, direction, rtype, m.start(3) - 8, wanted
+        return node, direction, rtype, m.start(3) - 8, wanted, rtype in _NESTED
 
     def _truncate(self, message: str) -> None:
         if not self.truncated:

@@ -72,17 +72,19 @@ def is_number(raw: bytes, p: i64, end: i64) -> bool:
 class Kind:
     """A kind of line ``LineSkipper`` knows (by its node/dir/type text): its node, dir and
     type, where its payload starts in that text, whether the reader hands such lines on
-    (``wanted``), where the payload goes to ``passed`` from (-1: it does not) and how many it
+    (``wanted``), where the payload goes to ``passed`` from (-1: it does not), whether the
+    payload holds objects (``nested``: such a line ends in ``}}`` or ``]}``) and how many it
     passed over or handed on."""
 
     def __init__(self, node: str, direction: str, rtype: str, body_from_key: int,
-                 wanted: bool, at: int) -> None:
+                 wanted: bool, at: int, nested: bool = False) -> None:
         self.node = node
         self.direction = direction
         self.rtype = rtype
         self.body_from_key = body_from_key
         self.wanted = wanted
         self.at = at
+        self.nested = nested
         self.n = 0
 
 
@@ -305,9 +307,11 @@ class LineSkipper:
             kind = skip.get(raw[k0:p])
             if kind is None:
                 break
-            # a whole line ends in its object's '}' and closes every '{' it opens; a line cut
-            # short (or one whose strings hold braces) goes to the reader, which parses it
-            if raw[size - 1] != 125 or raw.count(b"{") != raw.count(b"}"):
+            # a line as the writer writes it ends in '}' (with an object inside, in '}}' or
+            # ']}'; ``format.TraceReader._whole``); a line cut short cannot, and goes to the
+            # reader, as does any other (which parses it)
+            if raw[size - 1] != 125 or (kind.nested and raw[size - 2] != 125
+                                         and raw[size - 2] != 93):
                 break
             t_b = raw[t0:t1]
             if t_b != last_tb:
