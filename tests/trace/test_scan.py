@@ -108,6 +108,23 @@ def test_the_pass_stops_at_the_first_line_it_cannot_vouch_for() -> None:
     assert skipper.hit is wanted and skipper.hit_at == 17 + 24 and wanted.n == 1
 
 
+def test_the_pass_leaves_a_line_that_may_be_cut_short_to_the_reader() -> None:
+    """A line as the writer writes it ends in '}', and with an object inside in '}}' or ']}':
+    any other goes to the reader, which parses it (a line cut short is an error there)."""
+    key = b'"node":"p0","dir":"out","type":"Send"'
+    skipper = LineSkipper(None)
+    skipper.add(key, Kind("p0", "out", "Send", 24, False, -1, nested=True))
+    whole = b'{"seq":5,"t":1.5,' + key + b',"dst":"d0","msg":{"kind":"WATERMARK","round":1}}'
+    assert skipper.run([whole], 0, 6, 1.0, b"") == 1
+    for cut in (whole[:-1], whole[:-9], whole[:-2] + b"]"):
+        assert skipper.run([cut], 0, 6, 1.0, b"") == 0, cut
+    assert skipper.run([whole.replace(b"}}", b"]}")], 0, 6, 1.0, b"") == 1  # targets last
+    flat = b'{"seq":5,"t":1.5,"node":"p0","dir":"out","type":"Tick"}'
+    skipper.add(flat[17:-1], Kind("p0", "out", "Tick", 24, False, -1))
+    assert skipper.run([flat], 0, 6, 1.0, b"") == 1
+    assert skipper.run([flat[:-1]], 0, 6, 1.0, b"") == 0
+
+
 @pytest.mark.parametrize("text", [b"0", b"-0", b"12", b"1.5", b"-1.25e-7", b"3E+2", b"0.0", b"",
                                   b"-", b"01", b"1.", b".5", b"1e", b"1e+", b"+1", b"1.5.2",
                                   b"--1", b"1e5e5", b"3.3001121264000015"])

@@ -15,6 +15,7 @@ from twin.cli.options import (
     reject_agent_options,
     writing,
 )
+from twin.runtime.outcome import EXIT_ERROR
 
 
 def _read(path: str):  # type: ignore[no-untyped-def]
@@ -81,11 +82,13 @@ def trace_summary(trace_path: str) -> None:
 @click.argument("room", type=int)
 def trace_room(trace_path: str, room: int) -> None:
     """A readable timeline of one room across every rank."""
-    from twin.trace.inspect import room_timeline
+    from twin.trace.inspect import room_timeline_of_file
 
     with _streaming():
-        text = room_timeline(trace_path, room)
+        text, warnings = room_timeline_of_file(trace_path, room)
     click.echo(text, nl=False)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
 
 
 @trace_group.command("diff")
@@ -125,9 +128,17 @@ def perfetto_command(trace_path: str, out_path: str, fmt: str | None, t_from: fl
 
     if t_from is not None and t_to is not None and t_to < t_from:
         raise BadInput(f"--to {t_to:g} is before --from {t_from:g}")
-    with writing("--out", out_path), _streaming() as open_reader:
-        write_perfetto(open_reader(trace_path), out_path, fmt=fmt, t_from=t_from, t_to=t_to,
-                       room=room)
+    from twin.runtime.signals import Interrupted, signals_interrupt
+
+    try:
+        # SIGTERM and SIGHUP stop it as Ctrl-C does; write_perfetto removes its partial file
+        with signals_interrupt(), writing("--out", out_path), _streaming() as open_reader:
+            write_perfetto(open_reader(trace_path), out_path, fmt=fmt, t_from=t_from,
+                           t_to=t_to, room=room)
+    except KeyboardInterrupt as exc:
+        why = exc.args[0] if isinstance(exc, Interrupted) and exc.args else "Ctrl-C"
+        click.echo(f"interrupted by {why}: {out_path} not written", err=True)
+        sys.exit(EXIT_ERROR)
     click.echo(f"wrote {out_path} (open it in ui.perfetto.dev)")
 
 
@@ -151,7 +162,10 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
     With --mode hw and --listen HOST:PORT the ranks run on the nodes of the agents that join
     (`twin agent --join HOST:PORT`), as in `twin hw`.
 
-    Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, 3 wedge,
+    Ctrl-C, SIGTERM and SIGHUP stop the replay with what it replayed so far (exit 1).
+
+    Exit status: 0 same outcome and clean, 1 the replay diverged from the trace, the trace ends
+    before its Outcome, or the replay was interrupted, 2 a bad or damaged trace, 3 wedge,
     4 corruption, 5 failed requests (reproduced).
     """
     if mode == "hw" and config_path is not None:
@@ -171,8 +185,22 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
             params = costs_from(config_path)
         except ValueError as exc:  # ConfigError
             raise BadInput(str(exc)) from None
-        with _streaming() as open_reader:
-            result = replay_sim(open_reader(trace_path), params)
+        from twin.runtime.signals import Interrupted, signals_interrupt
+
+        try:
+            # SIGTERM and SIGHUP stop the replay as Ctrl-C does: it reports what it replayed
+            with signals_interrupt(), _streaming() as open_reader:
+                result = replay_sim(open_reader(trace_path), params)
+        except KeyboardInterrupt as exc:  # before the replay began (reading the header)
+            why = exc.args[0] if isinstance(exc, Interrupted) and exc.args else "Ctrl-C"
+            if as_json:
+                from twin.cli.common import emit_json
+
+                emit_json({"inputs": 0, "status": "interrupted",
+                           "interrupted": f"interrupted by {why} before the replay began"})
+            else:
+                click.echo(f"status      interrupted by {why} before the replay began")
+            sys.exit(EXIT_ERROR)
     if as_json:
         from twin.cli.common import emit_json
 
@@ -181,10 +209,15 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
                    "same_outcome": result.same_outcome,
                    "divergence": str(result.divergence) if result.divergence else None,
                    "diagnosis": result.diagnosis, "corruption": result.corruption,
-                   "timing": result.timing})
+                   "timing": result.timing, "interrupted": result.interrupted,
+                   "ended_early": result.ended_early})
     else:
         click.echo(f"replayed {result.inputs} inputs ({mode}): {result.status}, "
                    f"{result.completed} completed, {result.failed} failed")
+        if result.interrupted is not None:
+            click.echo(f"stopped     {result.interrupted}")
+        if result.ended_early is not None:
+            click.echo(f"input       {result.ended_early}")
         if result.divergence is not None:
             click.echo(str(result.divergence))
         rec = result.recorded

@@ -37,6 +37,7 @@ from twin.trace.format import (
     Record,
     RecordStream,
     Trace,
+    TraceReader,
     TraceSource,
     open_trace,
 )
@@ -71,12 +72,18 @@ class ReplayResult:
     recorded: dict[str, Any] | None = None
     timing: dict[str, Any] | None = None
     version: int = FORMAT_VERSION  # of the recording: older diagnoses are worded differently
+    interrupted: str | None = None
+    """Why the replay stopped before the trace's end (Ctrl-C, SIGTERM, SIGHUP), and how far it
+    got; None when it read the whole trace."""
+    ended_early: str | None = None
+    """The trace ends before its ``Outcome`` (truncated, or a recording that never finished):
+    what was still in flight there. Its rooms are not diagnosed as a wedge."""
 
     @property
     def same_outcome(self) -> bool:
         """Status, counts and wedge diagnosis (beyond its headline) match the recording."""
         rec = self.recorded
-        if rec is None or self.divergence is not None:
+        if rec is None or self.divergence is not None or self.interrupted is not None:
             return False
         same = (rec["status"] == self.status and rec["completed"] == self.completed
                 and rec["failed"] == self.failed)
@@ -86,7 +93,7 @@ class ReplayResult:
 
     @property
     def exit_code(self) -> int:
-        if self.divergence is not None:
+        if self.divergence is not None or self.interrupted is not None:
             return EXIT_ERROR
         status = RunStatus(self.status)
         if status in (RunStatus.INTERRUPTED, RunStatus.UNTIL):
@@ -162,10 +169,19 @@ class Replayer:
                 return forked.run(self)
             except forked.Fallback:
                 return Replayer(self.trace).run_here()
+            except KeyboardInterrupt as exc:  # the forked reader is stopped already
+                return self._result(interrupted=exc)
         return self.run_here()
 
     def run_here(self) -> ReplayResult:
-        """Replay the whole trace in this process, reading it as it goes."""
+        """Replay the whole trace in this process, reading it as it goes. Ctrl-C (or SIGTERM
+        and SIGHUP inside ``signals_interrupt``) ends it with what was replayed so far."""
+        try:
+            return self._run_here()
+        except KeyboardInterrupt as exc:
+            return self._result(interrupted=exc)
+
+    def _run_here(self) -> ReplayResult:
         records = RecordStream(self.trace)
         skip_effects = records.skip_effects
         pending: tuple[Record, list[ev.Effect]] | None = None  # fed; its effect lines follow
@@ -266,15 +282,48 @@ class Replayer:
         elif t is ev.Dropped:
             note_dropped(self.dropped, node, e)
 
-    def _result(self) -> ReplayResult:
+    def _result(self, interrupted: KeyboardInterrupt | None = None) -> ReplayResult:
         corruption = [str(v) for v in self.integrity.violations]
         unfinished = set(self.rooms)
+        if interrupted is not None:  # stopped here: nothing to compare, no wedge to diagnose
+            from twin.runtime.signals import Interrupted
+
+            why = (interrupted.args[0] if isinstance(interrupted, Interrupted) and
+                   interrupted.args else "Ctrl-C")
+            status = decide(corrupted=bool(corruption), wedged=False,
+                            unfinished=max(len(unfinished), 1), failed=self.failed).value
+            return ReplayResult(
+                self.inputs, self.divergence, status, self.completed, self.failed, [],
+                corruption, None, version=self.version,
+                interrupted=(f"interrupted by {why} after {self.inputs} inputs: "
+                             f"{self.completed} room(s) completed, {self.failed} failed, "
+                             f"{len(unfinished)} in flight; the rest of the trace was not "
+                             "replayed"))
         status = _status(len(unfinished), corruption, self.trace.outcome, self.failed)
-        snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
-        diagnosis = (diagnose(snapshots, self.crashed, unfinished, self.dropped,
-                              self.fault_notes).lines() if unfinished else [])
+        ended_early = None
+        if self.trace.outcome is None:  # the recording stops here; its ranks are not stuck
+            diagnosis: list[str] = []
+            ended_early = _ended_early(self.trace, unfinished)
+        else:
+            snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
+            diagnosis = (diagnose(snapshots, self.crashed, unfinished, self.dropped,
+                                  self.fault_notes).lines() if unfinished else [])
         return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
-                            diagnosis, corruption, self.trace.outcome, version=self.version)
+                            diagnosis, corruption, self.trace.outcome, version=self.version,
+                            ended_early=ended_early)
+
+
+def _ended_early(trace: Trace | TraceReader, unfinished: set[int]) -> str:
+    """What a replay of a trace without its ``Outcome`` says instead of a wedge diagnosis."""
+    lines = (len(trace.events) if isinstance(trace, Trace) else sum(trace.counts.values())) + 1
+    why = ("is cut short (truncated)" if trace.truncated else
+           "has no Outcome record (the recording did not finish)")
+    rooms = sorted(unfinished)
+    shown = ", ".join(map(str, rooms[:12])) + (f", ... ({len(rooms) - 12} more)"
+                                                if len(rooms) > 12 else "")
+    return (f"the trace {why}: it ends at line {lines}"
+            + (f" with {len(rooms)} room(s) in flight ({shown}); the replay stops where the "
+               "input stops, so they are not diagnosed as a wedge" if rooms else ""))
 
 
 def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | None,
@@ -318,9 +367,16 @@ def replay_sim(trace: TraceSource, params: SimParams | None = None) -> ReplayRes
     replayer = Replayer(trace)
     result = replayer.run()
     source = replayer.trace
-    if source.header.get("mode") == "hw":
+    if source.header.get("mode") == "hw" and result.interrupted is None:
         from twin.replay.timing import compare_with_simulation
 
         again = source if isinstance(source, Trace) else Path(source.path)
-        result.timing = compare_with_simulation(again, params)
+        try:
+            result.timing = compare_with_simulation(again, params)
+        except KeyboardInterrupt as exc:
+            from twin.runtime.signals import Interrupted
+
+            why = exc.args[0] if isinstance(exc, Interrupted) and exc.args else "Ctrl-C"
+            result.interrupted = (f"interrupted by {why} during the timing comparison (the "
+                                  "replay itself read the whole trace)")
     return result

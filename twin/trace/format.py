@@ -721,6 +721,11 @@ _NUMBER_RE = NUMBER_RE
 SKIP_NATIVELY = not str(scan.__file__).endswith(".py")
 """Whether select readers pass over the lines they do not hand on with ``scan.LineSkipper``:
 where it is compiled (``twin compile``); interpreted, ``_ENV_RE`` is the faster check."""
+_NESTED = frozenset(cls.__name__ for cls in (*ev.INPUT_TYPES, *ev.EFFECT_TYPES)
+                    if any(f.spec[0] in ("msg", "event") or f.spec[-1][0] == "event"
+                           for f in field_specs(cls)))
+"""Input and effect types with objects inside (a message, targets), last in their lines: a
+whole line ends in ``}}`` or ``]}`` (``TraceReader._whole``)."""
 _KEY_RE = re.compile(rb'"node":"([^"]+)","dir":"([a-z]+)","type":"([A-Za-z_]+)"')
 
 
@@ -757,7 +762,15 @@ class TraceReader:
                 self._it = itertools.chain([(batch[0][1:], batch[1])], self._it)
         where = f"{self.name}:1"
         if first is None or not first[0].strip():
-            raise TraceError(where, "not a staging-twin trace (empty file)")
+            bad = self._source.corrupt
+            if bad is not None:
+                raise TraceError(where, f"not a staging-twin trace ({bad.codec} data that "
+                                 f"cannot be decoded from byte {bad.offset}: {bad.detail})")
+            if first is None and self._source.cut:
+                raise TraceError(where, f"not a staging-twin trace (the {self._source.codec} "
+                                 "stream ends before its first line)")
+            raise TraceError(where, "not a staging-twin trace ("
+                             + ("empty file" if first is None else "line 1 is empty") + ")")
         self.header_line = first[0]
         try:
             header = json.loads(first[0])
@@ -805,7 +818,8 @@ class TraceReader:
         self.partial = True
         self._span = span
         self._source = BlockSource(self.path, start=first_blk.off,
-                                   end=None if last_blk is None else last_blk.end)
+                                   end=None if last_blk is None else last_blk.end,
+                                   first_block=first_blk.b)
         self._gen = self._it = _batches(self._source)
         self._first_seq, self._first_t = first_blk.seq, first_blk.t0
 
@@ -830,21 +844,24 @@ class TraceReader:
     def _records(self) -> Iterator[Record]:
         lineno = last_ok = self._first_seq + 1
         last_t = self._first_t
-        for raw, ended in _unbatch(self._it):
-            lineno += 1
-            if self.outcome is not None:
-                if not ended and not raw.strip():
+        try:
+            for raw, ended in _unbatch(self._it):
+                lineno += 1
+                if self.outcome is not None:
+                    if not ended and not raw.strip():
+                        break
+                    raise TraceError(f"{self.name}:{lineno}", "line after the Outcome record")
+                rec = self._strict(raw, ended, lineno, last_t)
+                if rec is None:
                     break
-                raise TraceError(f"{self.name}:{lineno}", "line after the Outcome record")
-            rec = self._strict(raw, ended, lineno, last_t)
-            if rec is None:
-                break
-            if self.first_t is None:
-                self.first_t = rec.t
-            last_t = self.last_t = rec.t
-            last_ok = lineno
-            self.counts[(rec.node, rec.dir, rec.type)] += 1
-            yield rec
+                if self.first_t is None:
+                    self.first_t = rec.t
+                last_t = self.last_t = rec.t
+                last_ok = lineno
+                self.counts[(rec.node, rec.dir, rec.type)] += 1
+                yield rec
+        except TraceError as exc:
+            raise self._damaged(exc, last_ok) from None
         self._finish(last_ok)
 
     def _strict(self, raw: bytes, ended: bool, lineno: int, last_t: float) -> Record | None:
@@ -913,6 +930,8 @@ class TraceReader:
         return rtype, room
 
     def _finish(self, last_ok: int) -> None:
+        if self._source.corrupt is not None:
+            raise self._corrupt(last_ok)
         if self._source.cut:
             self._truncate(f"gzip stream ends early: trace ends at line {last_ok}"
                            if self._source.codec == "gzip" else
@@ -921,6 +940,58 @@ class TraceReader:
         if self.outcome is None and not self.partial:
             self.warnings.append(f"{self.name}: no Outcome record: trace is incomplete")
 
+    def _corrupt(self, last_ok: int) -> TraceError:
+        """The error for a compressed stream that could not be decoded (``BlockSource``)."""
+        return TraceError(self.name, f"{self._corrupt_text()}; the trace is damaged after "
+                          f"line {last_ok} (the lines up to there read)")
+
+    def _corrupt_text(self) -> str:
+        """Where the compressed stream could not be decoded: the block (a gzip trace's from
+        its index) and the byte offset."""
+        bad = self._source.corrupt
+        assert bad is not None
+        if bad.block is None:
+            from twin.trace.index import TraceIndex
+
+            with contextlib.suppress(OSError):
+                index = TraceIndex.load(self.path, self.header_line, os.path.getsize(self.path))
+                for blk in index.blocks if index is not None else ():
+                    if blk.off <= bad.offset < blk.end:
+                        bad = bad._replace(block=blk.b)
+                        break
+        return str(bad)
+
+    def _damaged(self, exc: TraceError, last_ok: int) -> TraceError:
+        """``exc``, met on a line of a compressed trace, or, when the rest of the stream turns
+        out not to decode (a gzip trace's one checksum is at its end; damaged data decodes to
+        wrong text before it), the corruption, which caused it."""
+        if self._source.codec == "none" or self._source.corrupt is not None:
+            return exc
+        for _ in self._it:  # decode the rest: does the stream hold together?
+            pass
+        if self._source.corrupt is None:
+            return exc
+        return TraceError(self.name, f"{self._corrupt_text()}; the damage shows first at "
+                          f"{exc.where}: {exc.detail}")
+
+    def _whole(self, raw: bytes, lineno: int) -> None:
+        """Line ``raw`` (``lineno``), an input or effect whose envelope matched, must be whole
+        JSON. A line as the writer writes it ends in ``}``, and one of a type with an object
+        inside (``_NESTED``) in ``}}`` or ``]}`` (the message or the targets come last); cut
+        short, it cannot: a line of a flat type has no other ``}``, and a nested one cut
+        right after an inner object ends in that object's last value and ``}``. A line that
+        does not end so is parsed here (fields in another order are fine) and, when it does
+        not parse, reported as a line cut short."""
+        try:
+            d = _fast_loads(raw)
+        except ValueError:
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                raise TraceError(f"{self.name}:{lineno}", "not valid JSON") from None
+        if type(d) is not dict:
+            raise TraceError(f"{self.name}:{lineno}", "expected a JSON object")
+
     # -- lazy --------------------------------------------------------------------------------
     def _records_lazy(self) -> Generator[Any, Sequence[Any] | None, None]:
         """The lazy records. Sent core effects right after yielding an input record (see
@@ -928,7 +999,7 @@ class TraceReader:
         lines, then goes on with the next record."""
         name = self.name
         match = _ENV_RE.match
-        keys: dict[bytes, tuple[str, str, str, int, bool]] = {}
+        keys: dict[bytes, tuple[str, str, str, int, bool, bool]] = {}
         by_key: dict[bytes, int] = {}  # fast-path lines by their node/dir/type text
         counts: dict[tuple[str, str, str], int] = {}  # strict-path lines
         select = self.select
@@ -1008,16 +1079,16 @@ class TraceReader:
                             last_t, last_tb = t, t_b
                         try:
                             by_key[key] += 1
-                            node, direction, rtype, body_from_key, wanted = keys[key]
+                            node, direction, rtype, body_from_key, wanted, nested = keys[key]
                         except KeyError:
                             keys[key] = self._envelope_key(key, lineno)
                             by_key[key] = 1
-                            node, direction, rtype, body_from_key, wanted = keys[key]
+                            node, direction, rtype, body_from_key, wanted, nested = keys[key]
                             if skipper is not None and direction != "sys":
                                 skipper.add(key, Kind(
                                     node, direction, rtype, body_from_key, wanted,
                                     body_from_key if passed is not None and direction == "out"
-                                    and not wanted else -1))
+                                    and not wanted else -1, nested))
                         last_ok = lineno
                         if direction == "sys":
                             by_key[key] -= 1  # counted by the strict path
@@ -1029,6 +1100,9 @@ class TraceReader:
                             if (yield rec) is not None:  # skip_effects: not after a sys record
                                 yield False
                             continue
+                        if raw[-1] != 125 or (nested and raw[-2] != 125  # '}'
+                                              and raw[-2] != 93):  # ']'
+                            self._whole(raw, lineno)
                         if not wanted:
                             if passed is not None and direction == "out":
                                 passed(node, raw[m.start(3) + body_from_key:-1])
@@ -1050,6 +1124,8 @@ class TraceReader:
                                 k = (node, "out", type(e).__name__)
                                 counts[k] = counts.get(k, 0) + 1
                         yield skip
+        except TraceError as exc:
+            raise self._damaged(exc, last_ok) from None
         finally:
             if skipper is not None:
                 skipper.add_counts(by_key)
@@ -1076,8 +1152,11 @@ class TraceReader:
         self.passed_effects = col.effect
         return col
 
-    def _envelope_key(self, key: bytes, lineno: int) -> tuple[str, str, str, int, bool]:
-        """Node, dir, type and the payload's offset in ``key`` of a fast-path envelope."""
+    def _envelope_key(self, key: bytes, lineno: int
+                      ) -> tuple[str, str, str, int, bool, bool]:
+        """Node, dir, type, the payload's offset in ``key`` of a fast-path envelope, whether
+        the reader hands such lines on and whether their payload holds objects
+        (``_NESTED``)."""
         where = f"{self.name}:{lineno}"
         m = _KEY_RE.fullmatch(key)
         assert m is not None
@@ -1093,7 +1172,7 @@ class TraceReader:
                 kind = "input" if direction == "in" else "effect"
                 raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
         wanted = self.select is None or rtype in self.select
-        return node, direction, rtype, m.start(3) - 8, wanted
+        return node, direction, rtype, m.start(3) - 8, wanted, rtype in _NESTED
 
     def _truncate(self, message: str) -> None:
         if not self.truncated:

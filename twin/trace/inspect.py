@@ -20,7 +20,7 @@ from typing import Any
 from twin.trace.format import DRIVER, Record, Trace, TraceReader, TraceSource, open_trace
 
 __all__ = ["DiffResult", "compare", "diff", "event_text", "first_divergence", "room_timeline",
-           "summary", "summary_of_file"]
+           "room_timeline_of_file", "summary", "summary_of_file"]
 
 WIDTH = 100
 _IGNORED_HEADER_KEYS = frozenset({"created", "software"})
@@ -281,6 +281,19 @@ def room_timeline(trace: TraceSource, room: int, *, width: int = WIDTH) -> str:
     ``room``, and so is any input whose effects include a record about the room.
     """
     src, records = _room_source(trace, room)
+    return _room_timeline(src, records, room, width)
+
+
+def room_timeline_of_file(path: str | os.PathLike[str], room: int, *, width: int = WIDTH
+                          ) -> tuple[str, list[str]]:
+    """``room_timeline`` of a trace file and the warnings of the reader it read with (a
+    trace cut short: the room may go on past the cut)."""
+    src, records = _room_source(path, room)
+    return _room_timeline(src, records, room, width), src.warnings
+
+
+def _room_timeline(src: Trace | TraceReader, records: Iterable[Record], room: int,
+                   width: int) -> str:
     busy: dict[tuple[str, int], int] = {}
     unshown: dict[str, Record] = {}  # each node's last input, while not yet shown
     lines = [f"room {room} in {_path(src)} (times in ms)"]
@@ -323,7 +336,10 @@ def room_timeline(trace: TraceSource, room: int, *, width: int = WIDTH) -> str:
     if isinstance(src, TraceReader):
         src.close()
     if not found:
-        lines.append("  (no records)")
+        lines.append("  (no records" + (" up to where the trace ends early)" if src.truncated
+                                        else ")"))
+    if src.truncated:  # the room may go on past the cut: say so, as the summary does
+        lines += [_cut(f"warning: {w}", width) for w in src.warnings]
     return "\n".join(lines) + "\n"
 
 

@@ -44,13 +44,15 @@ window (or the room) and stops after it.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from twin.core import events as ev
 from twin.core import wire
@@ -755,7 +757,13 @@ def write_perfetto(trace: TraceSource, out_path: str | os.PathLike[str], *,
                    t_to: float | None = None, room: int | None = None) -> Path:
     """Write the timeline of ``trace`` to ``out_path``: Perfetto protobuf, or Chrome JSON for
     ``fmt="json"`` (the default for ``.json``/``.json.gz`` names); gzip when the name ends in
-    ``.gz``. Streams: memory holds what is open, not the trace."""
+    ``.gz``. Streams: memory holds what is open, not the trace.
+
+    The file is written under a temporary name in the same folder (``.NAME.PID.part``) and
+    renamed to ``out_path`` when it is complete, so an error, a bad trace or an interrupt
+    leaves no partial file (and an existing ``out_path`` as it was); the temporary is removed.
+    A ``out_path`` that exists and is no regular file (a pipe, ``/dev/null``) is written to
+    directly."""
     path = Path(out_path)
     fmt = fmt or _format_of(path)
     if fmt not in ("proto", "json"):
@@ -763,13 +771,26 @@ def write_perfetto(trace: TraceSource, out_path: str | os.PathLike[str], *,
     src = open_trace(trace)
     gz = path.name.endswith(".gz")
     window = {"t_from": t_from, "t_to": t_to, "room": room}
-    if fmt == "json":
-        with (gzip.open(path, "wt", encoding="utf-8") if gz
-              else open(path, "w", encoding="utf-8")) as f:
-            emitter = _JsonEmitter(src.nodes, f)
-            src = export(src, emitter, **window)
-            emitter.finish(_other(src))
-    else:
-        with (gzip.open(path, "wb") if gz else open(path, "wb")) as raw:
-            export(src, _ProtoEmitter(src.nodes, raw), **window)
+    direct = path.exists() and not path.is_file()
+    target = path if direct else path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        with contextlib.ExitStack() as stack:
+            raw = cast("IO[bytes]", stack.enter_context(open(target, "wb")))
+            if gz:  # named as the file will be (gzip keeps the name in its header)
+                raw = cast("IO[bytes]", stack.enter_context(
+                    gzip.GzipFile(str(path), "wb", fileobj=raw)))
+            if fmt == "json":
+                f = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8"))
+                emitter = _JsonEmitter(src.nodes, f)
+                src = export(src, emitter, **window)
+                emitter.finish(_other(src))
+            else:
+                export(src, _ProtoEmitter(src.nodes, raw), **window)
+        if not direct:
+            os.replace(target, path)
+    except BaseException:
+        if not direct:
+            with contextlib.suppress(OSError):
+                target.unlink()
+        raise
     return path

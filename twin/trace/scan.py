@@ -6,7 +6,8 @@ and counts it, but builds records only of the lines it selects, its driver recor
 lines it meets first. ``LineSkipper.run`` does that check for a run of lines whose envelope is
 already known to be neither selected nor a driver record, natively, and stops at the first line
 that needs more (a selected or new kind of line, a line the pattern does not match, a seq or
-time out of order: the reader then handles it, and raises what it raises).
+time out of order, a line that may not be whole JSON: the reader then handles it, and raises
+what it raises).
 
 A replay's reader (``twin.replay.forked``) also gives the skipper a ``Collector``: the skipper
 then turns the input lines it meets into rows itself where it can vouch for them, and hands the
@@ -71,17 +72,19 @@ def is_number(raw: bytes, p: i64, end: i64) -> bool:
 class Kind:
     """A kind of line ``LineSkipper`` knows (by its node/dir/type text): its node, dir and
     type, where its payload starts in that text, whether the reader hands such lines on
-    (``wanted``), where the payload goes to ``passed`` from (-1: it does not) and how many it
+    (``wanted``), where the payload goes to ``passed`` from (-1: it does not), whether the
+    payload holds objects (``nested``: such a line ends in ``}}`` or ``]}``) and how many it
     passed over or handed on."""
 
     def __init__(self, node: str, direction: str, rtype: str, body_from_key: int,
-                 wanted: bool, at: int) -> None:
+                 wanted: bool, at: int, nested: bool = False) -> None:
         self.node = node
         self.direction = direction
         self.rtype = rtype
         self.body_from_key = body_from_key
         self.wanted = wanted
         self.at = at
+        self.nested = nested
         self.n = 0
 
 
@@ -303,6 +306,12 @@ class LineSkipper:
                 break
             kind = skip.get(raw[k0:p])
             if kind is None:
+                break
+            # a line as the writer writes it ends in '}' (with an object inside, in '}}' or
+            # ']}'; ``format.TraceReader._whole``); a line cut short cannot, and goes to the
+            # reader, as does any other (which parses it)
+            if raw[size - 1] != 125 or (kind.nested and raw[size - 2] != 125
+                                         and raw[size - 2] != 93):
                 break
             t_b = raw[t0:t1]
             if t_b != last_tb:
