@@ -321,9 +321,11 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
     if as_json:
         emit_json(advice.to_dict())
     else:
+        from twin.cli.common import deployment_basis
         from twin.cli.sim_cmd import describe
 
-        click.echo(f"deployment  {describe(cfg)}")
+        basis = deployment_basis(kw["scenario"], kw["config_path"], kw["workload_spec"])
+        click.echo(f"deployment  {describe(cfg)}{f' ({basis})' if basis else ''}")
         click.echo(f"workload    {job.workload.name}: {len(job.workload.requests)} requests over "
                    f"{job.workload.duration_s:.1f} s")
         click.echo(f"criteria    no wedge, failure or corruption; {budgets.describe()}; seeds "
