@@ -82,6 +82,8 @@ def test_the_compiled_modules_are_the_ones_imported(built: Path) -> None:
     assert _status(built).endswith("False False")  # extensions, not sources
     proc = _run(built, "-m", "twin", "--version")
     assert "core: compiled" in proc.stdout
+    proc = _run(built, "-m", "twin", "sim", "--until", "0.01")
+    assert "\ncore        compiled (mypyc " in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("args", RUNS, ids=lambda a: " ".join(a)[:50])

@@ -279,6 +279,21 @@ class RunInputs:
         return f"{self.workload.name}: {n} request{'s' * (n != 1)}{self.cut}, {clients}"
 
 
+def core_path() -> str:
+    """The path this process runs the core on: ``compiled`` or ``pure`` (``twin.compiled``);
+    every command that simulates names it in its text and JSON output."""
+    from twin import compiled
+
+    return compiled.state().mode
+
+
+def core_line() -> str:
+    """The ``core`` line of a command's text output: the path and why."""
+    from twin import compiled
+
+    return f"core        {compiled.state().line()}"
+
+
 def config_paths(config_path: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
     """``--config`` as given: none, one path, or several (layered in order)."""
     if config_path is None:

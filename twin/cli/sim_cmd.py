@@ -10,6 +10,8 @@ import click
 from twin.cli.common import (
     SIM_FAULT_EXAMPLES,
     RunInputs,
+    core_line,
+    core_path,
     deployment_basis,
     deployment_options,
     describe,
@@ -50,6 +52,7 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
                f"{s['unfinished']} unfinished")
     click.echo(f"simulated   {s['sim_seconds']:.3f} s in {s['wall_seconds']:.3f} s wall, "
                f"{s['events']} core events")
+    click.echo(core_line())
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         lat = s["latency"].get(key, {})
         if lat:
@@ -122,7 +125,7 @@ def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args,
             ("--metrics-out", metrics_out)
         raise write_error(exc, flag, path) from None
     if as_json:
-        emit_json({**result.summary(), "deployment": run.deployment_line(),
+        emit_json({**result.summary(), "core": core_path(), "deployment": run.deployment_line(),
                    "workload_line": run.workload_line(), "notes": run.notes})
     else:
         _print_human(result, run)

@@ -174,17 +174,20 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
         with _streaming() as open_reader:
             result = replay_sim(open_reader(trace_path), params)
     if as_json:
-        from twin.cli.common import emit_json
+        from twin.cli.common import core_path, emit_json
 
-        emit_json({"inputs": result.inputs, "status": result.status,
+        emit_json({"inputs": result.inputs, "core": core_path(), "status": result.status,
                    "completed": result.completed, "failed": result.failed,
                    "same_outcome": result.same_outcome,
                    "divergence": str(result.divergence) if result.divergence else None,
                    "diagnosis": result.diagnosis, "corruption": result.corruption,
                    "timing": result.timing})
     else:
+        from twin.cli.common import core_line
+
         click.echo(f"replayed {result.inputs} inputs ({mode}): {result.status}, "
                    f"{result.completed} completed, {result.failed} failed")
+        click.echo(core_line())
         if result.divergence is not None:
             click.echo(str(result.divergence))
         rec = result.recorded
