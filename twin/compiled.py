@@ -169,6 +169,13 @@ def activate() -> CompiledState:
     return _state
 
 
+def current() -> bool:
+    """Whether a build lies beside these sources and matches them, whatever ``TWIN_PURE_PYTHON``
+    says: what ``twin compile`` (or ``scripts/setup.sh``) left, not yet outdated by an edit."""
+    extensions = _extensions()
+    return bool(extensions) and _stale(_manifest(), extensions) is None
+
+
 def state() -> CompiledState:
     """The path this process runs (after ``activate``)."""
     return _state
