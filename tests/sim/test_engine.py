@@ -437,3 +437,21 @@ def test_a_wedge_after_an_idle_gap_is_found_on_the_tick_by_tick_instant() -> Non
     while tick - sim.runtime.last_progress < sc.params.wedge_window_s:
         tick += every
     assert sim.env.now == tick
+
+
+def test_an_idle_watcher_still_sees_an_event_between_arrivals() -> None:
+    # Nothing in flight between two requests, but a call in the gap changes what the check
+    # answers: the watcher wakes on the first tick after it, as ticking every 7 s would.
+    wl = parse_workload_spec("poisson:n=3,rate=1e-4")
+    first, second = wl.requests[0].arrival_s, wl.requests[1].arrival_s
+    assert second - first > 1000
+    sim = Simulation(DEFAULT.config, wl, params=DEFAULT.params)
+    seen: list[str] = []
+    when = (first + second) / 2
+    sim.at(when, seen.append, "x")
+    sim.watch(lambda: "seen" if seen else "", 7.0)
+    assert sim.run() == "seen"
+    tick = 7.0
+    while tick <= when:
+        tick += 7.0
+    assert sim.env.now == tick and len(sim.metrics.done) == 1

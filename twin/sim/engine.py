@@ -372,6 +372,8 @@ class Simulation:
         self._want: dict[tuple[str, int], int] = {}
         self._room_init: dict[tuple[int, int],
                               list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = {}
+        self._ticks: set[Any] = set()  # the watchers' pending ticks (SimPy events)
+        self._tick_due = self._wake_watcher  # one bound method: calendar calls compare to it
 
     # -- what the runtime reads ----------------------------------------------------------------
     @property
@@ -728,9 +730,13 @@ class Simulation:
     def _watch(self, check: Callable[[], str], every: float
                ) -> Generator[simpy.Event, Any, None]:
         env = self.env
+        ticks = self._ticks
         while not self.done.triggered:
             wake = self._idle_wake(every)
-            yield env.timeout(every) if wake is None else wake
+            tick = env.timeout(every) if wake is None else wake
+            ticks.add(tick)
+            yield tick
+            ticks.discard(tick)
             reason = check()
             if reason:
                 self.stop_reason = reason
@@ -739,22 +745,40 @@ class Simulation:
                 return
 
     def _idle_wake(self, every: float) -> simpy.Event | None:
-        """With no request in flight, a watcher's next ticks until the next arrival ask a
-        question whose answer cannot change (nothing in flight can wedge or run late), so they
-        are skipped: the event returned fires at the first tick after that arrival, the very
-        instant the watcher would have reached adding ``every`` tick by tick
+        """With no request in flight and nothing else happening, a watcher's ticks ask a
+        question whose answer cannot change (nothing in flight can wedge or run late), so the
+        ticks up to the next pending event (an arrival, a timer, a frame; not another
+        watcher's tick) are skipped: the event returned fires at the first tick after it, the
+        very instant the watcher would have reached adding ``every`` tick by tick
         (``next_tick_after``). None while requests are in flight or the next tick comes
         first."""
-        requests = self.workload.requests
-        if self.arrived >= len(requests) or self.arrived != len(requests) - self.unfinished:
+        if self.arrived != len(self.workload.requests) - self.unfinished:
             return None
         now = self.calendar.now
-        arrival = requests[self.arrived].arrival_s
-        if now + every > arrival:
+        due = self._next_event_time()
+        if now + every > due or due == math.inf:
             return None
         wake = self.env.event()
-        self.calendar.add(next_tick_after(now, every, arrival), wake.succeed, ())
+        self.calendar.add(next_tick_after(now, every, due), self._tick_due, (wake,))
         return wake
+
+    def _wake_watcher(self, wake: simpy.Event) -> None:
+        wake.succeed()
+
+    def _next_event_time(self) -> float:
+        """When the next event other than a watcher's tick is due (inf: none is)."""
+        due = math.inf
+        ticks = self._ticks
+        queue: Any = self.env._queue
+        for entry in queue:  # (time, priority, event id, event)
+            if entry[0] < due and entry[3] not in ticks:
+                due = entry[0]
+        tick_due = self._tick_due
+        for calls in (self.calendar.soon, self.calendar.later):
+            for call in calls:
+                if call.t < due and call.fn is not tick_due:
+                    due = call.t
+        return due
 
     def _monitor(self, window: float) -> Generator[simpy.Event, Any, None]:
         """The wedge monitor's process: ``_wedge_check`` every quarter ``window``."""
