@@ -752,9 +752,12 @@ class Simulation:
         very instant the watcher would have reached adding ``every`` tick by tick
         (``next_tick_after``). None while requests are in flight or the next tick comes
         first."""
-        if self.arrived != len(self.workload.requests) - self.unfinished:
+        requests = self.workload.requests
+        if self.arrived != len(requests) - self.unfinished:
             return None
         now = self.calendar.now
+        if self.arrived < len(requests) and requests[self.arrived].arrival_s < now + every:
+            return None  # the next arrival comes before the next tick: no scan needed
         due = self._next_event_time()
         if now + every > due or due == math.inf:
             return None
