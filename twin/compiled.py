@@ -152,9 +152,10 @@ def activate() -> CompiledState:
     """Choose the path for this process (once, before the modules are imported)."""
     global _state
     extensions = _extensions()
-    if not extensions:
-        return _state
     forced = os.environ.get(PURE_ENV, "") not in ("", "0")
+    if not extensions and not forced:
+        return _state
+    # Forced, the sources win even over extensions that appear later (a build in progress).
     manifest = None if forced else _manifest()
     why = f"{PURE_ENV} is set" if forced else _stale(manifest, extensions)
     if why is None:
