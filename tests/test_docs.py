@@ -158,3 +158,26 @@ def test_every_option_has_help() -> None:
                     assert param.help, f"twin {prefix}{name} {param.opts[0]} has no help"
 
     walk(cli)
+
+
+def test_the_readme_counts_scenarios_and_defects_as_they_are() -> None:
+    from twin.core.defects import ALL_DEFECTS
+    from twin.sim.scenarios import SCENARIOS
+
+    text = (ROOT / "README.md").read_text()
+    scenarios = re.findall(r"the (\d+) built-in scenarios", text)
+    assert scenarios and all(int(n) == len(SCENARIOS) for n in scenarios)
+    words = {w: i for i, w in enumerate(("zero", "one", "two", "three", "four", "five", "six",
+                                         "seven", "eight", "nine", "ten", "eleven", "twelve"))}
+    defects = re.findall(r"the (\w+) upstream defects", text)
+    assert defects and all(words[w] == len(ALL_DEFECTS) for w in defects)
+
+
+def test_the_license_file_is_the_license_pyproject_declares() -> None:
+    from twin.core.config import tomllib  # tomli before Python 3.11
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert declared == {"text": "Apache-2.0"}
+    words = (ROOT / "LICENSE").read_text().split()
+    assert words[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in " ".join(words)

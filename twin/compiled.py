@@ -152,9 +152,10 @@ def activate() -> CompiledState:
     """Choose the path for this process (once, before the modules are imported)."""
     global _state
     extensions = _extensions()
-    if not extensions:
-        return _state
     forced = os.environ.get(PURE_ENV, "") not in ("", "0")
+    if not extensions and not forced:
+        return _state
+    # Forced, the sources win even over extensions that appear later (a build in progress).
     manifest = None if forced else _manifest()
     why = f"{PURE_ENV} is set" if forced else _stale(manifest, extensions)
     if why is None:
@@ -167,6 +168,13 @@ def activate() -> CompiledState:
     _state = CompiledState("pure", why if forced else f"compiled build ignored: {why}; "
                            "run twin compile to rebuild")
     return _state
+
+
+def current() -> bool:
+    """Whether a build lies beside these sources and matches them, whatever ``TWIN_PURE_PYTHON``
+    says: what ``twin compile`` (or ``scripts/setup.sh``) left, not yet outdated by an edit."""
+    extensions = _extensions()
+    return bool(extensions) and _stale(_manifest(), extensions) is None
 
 
 def state() -> CompiledState:

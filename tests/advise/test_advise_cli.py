@@ -47,11 +47,13 @@ def test_sweep_resumes_and_plots(tmp_path: Path) -> None:
     r = invoke(*args)
     assert r.exit_code == 0, r.output
     assert "4 point(s): 4 run now (4 clean), 0 already in" in r.output
+    assert "\ncore        pure (TWIN_PURE_PYTHON is set)\n" in r.output  # the suite's path
     assert r.output.splitlines()[0].split() == ["ring_mb", "cps", "seed", "outcome", "TTFT",
                                                 "p99", "deferrals/req"]
     r = invoke(*args[:-2], "--seeds", "0,1", "--workers", "1", "--json")
     report = json.loads(r.output)
     assert (report["points"], report["skipped"], report["ran"]) == (8, 4, 4)
+    assert report["core"] == "pure"
     rows = read_results(out)
     assert len(rows) == 8 and {r["x.chunked_prefill_size"] for r in rows} == {512, 1024}
     r = invoke("sweep", *RUN, "--vary", "cps=512", "-o", str(out))
@@ -74,9 +76,11 @@ def test_advise_prints_a_table_and_a_recommendation(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "| chunked_prefill_size |" in r.output and "Recommendation: " in r.output
     assert "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=" in r.output
+    assert "\ncore        pure (TWIN_PURE_PYTHON is set)\n" in r.output
     r = invoke(*args, "--json")
     advice = json.loads(r.output)
     assert advice["runs"] == 0 and advice["reused_runs"] > 0  # every probe came from the file
+    assert advice["core"] == "pure"
     assert advice["recommendation"]["chunked_prefill_size"] in (512, 1024)
     r = invoke("plot", str(out), "-o", str(tmp_path / "plots"))
     assert r.exit_code == 0 and "pareto_ring_ttft.png" in r.output

@@ -315,10 +315,12 @@ def test_replay_reaches_the_same_outcome(traces: dict[str, Path]) -> None:
     r = invoke("replay", str(traces["wedge"]))
     assert r.exit_code == 3, r.output
     assert "same outcome as recorded" in r.output
+    assert "\ncore        pure (TWIN_PURE_PYTHON is set)\n" in r.output
     r = invoke("replay", str(traces["clean"]), "--json")
     assert r.exit_code == 0
     s = _json(r)
     assert s["same_outcome"] is True and s["divergence"] is None and s["completed"] == 6
+    assert s["core"] == "pure"
 
 
 def test_bad_trace_exits_2(tmp_path: Path) -> None:
@@ -390,3 +392,34 @@ def test_an_overload_wedge_has_one_root_and_a_readable_diagnosis() -> None:
     shown = [line for line in text if line.startswith("wedge ")]
     assert len(shown) == 2 + 30 + 1  # head, root, 30 details, the count of the rest
     assert shown[-1].endswith(f"... {details - 30} more detail line(s) (--json prints them all)")
+
+
+def test_a_workload_alone_says_why_the_deployment_is_sglangs_defaults() -> None:
+    demo = invoke("sim", "--until", "0.01").output.splitlines()
+    own = invoke("sim", "--workload", "poisson:n=2,rate=1", "--until", "0.01").output.splitlines()
+    named = invoke("sim", "--scenario", "default", "--workload", "poisson:n=2,rate=1",
+                   "--until", "0.01").output.splitlines()
+    assert "ring 64 MiB" in demo[0] and "(" not in demo[0]
+    assert "ring 4096 MiB" in own[0]
+    assert own[0].endswith("(SGLang's defaults, as --workload was given without --scenario; "
+                           "--scenario default runs it on the demo deployment)")
+    assert named[0] == demo[0]
+    data = json.loads(invoke("sim", "--workload", "poisson:n=2,rate=1", "--json").output)
+    assert "SGLang's defaults" in data["deployment"]
+
+
+def test_the_serving_line_names_the_demo_model_and_sizes_the_kv_pools() -> None:
+    demo = invoke("sim", "--until", "0.01").output.splitlines()[1]
+    assert demo.startswith("serving     twin-demo on H200; KV pool 68.6 M tokens (130.8 GiB a "
+                           "GPU) x 4096 requests (prefill), 34.3 M tokens (130.7 GiB a GPU)")
+    llama = invoke("sim", "--workload", "poisson:n=2,rate=1", "--until", "0.01").output
+    # 4072689 tokens x 32 layers x 2 KV heads a rank x 128 x 2 B x K,V = 124.3 GiB
+    assert "Llama-3.1-8B on H200; KV pool 4.07 M tokens (124.3 GiB a GPU)" in llama
+
+
+def test_sim_names_the_core_path_it_ran() -> None:
+    # The suite runs the pure-Python reference (conftest); tests/test_compiled.py checks that a
+    # compiled installation's `twin sim` says "compiled".
+    lines = invoke("sim", "--until", "0.01").output.splitlines()
+    assert "core        pure (TWIN_PURE_PYTHON is set)" in lines
+    assert json.loads(invoke("sim", "--until", "0.01", "--json").output)["core"] == "pure"

@@ -21,11 +21,12 @@ from twin.runtime.outcome import (
     EXIT_WEDGE,
 )
 from twin.runtime.params import SimParams
-from twin.sim.engine import Simulation
+from twin.sim.engine import Simulation, next_tick_after
 from twin.sim.plots import write_plots
 from twin.sim.runner import SimResult, run_sim
 from twin.sim.scenarios import SCENARIOS, Scenario
 from twin.workloads import poisson, shared_prefix
+from twin.workloads.spec import parse_workload_spec
 
 DEFAULT = SCENARIOS["default"]
 
@@ -390,3 +391,67 @@ def test_calendar_calls_and_simpy_events_run_in_simpy_order() -> None:
         (1.0, "process after a zero timeout"),
         (2.0, "call at 2"),
     ]
+
+
+def _ticks(t: float, step: float, target: float) -> float:
+    """The first tick later than ``target``, adding ``step`` one tick at a time."""
+    x = t + step
+    while x <= target:
+        x = x + step
+    return x
+
+
+@pytest.mark.parametrize("step", [5.0, 1.25, 0.1, 1e-3, 7.3, 1 / 3, 3.0000000000000004])
+def test_next_tick_after_is_the_tick_by_tick_sum(step: float) -> None:
+    import random
+
+    rng = random.Random(step)
+    for _ in range(200):
+        t = rng.choice([0.0, step, rng.uniform(0, 100), rng.uniform(0, 1e4)])
+        target = t + rng.uniform(0, 2e4 if step >= 0.1 else 50)
+        assert next_tick_after(t, step, target) == _ticks(t, step, target), (t, target)
+    assert next_tick_after(0.0, step, 0.0) == step  # the next tick is already past target
+
+
+def test_an_idle_clock_jumps_to_the_next_arrival() -> None:
+    # Five requests about 30 years apart: tick by tick the wedge monitor alone would take
+    # some 340 M events; with nothing in flight the clock jumps from one arrival to the next.
+    r = run_sim(DEFAULT.config, parse_workload_spec("poisson:n=5,rate=1e-9"), params=DEFAULT.params)
+    assert r.status == "completed" and len(r.sim.metrics.done) == 5
+    assert r.sim.env.now > 1e9
+    assert r.sim.calendar.eids.n < 1_000  # every SimPy event and calendar call of the run
+
+
+def test_a_wedge_after_an_idle_gap_is_found_on_the_tick_by_tick_instant() -> None:
+    # Room 0 ends at 0.4 s, room 1 arrives at 68 s and wedges (its STAGING_RSPs are lost):
+    # the monitor skipped the idle ticks, yet stops on the tick it reaches adding every tick.
+    sc = SCENARIOS["lost-staging-rsp"]
+    r = run_sim(sc.config, parse_workload_spec("poisson:n=20,rate=0.01"),
+                defects=Defects.of(sc.base_defects), params=sc.params,
+                faults=[parse_fault(f) for f in sc.faults])
+    sim = r.sim
+    first, second = sim.requests[0], sim.requests[1]
+    every = sc.params.wedge_window_s / 4
+    assert r.stop_reason == "wedge" and first.end_s + 10 * every < second.arrival_s
+    tick = every
+    while tick - sim.runtime.last_progress < sc.params.wedge_window_s:
+        tick += every
+    assert sim.env.now == tick
+
+
+def test_an_idle_watcher_still_sees_an_event_between_arrivals() -> None:
+    # Nothing in flight between two requests, but a call in the gap changes what the check
+    # answers: the watcher wakes on the first tick after it, as ticking every 7 s would.
+    wl = parse_workload_spec("poisson:n=3,rate=1e-4")
+    first, second = wl.requests[0].arrival_s, wl.requests[1].arrival_s
+    assert second - first > 1000
+    sim = Simulation(DEFAULT.config, wl, params=DEFAULT.params)
+    seen: list[str] = []
+    when = (first + second) / 2
+    sim.at(when, seen.append, "x")
+    sim.watch(lambda: "seen" if seen else "", 7.0)
+    assert sim.run() == "seen"
+    tick = 7.0
+    while tick <= when:
+        tick += 7.0
+    assert sim.env.now == tick and len(sim.metrics.done) == 1

@@ -264,6 +264,12 @@ class RunInputs:
     max_concurrency: int | None
     notes: list[str] = field(default_factory=list)
     cut: str = ""
+    basis: str = ""
+    """Why the deployment is not the scenario's, when it is not (``deployment_basis``)."""
+
+    def deployment_line(self) -> str:
+        """The deployment, and where it came from when that is not the scenario."""
+        return describe(self.cfg) + (f" ({self.basis})" if self.basis else "")
 
     def workload_line(self) -> str:
         """What runs: the workload, how it was cut, and the client model."""
@@ -273,11 +279,38 @@ class RunInputs:
         return f"{self.workload.name}: {n} request{'s' * (n != 1)}{self.cut}, {clients}"
 
 
+def core_path() -> str:
+    """The path this process runs the core on: ``compiled`` or ``pure`` (``twin.compiled``);
+    every command that simulates names it in its text and JSON output."""
+    from twin import compiled
+
+    return compiled.state().mode
+
+
+def core_line() -> str:
+    """The ``core`` line of a command's text output: the path and why."""
+    from twin import compiled
+
+    return f"core        {compiled.state().line()}"
+
+
 def config_paths(config_path: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
     """``--config`` as given: none, one path, or several (layered in order)."""
     if config_path is None:
         return ()
     return (config_path,) if isinstance(config_path, str) else tuple(config_path)
+
+
+def deployment_basis(scenario: str | None,
+                     config_path: str | tuple[str, ...] | list[str] | None,
+                     workload_spec: str | None) -> str:
+    """Why a run with its own workload does not use the demo deployment that ``twin sim``
+    alone runs (the ``default`` scenario's): without ``--scenario`` or ``--config`` it starts
+    from SGLang's defaults. "" otherwise (a config file names its own deployment)."""
+    if scenario is not None or config_paths(config_path) or workload_spec is None:
+        return ""
+    return ("SGLang's defaults, as --workload was given without --scenario; "
+            "--scenario default runs it on the demo deployment")
 
 
 def resolve_deployment(*, scenario: str | None,
@@ -368,7 +401,8 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool,
         cfg = cfg.replace(fixes=tuple(sorted({*cfg.fixes, *fixes})))
     specs = parse_faults([*sc.faults, *faults])
     run = RunInputs(sc, cfg, params, workload, make_defects(names), specs, overrides,
-                    max_concurrency or sc.max_concurrency, cut=cut)
+                    max_concurrency or sc.max_concurrency, cut=cut,
+                    basis=deployment_basis(scenario, config_path, workload_spec))
     try:
         check_faults(specs, cfg, [r.input_len for r in workload.requests])
     except FaultSpecError as exc:

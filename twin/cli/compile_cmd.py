@@ -26,10 +26,11 @@ class BuildFailed(click.ClickException):
               help="Build without C optimisation: about half the build time, slower code.")
 @click.option("--verbose", is_flag=True, help="Show the compiler's output as it builds.")
 def compile_command(clean: bool, show_status: bool, quick: bool, verbose: bool) -> None:
-    """Compile the protocol core and the runtime with mypyc (about 2x faster simulations).
+    """Rebuild the compiled core: mypyc compiles the protocol core, the runtime and the
+    simulator (a third of the CPU time per simulation, benchmarks/bench_sim.py).
 
-    Builds C extensions beside the Python sources; needs a C compiler, mypy and setuptools
-    (pip install 'staging-twin[fast]'). Traces are byte-identical either way. Editing a
+    scripts/setup.sh builds it where a C compiler is. Builds C extensions beside the Python
+    sources; needs a C compiler, mypy and setuptools (pip install 'staging-twin[fast]'). Traces are byte-identical either way. Editing a
     compiled module's source switches back to pure Python until the next `twin compile`;
     TWIN_PURE_PYTHON=1 forces pure Python for one run.
     """
@@ -44,7 +45,7 @@ def compile_command(clean: bool, show_status: bool, quick: bool, verbose: bool) 
         gone = compiled.remove()
         click.echo(f"removed {len(gone)} compiled file(s); the core runs pure Python")
         return
-    click.echo(f"compiling {len(compiled.MODULES)} modules with mypyc (about a minute) ...")
+    click.echo(f"compiling {len(compiled.MODULES)} modules with mypyc (a few minutes) ...")
     t0 = time.monotonic()
     try:
         built = compiled.build(verbose=verbose, quick=quick)

@@ -11,7 +11,6 @@ import click
 from twin.cli.common import (
     HW_FAULT_EXAMPLES,
     deployment_options,
-    describe,
     emit_json,
     resolve_run,
     run_options,
@@ -192,7 +191,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     options.kv_pool_pages = plan.pages
     options.rank_bytes = dict(plan.bytes_per_rank)
     if not as_json:
-        click.echo(f"deployment  {describe(run.cfg)}")
+        click.echo(f"deployment  {run.deployment_line()}")
         click.echo(f"workload    {run.workload_line()}")
         click.echo(f"kv pool     {plan.describe()}")
         for note in run.notes:
@@ -211,7 +210,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     except LaunchError as exc:
         if as_json:
             emit_json({"status": "crashed", "mode": "hw", "errors": [str(exc)],
-                       "deployment": describe(run.cfg)})
+                       "deployment": run.deployment_line()})
         else:
             click.echo("status      crashed (the ranks did not start)")
             click.echo(f"error       {exc}")
@@ -224,7 +223,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         raise write_error(exc, "--trace-out", trace_out) from None
     s = result.summary()
     if as_json:
-        emit_json({**s, "deployment": describe(run.cfg), "workload_line": run.workload_line(),
+        emit_json({**s, "deployment": run.deployment_line(), "workload_line": run.workload_line(),
                    "kv_pool": plan.describe(), "notes": run.notes + s["notes"]})
     else:
         from twin.cli.sim_cmd import print_faults

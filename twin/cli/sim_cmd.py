@@ -10,6 +10,9 @@ import click
 from twin.cli.common import (
     SIM_FAULT_EXAMPLES,
     RunInputs,
+    core_line,
+    core_path,
+    deployment_basis,
     deployment_options,
     describe,
     emit_json,
@@ -39,7 +42,7 @@ def print_faults(faults: list[dict]) -> None:
 
 def _print_human(result: SimResult, run: RunInputs) -> None:
     s = result.summary()
-    click.echo(f"deployment  {describe(result.sim.cfg)}")
+    click.echo(f"deployment  {run.deployment_line()}")
     click.echo(f"serving     {result.sim.deployment.describe()}")
     click.echo(f"workload    {run.workload_line()}")
     for note in run.notes:
@@ -49,6 +52,7 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
                f"{s['unfinished']} unfinished")
     click.echo(f"simulated   {s['sim_seconds']:.3f} s in {s['wall_seconds']:.3f} s wall, "
                f"{s['events']} core events")
+    click.echo(core_line())
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         lat = s["latency"].get(key, {})
         if lat:
@@ -121,7 +125,7 @@ def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args,
             ("--metrics-out", metrics_out)
         raise write_error(exc, flag, path) from None
     if as_json:
-        emit_json({**result.summary(), "deployment": describe(run.cfg),
+        emit_json({**result.summary(), "core": core_path(), "deployment": run.deployment_line(),
                    "workload_line": run.workload_line(), "notes": run.notes})
     else:
         _print_human(result, run)
@@ -187,7 +191,8 @@ def config_show_command(config_path, scenario, workload_spec, prefill_args, deco
     for table in ("launch", "run"):
         data.pop(table, None)  # applied above; reading it back would apply it twice
     data["sim"] = params.to_dict()
-    click.echo(f"# {describe(cfg)}")
+    basis = deployment_basis(scenario, config_path, workload_spec)
+    click.echo(f"# {describe(cfg)}{f' ({basis})' if basis else ''}")
     click.echo(tomli_w.dumps(data), nl=False)
 
 

@@ -9,7 +9,14 @@ from typing import Any
 
 import click
 
-from twin.cli.common import defect_option, emit_json, fault_option, resolve_run
+from twin.cli.common import (
+    core_line,
+    core_path,
+    defect_option,
+    emit_json,
+    fault_option,
+    resolve_run,
+)
 from twin.cli.options import BadInput
 
 EXIT_NO_ADVICE = 1
@@ -157,7 +164,7 @@ def sweep_command(axes: tuple[str, ...], seeds: str, horizon: float | None, out:
     if not as_json and len(points) <= TABLE_MAX_POINTS:
         _print_points(job, points, rows, [a.name for a in parsed])
     if as_json:
-        emit_json({**report.to_dict(), "results": out})
+        emit_json({**report.to_dict(), "core": core_path(), "results": out})
     else:
         outcomes = ", ".join(f"{n} {k}" for k, n in sorted(report.outcomes.items())) or "-"
         click.echo(f"sweep       {report.total} point(s): {report.ran} run now ({outcomes}), "
@@ -165,6 +172,7 @@ def sweep_command(axes: tuple[str, ...], seeds: str, horizon: float | None, out:
         if report.ran:
             click.echo(f"throughput  {report.points_per_min:.1f} points/min "
                        f"({report.wall_s:.1f} s wall)")
+        click.echo(core_line())
     if report.interrupted:
         click.echo(f"interrupted: rerun the same command to resume from {out}", err=True)
         sys.exit(1)
@@ -319,15 +327,18 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
         if results is not None:
             results.close()
     if as_json:
-        emit_json(advice.to_dict())
+        emit_json({**advice.to_dict(), "core": core_path()})
     else:
+        from twin.cli.common import deployment_basis
         from twin.cli.sim_cmd import describe
 
-        click.echo(f"deployment  {describe(cfg)}")
+        basis = deployment_basis(kw["scenario"], kw["config_path"], kw["workload_spec"])
+        click.echo(f"deployment  {describe(cfg)}{f' ({basis})' if basis else ''}")
         click.echo(f"workload    {job.workload.name}: {len(job.workload.requests)} requests over "
                    f"{job.workload.duration_s:.1f} s")
         click.echo(f"criteria    no wedge, failure or corruption; {budgets.describe()}; seeds "
                    f"{', '.join(map(str, seed_list))}")
+        click.echo(core_line())
         click.echo("")
         click.echo(advice.table())
         click.echo("")

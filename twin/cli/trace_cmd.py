@@ -202,9 +202,9 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
                 click.echo(f"status      interrupted by {why} before the replay began")
             sys.exit(EXIT_ERROR)
     if as_json:
-        from twin.cli.common import emit_json
+        from twin.cli.common import core_path, emit_json
 
-        emit_json({"inputs": result.inputs, "status": result.status,
+        emit_json({"inputs": result.inputs, "core": core_path(), "status": result.status,
                    "completed": result.completed, "failed": result.failed,
                    "same_outcome": result.same_outcome,
                    "divergence": str(result.divergence) if result.divergence else None,
@@ -212,8 +212,11 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
                    "timing": result.timing, "interrupted": result.interrupted,
                    "ended_early": result.ended_early})
     else:
+        from twin.cli.common import core_line
+
         click.echo(f"replayed {result.inputs} inputs ({mode}): {result.status}, "
                    f"{result.completed} completed, {result.failed} failed")
+        click.echo(core_line())
         if result.interrupted is not None:
             click.echo(f"stopped     {result.interrupted}")
         if result.ended_early is not None:

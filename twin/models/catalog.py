@@ -117,6 +117,11 @@ GPU_ALIASES = {"h200-sxm": "H200", "h200_sxm": "H200", "h100-sxm": "H100", "h100
 DEFAULT_MODEL = "Llama-3.1-8B"
 DEFAULT_GPU = "H200"
 
+# The built-in scenarios' small GQA model (4 layers, 8 KV heads, head_dim 64, bf16): their runs
+# stay fast. Known by its shape alone, it is named for what it is rather than "custom".
+DEMO_SHAPE = ModelShape(num_layers=4, num_kv_heads=8, head_dim=64, dtype_bytes=2)
+DEMO_MODEL = "twin-demo"
+
 
 def _key(name: str) -> str:
     return name.rsplit("/", 1)[-1].lower().replace("meta-llama-", "llama-").replace("_", "-")
@@ -190,7 +195,7 @@ def model_from_hf_config(data: dict[str, Any], source: str = "config.json") -> M
 def model_from_shape(shape: ModelShape) -> ModelSpec:
     """A stand-in for a model known only by its KV geometry (a config's ``[model]`` table).
 
-    The default shape is Llama-3.1-8B's. Otherwise the attention width is taken as four query
+    The default shape is Llama-3.1-8B's; the scenarios' small shape is ``DEMO_MODEL``. Otherwise the attention width is taken as four query
     heads per KV head and the MLP as 3.5x the hidden size (Llama's proportions), so that
     weights and compute scale sensibly with the shape; name the model for real numbers.
     """
@@ -199,7 +204,8 @@ def model_from_shape(shape: ModelShape) -> ModelSpec:
             return m
     heads = 4 * shape.num_kv_heads
     hidden = heads * shape.head_dim
-    return ModelSpec(name="custom", num_layers=shape.num_layers, hidden_size=hidden,
+    name = DEMO_MODEL if shape == DEMO_SHAPE else "custom"
+    return ModelSpec(name=name, num_layers=shape.num_layers, hidden_size=hidden,
                      num_attention_heads=heads, num_kv_heads=shape.num_kv_heads,
                      head_dim=shape.head_dim, intermediate_size=int(3.5 * hidden),
                      vocab_size=32000, dtype_bytes=shape.dtype_bytes, is_mla=shape.is_mla)

@@ -63,10 +63,17 @@ class ServerCosts:
     max_total_tokens: int
     max_running_requests: int
     args: ServerArgs
+    kv_bytes_per_token: int = 0  # on one rank of the server (its share of the KV heads)
 
     @property
     def source(self) -> str:
         return f"profile {self.profile.source}" if self.profile is not None else "analytic"
+
+    def pool(self) -> str:
+        """The KV pool for people: ``4.07 M tokens (62.1 GiB a GPU)``."""
+        gib = self.max_total_tokens * self.kv_bytes_per_token / (1 << 30)
+        size = f" ({gib:.1f} GiB a GPU)" if self.kv_bytes_per_token else ""
+        return f"{count(self.max_total_tokens)} tokens{size}"
 
     def forward_s(self, batch: list[tuple[int, int]]) -> float:
         """One prefill forward: ``(new tokens, cached prefix)`` per request in the batch."""
@@ -111,10 +118,10 @@ class Deployment:
         return f"prefill {p.source}; decode {d.source}"
 
     def describe(self) -> str:
-        return (f"{self.model.name} on {self.gpu.name}; KV pool {self.prefill.max_total_tokens} "
-                f"tokens x {self.prefill.max_running_requests} requests (prefill), "
-                f"{self.decode.max_total_tokens} x {self.decode.max_running_requests} (decode); "
-                f"costs: {self.source}")
+        p, d = self.prefill, self.decode
+        return (f"{self.model.name} on {self.gpu.name}; KV pool {p.pool()} x "
+                f"{p.max_running_requests} requests (prefill), {d.pool()} x "
+                f"{d.max_running_requests} (decode); costs: {self.source}")
 
     @classmethod
     def build(cls, cfg: TwinConfig, params: SimParams,
@@ -214,7 +221,17 @@ def _server(role: str, side: ServerSide, cfg: TwinConfig, params: SimParams,
         estimated = int(total / model.context_len * 512)
         slots = max(1, min(max(min(estimated, 4096), 2048), total // 2))
     return ServerCosts(role=role, tp=tp, model=model, gpu=gpu, params=params, profile=profile,
-                       max_total_tokens=total, max_running_requests=slots, args=args)
+                       max_total_tokens=total, max_running_requests=slots, args=args,
+                       kv_bytes_per_token=kv_per_token)
+
+
+def count(n: int) -> str:
+    """``n`` in three significant digits: 512, 40.7 k, 4.07 M."""
+    if n >= 1_000_000:
+        return f"{n / 1e6:.3g} M"
+    if n >= 10_000:
+        return f"{n / 1e3:.3g} k"
+    return str(n)
 
 
 def check_model_fits_tp(model: ModelSpec, cfg: TwinConfig) -> None:

@@ -19,11 +19,14 @@ HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "S
 
 
 class Interrupted(KeyboardInterrupt):
-    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT."""
+    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT. Its ``args`` hold the
+    signal's name, and it is built again from them (``Interrupted("SIGTERM")``): SimPy re-raises
+    an exception that ended a process as ``type(exc)(*exc.args)``."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    def __init__(self, signum: int | str) -> None:
+        sig = signal.Signals[signum] if isinstance(signum, str) else signal.Signals(signum)
+        super().__init__(sig.name)
+        self.signum = int(sig)
 
 
 def _raise(signum: int, frame: Any) -> None:

@@ -218,6 +218,38 @@ class Calendar:
         return True
 
 
+_ULPS_PER_BINADE: Final = 1 << 52  # a binade [2**e, 2**(e + 1)) holds 2**52 doubles
+
+
+def next_tick_after(t: float, step: float, target: float) -> float:
+    """The first of ``t + step``, ``(t + step) + step``, ... (each sum rounded, as a loop that
+    adds ``step`` to the time computes it) that is later than ``target``, without the loop.
+
+    Within one binade every double is a multiple of its ulp ``u``, and adding ``step`` rounds
+    the same way at each of them unless ``step``'s remainder is exactly ``u / 2`` (a tie,
+    which ties-to-even breaks by parity): there, ``n`` additions are one multiplication. So
+    the walk takes at most a few single additions per binade, and the result is the very
+    double the loop would reach."""
+    x = t + step
+    while x <= target:
+        y = x + step
+        if y == x:
+            raise ValueError(f"a step of {step!r} s no longer moves a clock at {x!r} s")
+        u = math.ulp(x)
+        xi = int(x / u)  # exact: x is a multiple of u, below 2**53 * u
+        top = 2 * _ULPS_PER_BINADE  # the next binade starts at top * u
+        di = int((y - x) / u) if y - x > 0.0 else 0
+        # steps from xi, xi + di, ... stay safely inside the binade (room for rounding up)
+        room = (top - di - 2 - xi) // di + 1 if di > 0 and xi <= top - di - 2 else 0
+        x1 = x + u
+        if room < 2 or (x1 + step) - x1 != y - x:  # near the binade's end, or a tie
+            x = y
+            continue
+        need = (int(target / u) - xi) // di + 1  # steps until past target (target / u exact)
+        x = (xi + di * min(room, need)) * u
+    return x
+
+
 def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | None) -> None:
     """``env.run(until=stop)`` over SimPy's queue and ``calendar`` together: whichever holds
     the next event by (time, priority, id) runs it, the calendar's calls as Timeouts of
@@ -340,6 +372,8 @@ class Simulation:
         self._want: dict[tuple[str, int], int] = {}
         self._room_init: dict[tuple[int, int],
                               list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = {}
+        self._ticks: set[Any] = set()  # the watchers' pending ticks (SimPy events)
+        self._tick_due = self._wake_watcher  # one bound method: calendar calls compare to it
 
     # -- what the runtime reads ----------------------------------------------------------------
     @property
@@ -687,20 +721,67 @@ class Simulation:
     def watch(self, check: Callable[[], str], every: float) -> None:
         """Ask ``check()`` every ``every`` simulated seconds (at least 1 ms) until the run is
         done: a non-empty answer is the run's stop reason and stops it there, so a stopped run
-        is the full run's exact prefix. Call before ``run`` (which adds the wedge monitor)."""
+        is the full run's exact prefix. Call before ``run`` (which adds the wedge monitor).
+        While no request is in flight the ticks up to the next arrival are skipped
+        (``_idle_wake``): ``check`` must answer from the requests in flight and the results of
+        finished ones, as the wedge monitor and the advisor's early stop do."""
         self.env.process(self._watch(check, max(every, 1e-3)))
 
     def _watch(self, check: Callable[[], str], every: float
                ) -> Generator[simpy.Event, Any, None]:
         env = self.env
+        ticks = self._ticks
         while not self.done.triggered:
-            yield env.timeout(every)
+            wake = self._idle_wake(every)
+            tick = env.timeout(every) if wake is None else wake
+            ticks.add(tick)
+            yield tick
+            ticks.discard(tick)
             reason = check()
             if reason:
                 self.stop_reason = reason
                 if not self.done.triggered:
                     self.done.succeed()
                 return
+
+    def _idle_wake(self, every: float) -> simpy.Event | None:
+        """With no request in flight and nothing else happening, a watcher's ticks ask a
+        question whose answer cannot change (nothing in flight can wedge or run late), so the
+        ticks up to the next pending event (an arrival, a timer, a frame; not another
+        watcher's tick) are skipped: the event returned fires at the first tick after it, the
+        very instant the watcher would have reached adding ``every`` tick by tick
+        (``next_tick_after``). None while requests are in flight or the next tick comes
+        first."""
+        requests = self.workload.requests
+        if self.arrived != len(requests) - self.unfinished:
+            return None
+        now = self.calendar.now
+        if self.arrived < len(requests) and requests[self.arrived].arrival_s < now + every:
+            return None  # the next arrival comes before the next tick: no scan needed
+        due = self._next_event_time()
+        if now + every > due or due == math.inf:
+            return None
+        wake = self.env.event()
+        self.calendar.add(next_tick_after(now, every, due), self._tick_due, (wake,))
+        return wake
+
+    def _wake_watcher(self, wake: simpy.Event) -> None:
+        wake.succeed()
+
+    def _next_event_time(self) -> float:
+        """When the next event other than a watcher's tick is due (inf: none is)."""
+        due = math.inf
+        ticks = self._ticks
+        queue: Any = self.env._queue
+        for entry in queue:  # (time, priority, event id, event)
+            if entry[0] < due and entry[3] not in ticks:
+                due = entry[0]
+        tick_due = self._tick_due
+        for calls in (self.calendar.soon, self.calendar.later):
+            for call in calls:
+                if call.t < due and call.fn is not tick_due:
+                    due = call.t
+        return due
 
     def _monitor(self, window: float) -> Generator[simpy.Event, Any, None]:
         """The wedge monitor's process: ``_wedge_check`` every quarter ``window``."""

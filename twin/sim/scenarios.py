@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from twin.core.config import ModelShape, ServerSide, TwinConfig
+from twin.core.config import ServerSide, TwinConfig
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
     LATE_DECODE_REGISTRATION,
@@ -30,12 +30,13 @@ from twin.core.defects import (
     TEARDOWN_DROPS_DEFERRED,
 )
 from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
+from twin.models.catalog import DEMO_SHAPE
 from twin.runtime.faults import FaultSpec, parse_fault
 from twin.runtime.params import SimParams
 from twin.workloads import Workload, fixed, poisson, shared_prefix
 
 # A small GQA model keeps scenario runs fast: 8 KV heads, 4 layers, head_dim 64, bf16.
-SMALL = ModelShape(num_layers=4, num_kv_heads=8, head_dim=64, dtype_bytes=2)
+SMALL = DEMO_SHAPE
 MiB = 1024 * 1024
 
 
