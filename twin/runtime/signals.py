@@ -19,11 +19,17 @@ HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "S
 
 
 class Interrupted(KeyboardInterrupt):
-    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT."""
+    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT.
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    Its one argument is the signal's name, and it can be built again from that argument:
+    SimPy re-raises an exception from a process as ``type(exc)(*exc.args)`` and pickling does
+    the same, so ``Interrupted("SIGTERM")`` must mean what ``Interrupted(15)`` means.
+    """
+
+    def __init__(self, signum: int | str) -> None:
+        sig = signal.Signals[signum] if isinstance(signum, str) else signal.Signals(signum)
+        super().__init__(sig.name)
+        self.signum = int(sig)
 
 
 def _raise(signum: int, frame: Any) -> None:
