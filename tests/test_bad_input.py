@@ -214,3 +214,21 @@ def test_a_trace_too_big_to_replay_on_this_host(tmp_path: Path) -> None:
     for text in ("long.jsonl.zst: the ranks would take", "GiB of host memory",
                  "GiB is available", "replay a shorter trace"):
         assert text in r.output, r.output
+
+
+def test_until_is_one_word_in_the_console_and_the_trace(tmp_path: Path) -> None:
+    """A run stopped by --until says `until` on the console and in the trace's Outcome (the
+    trace said `interrupted`, the word for Ctrl-C and signals); the replay agrees, exit 0."""
+    from twin.trace.format import read_trace
+
+    trace = tmp_path / "u.jsonl"
+    r = invoke("sim", "--workload", "poisson:n=50,rate=5,input=256,output=4,seed=1",
+               "--until", "2", "--trace-out", str(trace))
+    assert r.exit_code == 0, r.output
+    assert "status      until" in r.output, r.output
+    outcome = read_trace(trace).outcome
+    assert outcome is not None and outcome["status"] == "until", outcome
+    assert any("--until" in line for line in outcome["diagnosis"]), outcome
+    r = invoke("replay", str(trace))
+    assert r.exit_code == 0, r.output
+    assert "until" in r.output and "interrupted" not in r.output, r.output
