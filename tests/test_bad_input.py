@@ -232,3 +232,50 @@ def test_until_is_one_word_in_the_console_and_the_trace(tmp_path: Path) -> None:
     r = invoke("replay", str(trace))
     assert r.exit_code == 0, r.output
     assert "until" in r.output and "interrupted" not in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["sim", "hw"])
+def test_an_env_variable_given_twice(command: str) -> None:
+    """Every other one-value option given twice is rejected; so is one --env KEY twice (the
+    last one won silently)."""
+    args = (command, *SMALL, "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64",
+            "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=128")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "--env SGLANG_DISAGG_STAGING_POOL_SIZE_MB given 2 times" in r.output, r.output
+
+
+@pytest.mark.parametrize("flag", ["--prefill-gpus", "--decode-gpus"])
+def test_gpus_for_a_run_on_the_cpu(flag: str) -> None:
+    """GPU lists place ranks on GPUs; with --device cpu they were ignored silently."""
+    args = ("hw", *SMALL, "--device", "cpu", flag, "0,1,2,3")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert f"{flag} '0,1,2,3'" in r.output and "--device cuda" in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["sim", "hw"])
+@pytest.mark.parametrize("spec", ["{}", "trace:path={},first_n=1"])
+def test_a_trace_out_that_is_the_workload(tmp_path: Path, command: str, spec: str) -> None:
+    """--trace-out naming the workload file would overwrite the input (it did)."""
+    workload = tmp_path / "w.jsonl"
+    text = '{"timestamp": 0, "input_length": 256, "output_length": 4}\n'
+    workload.write_text(text)
+    args = (command, "--workload", spec.format(workload), "--trace-out", str(workload))
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "--workload file this run reads" in r.output, r.output
+    assert workload.read_text() == text
+
+
+@pytest.mark.parametrize("command", ["sim", "hw"])
+@pytest.mark.parametrize("suffix", [".bz2", ".xz", ".zip", ".jsonl.lz4"])
+def test_a_trace_out_with_a_compression_the_writer_lacks(tmp_path: Path, command: str,
+                                                        suffix: str) -> None:
+    """`--trace-out x.bz2` wrote plain text under a bzip2 name."""
+    out = tmp_path / f"t{suffix}"
+    args = (command, *SMALL, "--trace-out", str(out))
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "gzip (.gz) or zstd (.zst)" in r.output, r.output
+    assert not out.exists()
