@@ -279,3 +279,67 @@ def test_a_trace_out_with_a_compression_the_writer_lacks(tmp_path: Path, command
     assert_rejected(r, *args)
     assert "gzip (.gz) or zstd (.zst)" in r.output, r.output
     assert not out.exists()
+
+
+def test_a_workload_that_is_not_a_trace_is_quoted_briefly(tmp_path: Path) -> None:
+    """An unknown format quotes a short excerpt of the file, not its first line (which echoed
+    /etc/passwd's)."""
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0:root:/root:/bin/bash-AND-THE-REST-OF-THE-LINE\n")
+    r = invoke("sim", "--workload", str(path))
+    assert_rejected(r, "sim", "--workload", str(path))
+    assert f"{path}:1: unknown trace format" in r.output
+    assert "root:x:0:0" in r.output and "THE-REST" not in r.output, r.output
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"\0" * (8 << 20), ":1: line longer than 1048576 bytes"),
+    (b"\n" * (80 << 20), "decompresses to more than 100x its size"),
+])
+def test_a_decompression_bomb_as_workload(tmp_path: Path, content: bytes, message: str) -> None:
+    """A small gzip that expands enormously is refused while reading, a block at a time (the
+    reader held the whole decompressed file: 2.1 GB for a 1 MB gzip of 1 GB)."""
+    import gzip
+    import tracemalloc
+
+    from twin.workloads import WorkloadError, load_trace
+
+    path = tmp_path / "bomb.jsonl.gz"
+    path.write_bytes(gzip.compress(content, 9))
+    del content
+    tracemalloc.start()
+    try:
+        with pytest.raises(WorkloadError, match=message):
+            load_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    r = invoke("sim", "--workload", str(path))
+    assert_rejected(r, "sim", "--workload", str(path))
+    assert message in r.output, r.output
+
+
+@pytest.mark.parametrize("spec", ["poisson:n=1000000000000,rate=10",
+                                  "bursty:n=1000000000000,burst=4,gap=1",
+                                  "shared-prefix:groups=1000000,per_group=1000000,system=8,"
+                                  "question=8"])
+def test_more_requests_than_memory_holds(spec: str) -> None:
+    """A workload too large for this host's memory is refused before it is generated (numpy
+    raised _ArrayMemoryError with a traceback), naming the limit."""
+    r = invoke("sim", "--workload", spec)
+    assert_rejected(r, "sim", "--workload", spec)
+    assert "requests would take about" in r.output and "at most" in r.output, r.output
+
+
+def test_absurd_lengths_in_a_trace_row(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 16, "output_length": 4}\n'
+                    '{"timestamp": 1, "input_length": 1e30, "output_length": 4}\n')
+    r = invoke("sim", "--workload", str(path))
+    assert_rejected(r, "sim", "--workload", str(path))
+    assert f"{path}:2: field 'input_length': expected at most 2147483647 tokens" in r.output
+    spec = "poisson:n=5,rate=1,input=99999999999999999999"
+    r = invoke("sim", "--workload", spec)
+    assert_rejected(r, "sim", "--workload", spec)
+    assert "key 'input': expected an integer in [0, 2147483647]" in r.output, r.output
