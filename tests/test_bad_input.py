@@ -343,3 +343,45 @@ def test_absurd_lengths_in_a_trace_row(tmp_path: Path) -> None:
     r = invoke("sim", "--workload", spec)
     assert_rejected(r, "sim", "--workload", spec)
     assert "key 'input': expected an integer in [0, 2147483647]" in r.output, r.output
+
+
+@pytest.mark.parametrize(("command", "side"), [("sim", "prefill"), ("sim", "decode"),
+                                               ("hw", "decode")])
+def test_a_prompt_larger_than_a_kv_pool(command: str, side: str) -> None:
+    """SGLang aborts a prompt of max_total_tokens - 6 tokens or more; the twin wedged on it
+    (decode: exit 3, no root) or ran it past the pool (prefill: exit 0, peak 1025 of 10)."""
+    args = (command, "--workload", "poisson:n=5,rate=1", f"--{side}-args",
+            "--max-total-tokens 10")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    for text in ("request 0 of 'poisson' has 1024 input tokens", f"the {side} server's KV pool "
+                 "is 10 tokens", "aborts a prompt of 4 tokens or more", "5 of 5 request(s)"):
+        assert text in r.output, r.output
+
+
+def test_an_output_the_decode_pool_would_cut() -> None:
+    args = ("sim", "--workload", "poisson:n=3,rate=1,input=50,output=1000", "--decode-args",
+            "--max-total-tokens 100")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "would cut its output to 48 tokens" in r.output, r.output
+
+
+def test_a_pool_sglang_refuses_to_start_with() -> None:
+    args = ("sim", *SMALL, "--prefill-args", "--max-total-tokens 6")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "Memory pool size is too small" in r.output, r.output
+
+
+def test_requests_that_fit_a_small_pool_complete() -> None:
+    """One at a time, requests that fit the decode pool alone all complete (no wedge)."""
+    r = invoke("sim", "--workload", "poisson:n=5,rate=100,input=40,output=50",
+               "--decode-args", "--max-total-tokens 100", "--prefill-args",
+               "--max-total-tokens 60", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    s = json.loads(r.output)
+    assert s["completed"] == 5
+    assert s["serving"]["prefill"]["peak_kv_tokens"] <= 60

@@ -425,8 +425,55 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool,
         raise BadInput(str(exc)) from None
     if fault_check is not None:
         fault_check(specs)
+    check_request_lengths(cfg, workload, params)
     run.notes += check_ring(cfg, workload, params, overrides)
     return run
+
+
+# -- can each request be served? --------------------------------------------------------------
+def max_req_input_len(max_total_tokens: int) -> int:
+    """The longest prompt a server with a KV pool of ``max_total_tokens`` admits, as SGLang's
+    scheduler computes it: ``max_req_len = max_total_tokens - 1`` (or the context length, if
+    smaller), ``max_req_input_len = max_req_len - 5``; ``validate_input_length`` aborts a
+    request of ``len(input_ids) >= max_req_input_len``."""
+    return max_total_tokens - 1 - 5
+
+
+def check_request_lengths(cfg: TwinConfig, workload: Workload, params: SimParams) -> None:
+    """Reject (``BadInput``) a workload with a prompt that a server's KV pool cannot hold:
+    SGLang aborts such a request when it arrives (and refuses to start with a pool under 7
+    tokens), so the twin names it before the run instead of wedging on it."""
+    from twin.models.costs import Deployment
+
+    deployment = Deployment.build(cfg, params)
+    for role in ("prefill", "decode"):
+        total = getattr(deployment, role).max_total_tokens
+        limit = max_req_input_len(total)
+        if limit <= 0:
+            raise BadInput(f"{role}: max_total_tokens {total}: SGLang refuses to start with it "
+                           f"(\"Memory pool size is too small\": a request needs at least 7 "
+                           f"tokens of KV pool)")
+        long = [r for r in workload.requests if r.input_len >= limit]
+        if long:
+            first = long[0]
+            raise BadInput(
+                f"request {first.rid} of {workload.name!r} has {first.input_len} input tokens "
+                f"and the {role} server's KV pool is {total} tokens (max_total_tokens): SGLang "
+                f"aborts a prompt of {limit} tokens or more (max_req_input_len = "
+                f"max_total_tokens - 1 - 5); {len(long)} of {len(workload.requests)} "
+                f"request(s) are that long. Raise --max-total-tokens (or give the server more "
+                f"memory) or shorten them")
+    total = deployment.decode.max_total_tokens
+    cut = [r for r in workload.requests if r.output_len > total - 2 - r.input_len]
+    if cut:
+        first = cut[0]
+        raise BadInput(
+            f"request {first.rid} of {workload.name!r} has {first.input_len} input + "
+            f"{first.output_len} output tokens and the decode server's KV pool is {total} "
+            f"tokens (max_total_tokens): SGLang would cut its output to "
+            f"{total - 2 - first.input_len} tokens (max_new_tokens <= max_total_tokens - 1 - "
+            f"input - 1); {len(cut)} of {len(workload.requests)} request(s) would be cut. "
+            f"Raise the decode server's --max-total-tokens or shorten them")
 
 
 def cut_workload(workload: Workload, first_n: int | None, slowdown: float | None) -> Workload:
