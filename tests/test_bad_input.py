@@ -385,3 +385,20 @@ def test_requests_that_fit_a_small_pool_complete() -> None:
     s = json.loads(r.output)
     assert s["completed"] == 5
     assert s["serving"]["prefill"]["peak_kv_tokens"] <= 60
+
+
+@pytest.mark.parametrize("command", ["sim", "hw", "config"])
+def test_dp_size_without_dp_attention(command: str) -> None:
+    """SGLang runs --dp-size 2 without --enable-dp-attention as two independent TP4 servers
+    (its data-parallel controller); the twin took it as one TP4 server while `config show` said
+    dp_size = 2. It is rejected, naming what SGLang would run and the twin's two ways."""
+    args = (*(("config", "show") if command == "config" else (command, *SMALL)),
+            "--prefill-args", "--tp-size 4 --dp-size 2")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    for text in ("'prefill.dp_size'", "2 independent TP4 servers (8 GPUs)",
+                 "--enable-dp-attention", "instances = 2"):
+        assert text in r.output, r.output
+    ok = invoke("config", "show", "--prefill-args",
+                "--tp-size 4 --dp-size 2 --enable-dp-attention")
+    assert ok.exit_code == 0 and "dp_size = 2" in ok.output, ok.output
