@@ -214,3 +214,191 @@ def test_a_trace_too_big_to_replay_on_this_host(tmp_path: Path) -> None:
     for text in ("long.jsonl.zst: the ranks would take", "GiB of host memory",
                  "GiB is available", "replay a shorter trace"):
         assert text in r.output, r.output
+
+
+def test_until_is_one_word_in_the_console_and_the_trace(tmp_path: Path) -> None:
+    """A run stopped by --until says `until` on the console and in the trace's Outcome (the
+    trace said `interrupted`, the word for Ctrl-C and signals); the replay agrees, exit 0."""
+    from twin.trace.format import read_trace
+
+    trace = tmp_path / "u.jsonl"
+    r = invoke("sim", "--workload", "poisson:n=50,rate=5,input=256,output=4,seed=1",
+               "--until", "2", "--trace-out", str(trace))
+    assert r.exit_code == 0, r.output
+    assert "status      until" in r.output, r.output
+    outcome = read_trace(trace).outcome
+    assert outcome is not None and outcome["status"] == "until", outcome
+    assert any("--until" in line for line in outcome["diagnosis"]), outcome
+    r = invoke("replay", str(trace))
+    assert r.exit_code == 0, r.output
+    assert "until" in r.output and "interrupted" not in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["sim", "hw"])
+def test_an_env_variable_given_twice(command: str) -> None:
+    """Every other one-value option given twice is rejected; so is one --env KEY twice (the
+    last one won silently)."""
+    args = (command, *SMALL, "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=64",
+            "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=128")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "--env SGLANG_DISAGG_STAGING_POOL_SIZE_MB given 2 times" in r.output, r.output
+
+
+@pytest.mark.parametrize("flag", ["--prefill-gpus", "--decode-gpus"])
+def test_gpus_for_a_run_on_the_cpu(flag: str) -> None:
+    """GPU lists place ranks on GPUs; with --device cpu they were ignored silently."""
+    args = ("hw", *SMALL, "--device", "cpu", flag, "0,1,2,3")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert f"{flag} '0,1,2,3'" in r.output and "--device cuda" in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["sim", "hw"])
+@pytest.mark.parametrize("spec", ["{}", "trace:path={},first_n=1"])
+def test_a_trace_out_that_is_the_workload(tmp_path: Path, command: str, spec: str) -> None:
+    """--trace-out naming the workload file would overwrite the input (it did)."""
+    workload = tmp_path / "w.jsonl"
+    text = '{"timestamp": 0, "input_length": 256, "output_length": 4}\n'
+    workload.write_text(text)
+    args = (command, "--workload", spec.format(workload), "--trace-out", str(workload))
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "--workload file this run reads" in r.output, r.output
+    assert workload.read_text() == text
+
+
+@pytest.mark.parametrize("command", ["sim", "hw"])
+@pytest.mark.parametrize("suffix", [".bz2", ".xz", ".zip", ".jsonl.lz4"])
+def test_a_trace_out_with_a_compression_the_writer_lacks(tmp_path: Path, command: str,
+                                                        suffix: str) -> None:
+    """`--trace-out x.bz2` wrote plain text under a bzip2 name."""
+    out = tmp_path / f"t{suffix}"
+    args = (command, *SMALL, "--trace-out", str(out))
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "gzip (.gz) or zstd (.zst)" in r.output, r.output
+    assert not out.exists()
+
+
+def test_a_workload_that_is_not_a_trace_is_quoted_briefly(tmp_path: Path) -> None:
+    """An unknown format quotes a short excerpt of the file, not its first line (which echoed
+    /etc/passwd's)."""
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0:root:/root:/bin/bash-AND-THE-REST-OF-THE-LINE\n")
+    r = invoke("sim", "--workload", str(path))
+    assert_rejected(r, "sim", "--workload", str(path))
+    assert f"{path}:1: unknown trace format" in r.output
+    assert "root:x:0:0" in r.output and "THE-REST" not in r.output, r.output
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"\0" * (8 << 20), ":1: line longer than 1048576 bytes"),
+    (b"\n" * (80 << 20), "decompresses to more than 100x its size"),
+])
+def test_a_decompression_bomb_as_workload(tmp_path: Path, content: bytes, message: str) -> None:
+    """A small gzip that expands enormously is refused while reading, a block at a time (the
+    reader held the whole decompressed file: 2.1 GB for a 1 MB gzip of 1 GB)."""
+    import gzip
+    import tracemalloc
+
+    from twin.workloads import WorkloadError, load_trace
+
+    path = tmp_path / "bomb.jsonl.gz"
+    path.write_bytes(gzip.compress(content, 9))
+    del content
+    tracemalloc.start()
+    try:
+        with pytest.raises(WorkloadError, match=message):
+            load_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    r = invoke("sim", "--workload", str(path))
+    assert_rejected(r, "sim", "--workload", str(path))
+    assert message in r.output, r.output
+
+
+@pytest.mark.parametrize("spec", ["poisson:n=1000000000000,rate=10",
+                                  "bursty:n=1000000000000,burst=4,gap=1",
+                                  "shared-prefix:groups=1000000,per_group=1000000,system=8,"
+                                  "question=8"])
+def test_more_requests_than_memory_holds(spec: str) -> None:
+    """A workload too large for this host's memory is refused before it is generated (numpy
+    raised _ArrayMemoryError with a traceback), naming the limit."""
+    r = invoke("sim", "--workload", spec)
+    assert_rejected(r, "sim", "--workload", spec)
+    assert "requests would take about" in r.output and "at most" in r.output, r.output
+
+
+def test_absurd_lengths_in_a_trace_row(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 16, "output_length": 4}\n'
+                    '{"timestamp": 1, "input_length": 1e30, "output_length": 4}\n')
+    r = invoke("sim", "--workload", str(path))
+    assert_rejected(r, "sim", "--workload", str(path))
+    assert f"{path}:2: field 'input_length': expected at most 2147483647 tokens" in r.output
+    spec = "poisson:n=5,rate=1,input=99999999999999999999"
+    r = invoke("sim", "--workload", spec)
+    assert_rejected(r, "sim", "--workload", spec)
+    assert "key 'input': expected an integer in [0, 2147483647]" in r.output, r.output
+
+
+@pytest.mark.parametrize(("command", "side"), [("sim", "prefill"), ("sim", "decode"),
+                                               ("hw", "decode")])
+def test_a_prompt_larger_than_a_kv_pool(command: str, side: str) -> None:
+    """SGLang aborts a prompt of max_total_tokens - 6 tokens or more; the twin wedged on it
+    (decode: exit 3, no root) or ran it past the pool (prefill: exit 0, peak 1025 of 10)."""
+    args = (command, "--workload", "poisson:n=5,rate=1", f"--{side}-args",
+            "--max-total-tokens 10")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    for text in ("request 0 of 'poisson' has 1024 input tokens", f"the {side} server's KV pool "
+                 "is 10 tokens", "aborts a prompt of 4 tokens or more", "5 of 5 request(s)"):
+        assert text in r.output, r.output
+
+
+def test_an_output_the_decode_pool_would_cut() -> None:
+    args = ("sim", "--workload", "poisson:n=3,rate=1,input=50,output=1000", "--decode-args",
+            "--max-total-tokens 100")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "would cut its output to 48 tokens" in r.output, r.output
+
+
+def test_a_pool_sglang_refuses_to_start_with() -> None:
+    args = ("sim", *SMALL, "--prefill-args", "--max-total-tokens 6")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    assert "Memory pool size is too small" in r.output, r.output
+
+
+def test_requests_that_fit_a_small_pool_complete() -> None:
+    """One at a time, requests that fit the decode pool alone all complete (no wedge)."""
+    r = invoke("sim", "--workload", "poisson:n=5,rate=100,input=40,output=50",
+               "--decode-args", "--max-total-tokens 100", "--prefill-args",
+               "--max-total-tokens 60", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    s = json.loads(r.output)
+    assert s["completed"] == 5
+    assert s["serving"]["prefill"]["peak_kv_tokens"] <= 60
+
+
+@pytest.mark.parametrize("command", ["sim", "hw", "config"])
+def test_dp_size_without_dp_attention(command: str) -> None:
+    """SGLang runs --dp-size 2 without --enable-dp-attention as two independent TP4 servers
+    (its data-parallel controller); the twin took it as one TP4 server while `config show` said
+    dp_size = 2. It is rejected, naming what SGLang would run and the twin's two ways."""
+    args = (*(("config", "show") if command == "config" else (command, *SMALL)),
+            "--prefill-args", "--tp-size 4 --dp-size 2")
+    r = invoke(*args)
+    assert_rejected(r, *args)
+    for text in ("'prefill.dp_size'", "2 independent TP4 servers (8 GPUs)",
+                 "--enable-dp-attention", "instances = 2"):
+        assert text in r.output, r.output
+    ok = invoke("config", "show", "--prefill-args",
+                "--tp-size 4 --dp-size 2 --enable-dp-attention")
+    assert ok.exit_code == 0 and "dp_size = 2" in ok.output, ok.output

@@ -37,3 +37,14 @@ def test_a_run_where_every_request_ended_is_completed() -> None:
 
 def test_until_with_requests_still_to_come_is_until() -> None:
     assert _result(RunStatus.UNTIL, done=5, requests=40).status is RunStatus.UNTIL
+
+
+def test_until_is_recorded_as_until() -> None:
+    """The trace's Outcome says what the console says for a run --until stopped (it said
+    'interrupted', the word for Ctrl-C and signals); both modes write it through record()."""
+    from twin.runtime.outcome import RunStatus, Verdict
+
+    v = Verdict(RunStatus.UNTIL, requests=5, completed=2, failed=0, unfinished=3)
+    rec = v.record("stopped at --until 2 s with 3 request(s) in flight")
+    assert rec["status"] == "until" and v.exit_code == 0
+    assert rec["diagnosis"] == ["stopped at --until 2 s with 3 request(s) in flight"]

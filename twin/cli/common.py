@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -26,7 +28,7 @@ from typing import Any
 
 import click
 
-from twin.cli.options import POSITIVE_FLOAT, POSITIVE_INT, BadInput
+from twin.cli.options import POSITIVE_FLOAT, POSITIVE_INT, BadInput, check_output_file
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import ALL_DEFECTS, Defects
 from twin.core.fixes import ALL_FIXES, Fixes
@@ -182,6 +184,50 @@ def run_options(fault_examples: str) -> Callable[[Callable[..., Any]], Callable[
     return wrap
 
 
+# -- --trace-out ------------------------------------------------------------------------------
+#: Compression suffixes a trace is not written in (it is plain, ``.gz`` or ``.zst``): a name
+#: ending in one would hold plain text under a compressed name.
+OTHER_COMPRESSIONS = (".bz2", ".xz", ".lzma", ".lz", ".lz4", ".zip", ".7z", ".br", ".z",
+                      ".zstd", ".gzip", ".tgz", ".tbz2", ".txz", ".tar", ".sz", ".snappy")
+
+
+def workload_file(spec: str | None) -> str | None:
+    """The file a ``--workload`` spec reads (a path, or ``trace:path=P,...``), else None."""
+    if spec is None:
+        return None
+    text = spec.strip()
+    if os.path.isfile(text):
+        return text
+    kind, sep, rest = text.partition(":")
+    if sep and kind.strip().lower() == "trace":
+        m = re.search(r"(?:^|,)\s*path\s*=\s*(.*?)\s*(?=,\s*(?:first_n|slowdown)\s*=|$)", rest)
+        if m is not None and os.path.isfile(m.group(1)):
+            return m.group(1)
+    return None
+
+
+def check_trace_out(trace_out: str | None, workload_spec: str | None,
+                    config_path: str | tuple[str, ...] | list[str] | None) -> None:
+    """``--trace-out`` as ``check_output_file`` checks it, and neither a compression the writer
+    does not speak (it would write plain text under that name) nor a file the run reads."""
+    check_output_file(trace_out, "--trace-out")
+    if trace_out is None:
+        return
+    name = os.path.basename(trace_out).lower()
+    for suffix in OTHER_COMPRESSIONS:
+        if name.endswith(suffix):
+            raise BadInput(f"--trace-out {trace_out!r}: traces are written plain, gzip (.gz) or "
+                           f"zstd (.zst), not {suffix!r}; name it with one of those")
+    if not os.path.exists(trace_out):
+        return
+    inputs = [("--workload", workload_file(workload_spec))]
+    inputs += [("--config", p) for p in config_paths(config_path)]
+    for flag, path in inputs:
+        if path is not None and os.path.exists(path) and os.path.samefile(path, trace_out):
+            raise BadInput(f"--trace-out {trace_out!r}: is the {flag} file this run reads; "
+                           f"writing the trace would overwrite it")
+
+
 # -- the deployment line ----------------------------------------------------------------------
 def describe(cfg: TwinConfig) -> str:
     """One line: who writes to whom, model, ring and grid."""
@@ -233,6 +279,10 @@ def apply_launch(cfg: TwinConfig, prefill_args: str | None, decode_args: str | N
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise BadInput(f"--env {item!r}: expected KEY=VALUE")
+        if key in env:
+            given = [i for i in env_items if i.partition("=")[0] == key]
+            raise BadInput(f"--env {key} given {len(given)} times "
+                           f"({', '.join(map(repr, given))}); give each variable once")
         env[key] = value
     t_prefill, t_decode, t_env = _launch_table(cfg, source)
     layers = []
@@ -409,8 +459,55 @@ def resolve_run(*, scenario: str | None, scenario_defects: bool,
         raise BadInput(str(exc)) from None
     if fault_check is not None:
         fault_check(specs)
+    check_request_lengths(cfg, workload, params)
     run.notes += check_ring(cfg, workload, params, overrides)
     return run
+
+
+# -- can each request be served? --------------------------------------------------------------
+def max_req_input_len(max_total_tokens: int) -> int:
+    """The longest prompt a server with a KV pool of ``max_total_tokens`` admits, as SGLang's
+    scheduler computes it: ``max_req_len = max_total_tokens - 1`` (or the context length, if
+    smaller), ``max_req_input_len = max_req_len - 5``; ``validate_input_length`` aborts a
+    request of ``len(input_ids) >= max_req_input_len``."""
+    return max_total_tokens - 1 - 5
+
+
+def check_request_lengths(cfg: TwinConfig, workload: Workload, params: SimParams) -> None:
+    """Reject (``BadInput``) a workload with a prompt that a server's KV pool cannot hold:
+    SGLang aborts such a request when it arrives (and refuses to start with a pool under 7
+    tokens), so the twin names it before the run instead of wedging on it."""
+    from twin.models.costs import Deployment
+
+    deployment = Deployment.build(cfg, params)
+    for role in ("prefill", "decode"):
+        total = getattr(deployment, role).max_total_tokens
+        limit = max_req_input_len(total)
+        if limit <= 0:
+            raise BadInput(f"{role}: max_total_tokens {total}: SGLang refuses to start with it "
+                           f"(\"Memory pool size is too small\": a request needs at least 7 "
+                           f"tokens of KV pool)")
+        long = [r for r in workload.requests if r.input_len >= limit]
+        if long:
+            first = long[0]
+            raise BadInput(
+                f"request {first.rid} of {workload.name!r} has {first.input_len} input tokens "
+                f"and the {role} server's KV pool is {total} tokens (max_total_tokens): SGLang "
+                f"aborts a prompt of {limit} tokens or more (max_req_input_len = "
+                f"max_total_tokens - 1 - 5); {len(long)} of {len(workload.requests)} "
+                f"request(s) are that long. Raise --max-total-tokens (or give the server more "
+                f"memory) or shorten them")
+    total = deployment.decode.max_total_tokens
+    cut = [r for r in workload.requests if r.output_len > total - 2 - r.input_len]
+    if cut:
+        first = cut[0]
+        raise BadInput(
+            f"request {first.rid} of {workload.name!r} has {first.input_len} input + "
+            f"{first.output_len} output tokens and the decode server's KV pool is {total} "
+            f"tokens (max_total_tokens): SGLang would cut its output to "
+            f"{total - 2 - first.input_len} tokens (max_new_tokens <= max_total_tokens - 1 - "
+            f"input - 1); {len(cut)} of {len(workload.requests)} request(s) would be cut. "
+            f"Raise the decode server's --max-total-tokens or shorten them")
 
 
 def cut_workload(workload: Workload, first_n: int | None, slowdown: float | None) -> Workload:

@@ -10,6 +10,7 @@ import click
 
 from twin.cli.common import (
     HW_FAULT_EXAMPLES,
+    check_trace_out,
     deployment_options,
     emit_json,
     resolve_run,
@@ -21,7 +22,6 @@ from twin.cli.options import (
     WRITE_ERRNOS,
     BadInput,
     agent_options,
-    check_output_file,
     print_diagnosis,
     write_error,
 )
@@ -158,7 +158,13 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     from twin.hw.launcher import HwOptions, LaunchError, PoolError, plan_pool
     from twin.hw.run import HwInputError, run_hw
 
-    check_output_file(trace_out, "--trace-out")
+    if device != "cuda":
+        for flag, value in (("--prefill-gpus", prefill_gpus), ("--decode-gpus", decode_gpus)):
+            if value is not None:
+                raise BadInput(f"{flag} {value!r}: places ranks on GPUs, which only --device "
+                               f"cuda uses (this run keeps its pools in host memory: --device "
+                               f"{device})")
+    check_trace_out(trace_out, workload_spec, config_path)
     check_output_dir(log_dir, "--log-dir")
     run = resolve_run(scenario=scenario, scenario_defects=scenario_defects,
                       config_path=config_path, workload_spec=workload_spec, first_n=first_n,

@@ -10,6 +10,7 @@ import click
 from twin.cli.common import (
     SIM_FAULT_EXAMPLES,
     RunInputs,
+    check_trace_out,
     core_line,
     core_path,
     deployment_basis,
@@ -23,7 +24,6 @@ from twin.cli.common import (
 from twin.cli.options import (
     WRITE_ERRNOS,
     check_output_dir,
-    check_output_file,
     print_diagnosis,
     write_error,
 )
@@ -74,7 +74,8 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
 @deployment_options
 @run_options(SIM_FAULT_EXAMPLES)
 @click.option("--trace-out", type=click.Path(dir_okay=False), default=None,
-              help="Write the trace (JSON Lines; .gz compresses).")
+              help="Write the trace (JSON Lines; a name ending in .gz or .zst is "
+                   "gzip- or zstd-compressed; other compression suffixes are rejected).")
 @click.option("--metrics-out", type=click.Path(file_okay=False), default=None,
               help="Write requests.csv, occupancy.csv, watermark_lag.csv, decode_batch.csv, "
                    "prefill_pool.csv and metrics.json here.")
@@ -86,7 +87,7 @@ def sim_command(config_path, scenario, workload_spec, prefill_args, decode_args,
                 scenario_defects, first_n, slowdown, defects, faults, seed, until,
                 max_concurrency, trace_out, metrics_out, plot_dir, as_json) -> None:
     """Simulate a staged PD deployment and report wedges, corruption, failures and latency."""
-    check_output_file(trace_out, "--trace-out")
+    check_trace_out(trace_out, workload_spec, config_path)
     check_output_dir(metrics_out, "--metrics-out")
     check_output_dir(plot_dir, "--plot")
     run = resolve_run(scenario=scenario, scenario_defects=scenario_defects,

@@ -332,6 +332,18 @@ def validate(cfg: TwinConfig) -> None:
             _positive(f"{side_name}.{name}", getattr(side, name))
         if side.pp_size > 1:
             raise ConfigError(f"field '{side_name}.pp_size': staging does not support pp_size > 1")
+        if side.dp_size > 1 and not side.enable_dp_attention:
+            # SGLang accepts this pair: its data-parallel controller then runs dp_size
+            # independent TP groups of tp_size GPUs each. The twin's dp_size is DP attention's.
+            raise ConfigError(
+                f"field '{side_name}.dp_size': dp_size {side.dp_size} without "
+                f"enable_dp_attention makes SGLang's data-parallel controller run "
+                f"{side.dp_size} independent TP{side.tp_size} servers "
+                f"({side.dp_size * side.tp_size} GPUs), which the twin does not model; give "
+                f"--enable-dp-attention (DP attention inside TP{side.tp_size}), or run "
+                f"{side.dp_size} servers with instances = {side.dp_size} under [{side_name}] in "
+                f"a --config file"
+            )
         if side.enable_dp_attention and side.tp_size % side.dp_size:
             raise ConfigError(
                 f"field '{side_name}.dp_size': tp_size ({side.tp_size}) must be divisible by "

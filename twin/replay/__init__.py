@@ -332,6 +332,10 @@ def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | N
     otherwise the replay stopped where the recording stopped."""
     rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
     wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
+    if rec in (RunStatus.INTERRUPTED, RunStatus.UNTIL):
+        # The recording stopped with requests in flight; some may have been decoding after
+        # their transfer ended, which is all a replay sees of them.
+        unfinished = max(unfinished, 1)
     return decide(corrupted=bool(corruption), wedged=wedged, unfinished=unfinished,
                   failed=failed, stopped=rec).value
 

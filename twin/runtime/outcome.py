@@ -17,7 +17,8 @@ status           exit  when
 ``failed``       5     at least one request ended ``Failed`` (an injected fault, an abort, a
                        timeout); the others completed or, with ``--until``, were still in
                        flight
-``until``        0     simulation only: reached ``--until`` with work in flight, nothing failed
+``until``        0     ``--until`` stopped the run (simulated time in ``twin sim``, wall clock
+                       in ``twin hw``) with work in flight, nothing failed
 ``completed``    0     every request ended ``Success``
 ===============  ====  =================================================================
 
@@ -41,7 +42,7 @@ class RunStatus(str, Enum):
     CORRUPTED = "corrupted"      # a byte or integrity check failed
     CRASHED = "crashed"          # a rank process or the driver raised
     INTERRUPTED = "interrupted"  # stopped early (Ctrl-C, signal, timeout) with work in flight
-    UNTIL = "until"              # simulation only: reached --until with work in flight
+    UNTIL = "until"              # --until stopped the run with work in flight
 
     def __str__(self) -> str:
         return self.value
@@ -80,8 +81,8 @@ def decide(*, corrupted: bool, wedged: bool, unfinished: int, failed: int = 0,
     """The status of a run (the table in the module docstring).
 
     ``stopped`` is what a run that ended with requests in flight but no wedge is called:
-    ``INTERRUPTED`` (a signal, a timeout; it outranks failed requests) or ``UNTIL`` (the
-    simulator's ``--until``; failed requests outrank it).
+    ``INTERRUPTED`` (a signal, a timeout; it outranks failed requests) or ``UNTIL``
+    (``--until``; failed requests outrank it).
     """
     if crashed:
         return RunStatus.CRASHED
@@ -113,9 +114,10 @@ class Verdict:
         return exit_code(self.status)
 
     def record(self, note: str = "") -> dict[str, Any]:
-        """The trace's closing ``Outcome`` record. A simulation stopped by ``--until`` is
-        recorded as interrupted, with ``note`` saying where it stopped."""
-        status = RunStatus.INTERRUPTED if self.status is RunStatus.UNTIL else self.status
+        """The trace's closing ``Outcome`` record, with the status the console prints (a run
+        stopped by ``--until`` is ``until``, not ``interrupted``) and ``note`` (where it
+        stopped) after the diagnosis."""
+        status = self.status
         diagnosis = [*self.diagnosis, *([note] if note else [])]
         return {"status": status.value, "completed": self.completed, "failed": self.failed,
                 "requests": self.requests, "diagnosis": diagnosis,

@@ -19,9 +19,12 @@ HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "S
 
 
 class Interrupted(KeyboardInterrupt):
-    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT. Its ``args`` hold the
-    signal's name, and it is built again from them (``Interrupted("SIGTERM")``): SimPy re-raises
-    an exception that ended a process as ``type(exc)(*exc.args)``."""
+    """A ``KeyboardInterrupt`` raised for a signal other than SIGINT.
+
+    Its one argument is the signal's name, and it can be built again from that argument:
+    SimPy re-raises an exception from a process as ``type(exc)(*exc.args)`` and pickling does
+    the same, so ``Interrupted("SIGTERM")`` must mean what ``Interrupted(15)`` means.
+    """
 
     def __init__(self, signum: int | str) -> None:
         sig = signal.Signals[signum] if isinstance(signum, str) else signal.Signals(signum)

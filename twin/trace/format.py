@@ -112,7 +112,8 @@ FORMAT_VERSION = 3
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
-OUTCOME_STATUSES = ("completed", "failed", "wedged", "corrupted", "interrupted", "crashed")
+OUTCOME_STATUSES = ("completed", "failed", "wedged", "corrupted", "interrupted", "crashed",
+                    "until")
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 SYS_TYPES: dict[str, dict[str, str]] = {

@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from twin.workloads.model import MOONCAKE_BLOCK_TOKENS, LengthSpec, Request, Workload, _is_int
+from twin.workloads.model import (
+    MAX_TOKENS,
+    MOONCAKE_BLOCK_TOKENS,
+    LengthSpec,
+    Request,
+    Workload,
+    _is_int,
+)
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -20,40 +27,52 @@ def _rng(seed: int) -> np.random.Generator:
 
 def _check_len_spec(name: str, spec: LengthSpec) -> None:
     if _is_int(spec):
-        if spec < 0:  # type: ignore[operator]
-            raise ValueError(f"{name} must be >= 0, got {spec!r}")
+        if not 0 <= spec <= MAX_TOKENS:  # type: ignore[operator]
+            raise ValueError(f"{name} must be in [0, {MAX_TOKENS}], got {spec!r}")
         return
     ok = isinstance(spec, tuple) and len(spec) == 2
     if ok:
         mean, std = spec  # type: ignore[misc]
         ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in spec)  # type: ignore
-        ok = ok and mean >= 1 and std >= 0
+        ok = ok and 1 <= mean <= MAX_TOKENS and std >= 0
     if not ok:
         raise ValueError(f"{name} must be an int >= 0 or (mean >= 1, std >= 0), got {spec!r}")
 
 
-def _lengths(rng: np.random.Generator, spec: LengthSpec, n: int) -> list[int]:
+#: Requests built per step from the generators' numpy draws: the draws stay arrays (8 bytes a
+#: value) and only this many values at a time become Python objects beside the requests.
+CHUNK = 1 << 16
+
+
+def _lengths(rng: np.random.Generator, spec: LengthSpec, n: int) -> np.ndarray:
     """``n`` lengths: a constant, or rounded log-normal with the given mean/std, at least 1."""
     if _is_int(spec):
-        return [int(spec)] * n  # type: ignore[arg-type]
+        return np.full(n, int(spec), dtype=np.int64)  # type: ignore[arg-type]
     mean, std = (float(v) for v in spec)  # type: ignore[union-attr]
     if std == 0:
-        return [max(1, round(mean))] * n
+        return np.full(n, max(1, round(mean)), dtype=np.int64)
     sigma2 = math.log1p((std / mean) ** 2)
     mu = math.log(mean) - sigma2 / 2
     vals = np.rint(rng.lognormal(mu, math.sqrt(sigma2), size=n))
-    out: list[int] = np.maximum(vals, 1).astype(np.int64).tolist()
-    return out
+    return np.clip(vals, 1, MAX_TOKENS).astype(np.int64)  # a huge std draws inf
 
 
-def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> list[float]:
+def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> np.ndarray:
     if not (isinstance(rate_per_s, (int, float)) and rate_per_s > 0 and not math.isnan(rate_per_s)):
         raise ValueError(f"rate_per_s must be > 0 (inf: all at t=0), got {rate_per_s!r}")
     if math.isinf(rate_per_s) or n == 1:
-        return [0.0] * n
-    gaps = rng.exponential(1.0 / rate_per_s, size=n - 1)
-    times: list[float] = np.concatenate(([0.0], np.cumsum(gaps))).tolist()
+        return np.zeros(n, dtype=np.float64)
+    times = np.empty(n, dtype=np.float64)
+    times[0] = 0.0
+    np.cumsum(rng.exponential(1.0 / rate_per_s, size=n - 1), out=times[1:])
     return times
+
+
+def _chunks(*arrays: np.ndarray) -> Iterator[tuple[int, tuple[list[Any], ...]]]:
+    """``(offset, lists)``: ``CHUNK`` values of every array at a time, as Python objects."""
+    n = len(arrays[0])
+    for lo in range(0, n, CHUNK):
+        yield lo, tuple(a[lo:lo + CHUNK].tolist() for a in arrays)
 
 
 def _check_n(name: str, n: int) -> None:
@@ -84,12 +103,14 @@ def _format_spec(kind: str, params: dict[str, Any]) -> str:
 
 
 def _plain_requests(
-    arrivals: list[float], ins: list[int], outs: list[int], block_tokens: int
+    arrivals: np.ndarray, ins: np.ndarray, outs: np.ndarray, block_tokens: int
 ) -> tuple[Request, ...]:
-    return tuple(
-        Request(i, t, a, b, (), block_tokens)
-        for i, (t, a, b) in enumerate(zip(arrivals, ins, outs, strict=True))
-    )
+    requests: list[Request] = []
+    add = requests.append
+    for lo, (ts, inps, outps) in _chunks(arrivals, ins, outs):
+        for i, (t, a, b) in enumerate(zip(ts, inps, outps, strict=True), lo):
+            add(Request(i, t, a, b, (), block_tokens))
+    return tuple(requests)
 
 
 def poisson(
@@ -155,7 +176,8 @@ def bursty(
     idx = np.arange(n)
     burst, pos = np.divmod(idx, burst_size)
     period = (burst_size - 1) * float(intra_gap_s) + float(burst_gap_s)
-    arrivals = (burst * period + pos * float(intra_gap_s)).astype(np.float64).tolist()
+    arrivals = (burst * period + pos * float(intra_gap_s)).astype(np.float64)
+    del idx, burst, pos
     ins = _lengths(rng, input_len, n)
     outs = _lengths(rng, output_len, n)
     spec = _format_spec(
@@ -238,11 +260,11 @@ def shared_prefix(
     outs = _lengths(rng, output_len, n)
     ids = _HashIds()
     requests = []
-    rows = zip(groups[order].tolist(), arrivals, questions, outs, strict=True)
-    for rid, (g, t, q, o) in enumerate(rows):
-        inp = system_prompt_len + q
-        hashes = ids.blocks(inp, system_prompt_len, g, block_tokens)
-        requests.append(Request(rid, t, inp, o, hashes, block_tokens, system_prompt_len, g))
+    for lo, (gs, ts, qs, os_) in _chunks(groups[order], arrivals, questions, outs):
+        for rid, (g, t, q, o) in enumerate(zip(gs, ts, qs, os_, strict=True), lo):
+            inp = system_prompt_len + q
+            hashes = ids.blocks(inp, system_prompt_len, g, block_tokens)
+            requests.append(Request(rid, t, inp, o, hashes, block_tokens, system_prompt_len, g))
     spec = _format_spec(
         "shared-prefix",
         {

@@ -3,27 +3,41 @@ detected by content, plain or gzip), via :func:`load_trace`."""
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
+import itertools
 import json
 import math
 import os
 import re
 import zlib
+from collections.abc import Iterable, Iterator
 from datetime import date
+from typing import Any
 
 from twin.workloads.generators import _format_spec
 from twin.workloads.model import (
     _EXPECTED_FORMATS,
+    MAX_TOKENS,
     MOONCAKE_BLOCK_TOKENS,
     Request,
     Workload,
     WorkloadError,
     _is_int,
+    request_limit,
+    too_many_requests,
 )
 
+EXCERPT = 24
+"""At most this many characters of a file are quoted in an error about it."""
 
-def _show(value: object, limit: int = 60) -> str:
+MAX_LINE_BYTES = 1 << 20
+"""The longest line a trace may have (a Mooncake row for a million-token prompt takes ~16 KB);
+a longer one is an error, so a file with no line breaks is not read whole."""
+
+
+def _show(value: object, limit: int = EXCERPT) -> str:
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
@@ -54,34 +68,96 @@ def _stem(path: str) -> str:
     return name or "trace"
 
 
-def _read_text(path: str) -> str:
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as e:
-            raise WorkloadError(f"{path}: corrupt gzip data ({e})") from None
+BLOCK_BYTES = 1 << 20
+"""Read (and decompress) this much at a time."""
+
+INFLATE_RATIO = 100
+"""A gzip trace may decompress to ``INFLATE_RATIO`` times its size (at least ``INFLATE_FLOOR``
+bytes): request traces compress about 5-20x, so more is a decompression bomb, not a trace."""
+INFLATE_FLOOR = 64 << 20
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each physical line (``\n`` ends a line, a ``\r`` before it is
+    dropped; a block of blank lines is skipped whole), read and decompressed (gzip, detected by
+    its magic bytes) a block at a time: memory holds a block and a line, whatever the file's
+    size."""
+    with open(path, "rb") as raw:
+        packed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        budget = max(INFLATE_FLOOR, INFLATE_RATIO * os.fstat(raw.fileno()).st_size)
+        f: Any = gzip.GzipFile(fileobj=raw) if packed else raw
+        lineno = 1  # of the line ``tail`` begins
+        tail = b""
+        total = 0
+        while True:
+            try:
+                block = f.read(BLOCK_BYTES)
+            except (OSError, EOFError, zlib.error) as e:
+                if not packed:
+                    raise
+                raise WorkloadError(f"{path}: corrupt gzip data ({e})") from None
+            total += len(block)
+            if packed and total > budget:
+                raise WorkloadError(
+                    f"{path}: decompresses to more than {INFLATE_RATIO}x its size ({budget} "
+                    f"bytes): not a request trace; {_EXPECTED_FORMATS}")
+            if not block:
+                if tail:
+                    yield from _decode(path, lineno, tail.removesuffix(b"\r"))
+                return
+            data = tail + block
+            end = data.rfind(b"\n")
+            if end < 0:
+                if len(data) > MAX_LINE_BYTES:
+                    raise WorkloadError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} "
+                                        f"bytes; {_EXPECTED_FORMATS}")
+                tail = data
+                continue
+            body, tail = data[:end], data[end + 1:]
+            if body.isspace():  # blank lines only: skipped at C speed
+                lineno += body.count(b"\n") + 1
+                continue
+            yield from _decode(path, lineno, body)
+            lineno += body.count(b"\n") + 1
+
+
+def _decode(path: str, lineno: int, body: bytes) -> Iterator[tuple[int, str]]:
+    """The lines of ``body`` (whole lines, ``\n``-separated), the first numbered ``lineno``."""
+    if lineno == 1 and body.startswith(codecs.BOM_UTF8):
+        body = body[len(codecs.BOM_UTF8):]
     try:
-        return data.decode("utf-8-sig")
+        text = body.decode("utf-8")
     except UnicodeDecodeError as e:
+        bad = lineno + body.count(b"\n", 0, e.start)
+        col = e.start - (body.rfind(b"\n", 0, e.start) + 1)
         raise WorkloadError(
-            f"{path}: not UTF-8 text (byte {e.start}); {_EXPECTED_FORMATS}"
+            f"{path}:{bad}: not UTF-8 text (byte {col} of the line); {_EXPECTED_FORMATS}"
         ) from None
+    for i, line in enumerate(text.split("\n"), lineno):
+        yield i, (line[:-1] if line.endswith("\r") else line)
+
+
+def _count(file: str, lineno: int, rows: int, limit: int | None) -> None:
+    why = too_many_requests(rows, limit)
+    if why is not None:
+        raise WorkloadError(f"{file}:{lineno}: the trace has more requests than fit: {why}")
 
 
 def _nonneg_int(file: str, line: int, name: str, v: object) -> int:
-    if type(v) is int and v >= 0:
-        return v
-    if type(v) is float and v.is_integer() and v >= 0:
-        return int(v)
+    if (type(v) is int or (type(v) is float and v.is_integer())) and v >= 0:
+        if v <= MAX_TOKENS:
+            return int(v)
+        raise _field_error(file, line, name, f"at most {MAX_TOKENS} tokens", v)
     raise _field_error(file, line, name, "a non-negative integer", v)
 
 
-def _parse_mooncake(file: str, lines: list[str]) -> list[tuple[float, int, int, tuple[int, ...]]]:
+def _parse_mooncake(
+    file: str, lines: Iterable[tuple[int, str]], limit: int | None
+) -> list[tuple[float, int, int, tuple[int, ...]]]:
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
     loads = json.loads
-    for lineno, text in enumerate(lines, 1):
+    cap = MAX_TOKENS
+    for lineno, text in lines:
         if not text or text.isspace():
             continue
         try:
@@ -102,10 +178,10 @@ def _parse_mooncake(file: str, lines: list[str]) -> list[tuple[float, int, int, 
         if not (type(ts) in (int, float) and math.isfinite(ts) and ts >= 0):
             raise _field_error(file, lineno, "timestamp", "a non-negative number (ms)", ts)
         inp = obj["input_length"]
-        if not (type(inp) is int and inp >= 0):
+        if not (type(inp) is int and 0 <= inp <= cap):
             inp = _nonneg_int(file, lineno, "input_length", inp)
         out = obj["output_length"]
-        if not (type(out) is int and out >= 0):
+        if not (type(out) is int and 0 <= out <= cap):
             out = _nonneg_int(file, lineno, "output_length", out)
         hashes = obj.get("hash_ids", [])
         if type(hashes) is not list:
@@ -114,6 +190,8 @@ def _parse_mooncake(file: str, lines: list[str]) -> list[tuple[float, int, int, 
             if type(h) is not int:
                 raise _field_error(file, lineno, "hash_ids", "a list of integers", h)
         rows.append((ts, inp, out, tuple(hashes)))
+        if limit is not None and len(rows) > limit:
+            _count(file, lineno, len(rows), limit)
     return rows
 
 
@@ -150,9 +228,19 @@ def _parse_datetime_ns(text: str, ordinals: dict[tuple[int, int, int], int]) -> 
     return secs * 1_000_000_000 + ns
 
 
-def _parse_azure(file: str, lines: list[str], header_line: int) -> list[tuple[int, int, int]]:
+def _parse_azure(
+    file: str, lines: Iterator[tuple[int, str]], header_line: int, header_text: str,
+    limit: int | None,
+) -> list[tuple[int, int, int]]:
     rows: list[tuple[int, int, int]] = []
-    reader = csv.reader(lines[header_line - 1 :])
+    at = [header_line]
+
+    def texts() -> Iterator[str]:
+        yield header_text
+        for at[0], text in lines:
+            yield text
+
+    reader = csv.reader(texts())
     header = [h.strip().lower() for h in next(reader)]
     cols = {}
     for name in ("TIMESTAMP", "ContextTokens", "GeneratedTokens"):
@@ -164,7 +252,8 @@ def _parse_azure(file: str, lines: list[str], header_line: int) -> list[tuple[in
     i_ts, i_in, i_out = cols["TIMESTAMP"], cols["ContextTokens"], cols["GeneratedTokens"]
     width = len(header)
     ordinals: dict[tuple[int, int, int], int] = {}
-    for lineno, row in enumerate(reader, header_line + 1):
+    for row in reader:
+        lineno = at[0]
         if not row or (len(row) == 1 and not row[0].strip()):
             continue
         if len(row) != width:
@@ -179,8 +268,12 @@ def _parse_azure(file: str, lines: list[str], header_line: int) -> list[tuple[in
             text = row[idx].strip()
             if not text.isdigit() or not text.isascii():
                 raise _field_error(file, lineno, name, "a non-negative integer", row[idx])
+            if len(text.lstrip("0")) > 10 or int(text) > MAX_TOKENS:  # no 5,000-digit int()
+                raise _field_error(file, lineno, name, f"at most {MAX_TOKENS} tokens", row[idx])
             vals.append(int(text))
         rows.append((ns, vals[0], vals[1]))
+        if limit is not None and len(rows) > limit:
+            _count(file, lineno, len(rows), limit)
     return rows
 
 
@@ -211,15 +304,16 @@ def load_trace(
     file = os.fspath(path)
     _check_first_n(first_n)
     slowdown = _check_slowdown(slowdown)
+    limit = request_limit()
     # Physical lines only ("\n", optional "\r"), so reported line numbers match editors.
-    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in _read_text(file).split("\n")]
-    first = next((i for i, t in enumerate(lines) if t.strip()), None)
-    if first is None:
+    lines = _lines(file)
+    first, head_text = next(((i, t) for i, t in lines if t.strip()), (0, ""))
+    if not first:
         raise WorkloadError(f"{file}: empty trace; {_EXPECTED_FORMATS}")
-    head = lines[first].strip()
+    head = head_text.strip()
     requests: list[Request]
     if head.startswith("{"):
-        moon = _parse_mooncake(file, lines)
+        moon = _parse_mooncake(file, itertools.chain([(first, head_text)], lines), limit)
         moon.sort(key=lambda row: row[0])
         if first_n is not None:
             moon = moon[:first_n]
@@ -230,7 +324,7 @@ def load_trace(
             for i, (ts, inp, out, hashes) in enumerate(moon)
         ]
     elif "timestamp" in head.lower() and "contexttokens" in head.lower():
-        azure = _parse_azure(file, lines, first + 1)
+        azure = _parse_azure(file, lines, first, head_text, limit)
         azure.sort(key=lambda row: row[0])
         if first_n is not None:
             azure = azure[:first_n]
@@ -242,7 +336,8 @@ def load_trace(
         ]
     else:
         raise WorkloadError(
-            f"{file}:{first + 1}: unknown trace format; {_EXPECTED_FORMATS}; got {_show(head)}"
+            f"{file}:{first}: unknown trace format; {_EXPECTED_FORMATS}; the line starts "
+            f"{_show(head)}"
         )
     if not requests:
         raise WorkloadError(f"{file}: no requests")

@@ -7,18 +7,35 @@ import os
 import re
 
 from twin.workloads.generators import bursty, poisson, shared_prefix
-from twin.workloads.model import MOONCAKE_BLOCK_TOKENS, LengthSpec, Workload, WorkloadError
+from twin.workloads.model import (
+    MAX_TOKENS,
+    MOONCAKE_BLOCK_TOKENS,
+    LengthSpec,
+    Workload,
+    WorkloadError,
+    request_limit,
+    too_many_requests,
+)
 from twin.workloads.readers import load_trace
 
 
-def _spec_int(kind: str, key: str, text: str, minimum: int) -> int:
+def _spec_int(kind: str, key: str, text: str, minimum: int, maximum: int | None = None) -> int:
     try:
         v = int(text)
     except ValueError:
         v = None
-    if v is None or v < minimum:
-        raise WorkloadError(f"{kind}: key '{key}': expected an integer >= {minimum}, got {text!r}")
+    if v is None or v < minimum or (maximum is not None and v > maximum):
+        what = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise WorkloadError(f"{kind}: key '{key}': expected an integer {what}, got {text!r}")
     return v
+
+
+def _spec_n(kind: str, key: str, n: int) -> int:
+    """``n`` requests, unless they cannot fit in this host's memory."""
+    why = too_many_requests(n, request_limit())
+    if why is not None:
+        raise WorkloadError(f"{kind}: {key}: {why}")
+    return n
 
 
 def _spec_float(kind: str, key: str, text: str, *, positive: bool, allow_inf: bool) -> float:
@@ -37,12 +54,13 @@ def _spec_float(kind: str, key: str, text: str, *, positive: bool, allow_inf: bo
 
 def _spec_len(kind: str, key: str, text: str) -> LengthSpec:
     if "~" not in text:
-        return _spec_int(kind, key, text, 0)
+        return _spec_int(kind, key, text, 0, MAX_TOKENS)
     mean_s, _, std_s = text.partition("~")
     mean = _spec_float(kind, key, mean_s, positive=True, allow_inf=False)
     std = _spec_float(kind, key, std_s, positive=False, allow_inf=False)
-    if mean < 1:
-        raise WorkloadError(f"{kind}: key '{key}': mean must be >= 1, got {text!r}")
+    if not 1 <= mean <= MAX_TOKENS:
+        raise WorkloadError(f"{kind}: key '{key}': mean must be in [1, {MAX_TOKENS}], got "
+                            f"{text!r}")
     return (mean, std)
 
 
@@ -110,7 +128,7 @@ def parse_workload_spec(spec: str) -> Workload:
         if key not in params:
             raise WorkloadError(f"{kind_norm}: missing key '{key}'; {_SPEC_HELP}")
     k = kind_norm
-    block = _spec_int(k, "block", params.get("block", str(MOONCAKE_BLOCK_TOKENS)), 1)
+    block = _spec_int(k, "block", params.get("block", str(MOONCAKE_BLOCK_TOKENS)), 1, MAX_TOKENS)
     seed = _spec_int(k, "seed", params.get("seed", "0"), 0)
     inp = _spec_len(k, "input", params.get("input", "1024"))
     out = _spec_len(k, "output", params.get("output", "128"))
@@ -123,12 +141,12 @@ def parse_workload_spec(spec: str) -> Workload:
             raise WorkloadError(f"trace: key 'path': no such file {params['path']!r}")
         return load_trace(params["path"], first_n=first_n, slowdown=slowdown)
     if k == "poisson":
-        n = _spec_int(k, "n", params["n"], 1)
+        n = _spec_n(k, "key 'n'", _spec_int(k, "n", params["n"], 1))
         rate = _spec_float(k, "rate", params["rate"], positive=True, allow_inf=True)
         return poisson(n, rate, inp, out, seed, block_tokens=block)
     if k == "bursty":
         return bursty(
-            _spec_int(k, "n", params["n"], 1),
+            _spec_n(k, "key 'n'", _spec_int(k, "n", params["n"], 1)),
             _spec_int(k, "burst", params["burst"], 1),
             _spec_float(k, "gap", params["gap"], positive=False, allow_inf=False),
             _spec_float(k, "intra", params.get("intra", "0"), positive=False, allow_inf=False),
@@ -137,10 +155,13 @@ def parse_workload_spec(spec: str) -> Workload:
             seed,
             block_tokens=block,
         )
+    groups = _spec_int(k, "groups", params["groups"], 1)
+    per_group = _spec_int(k, "per_group", params["per_group"], 1)
+    _spec_n(k, "keys 'groups' x 'per_group'", groups * per_group)
     return shared_prefix(
-        _spec_int(k, "groups", params["groups"], 1),
-        _spec_int(k, "per_group", params["per_group"], 1),
-        _spec_int(k, "system", params["system"], 0),
+        groups,
+        per_group,
+        _spec_int(k, "system", params["system"], 0, MAX_TOKENS),
         _spec_len(k, "question", params["question"]),
         out,
         _spec_float(k, "rate", params.get("rate", "inf"), positive=True, allow_inf=True),
