@@ -30,6 +30,11 @@ class SimParams:
     # Control plane (ZMQ over TCP): one-way latency = zmq_latency_s + Exp(zmq_jitter_s).
     zmq_latency_s: float = 50e-6
     zmq_jitter_s: float = 20e-6
+    # A send to a peer that is gone (twin/sim/sockets.py): frames queue up to the socket's
+    # high-water mark (ZMQ_SNDHWM, messages), then each send blocks its thread for the send
+    # timeout of decode's sockets (SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT, 1 s).
+    zmq_send_timeout_s: float = 1.0
+    zmq_sndhwm: int = 1000
     # Data plane (RDMA WRITE): latency plus bytes / NIC bandwidth; ranks share NICs.
     rdma_latency_s: float = 8e-6
     # Mean of an exponential extra latency per WRITE (0: none); calibrated on hosts where

@@ -24,6 +24,7 @@ from twin.core import factories, wire
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
+from twin.core.fixes import STALE_WATERMARK_SUBSCRIBERS
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
@@ -39,6 +40,7 @@ from twin.sim.clock import CalendarEnvironment
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
+from twin.sim.sockets import SendBlocking
 from twin.sim.stalls import ProcessStalls
 from twin.workloads import Request, Workload
 
@@ -289,6 +291,7 @@ class Simulation:
                                    ev.Deferred: self._on_deferred,
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
+                                   ev.RankCrashed: self._on_rank_crashed,
                                },
                                clock=self.time)
         self.feed = self.runtime.feed
@@ -312,6 +315,10 @@ class Simulation:
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self._faulty = bool(self.injector.specs)  # read on every frame
+        # Sends that block on a dead peer (twin/sim/sockets.py); checked once a rank died
+        self.sockets = SendBlocking(send_timeout_s=p.zmq_send_timeout_s, sndhwm=p.zmq_sndhwm,
+                                    fix=cfg.fix_set.on(STALE_WATERMARK_SUBSCRIBERS))
+        self._dead_peers = False
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, RequestState] = {}
@@ -409,7 +416,7 @@ class Simulation:
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
-        if self._faulty:
+        if self._faulty or self._dead_peers:
             self._transmit_faulty(src, dst, msg)
             return
         # No faults: one copy, no extra delay (the same arithmetic as ``_transmit_faulty``).
@@ -452,6 +459,11 @@ class Simulation:
             extra -= fate.hold_s
         if self._blocking:
             delay += max(0.0, self.busy_until.get(src, 0.0) - self.calendar.now)
+        if self._dead_peers:  # the send may wait for its thread, block, or go nowhere
+            depart = self._socket_send(src, dst, msg, None)
+            if depart < 0:
+                return
+            delay += depart - self.calendar.now
         t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         arrived = factories.new_message_arrived(src=src, msg=msg)
@@ -462,9 +474,40 @@ class Simulation:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
         link = (src, dst, wire.CONTROL_SOCKET)
-        t = max(self.calendar.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
+        delay = self.params.zmq_latency_s
+        if self._dead_peers:
+            depart = self._socket_send(src, dst, None, event)
+            if depart < 0:
+                return
+            delay += depart - self.calendar.now
+        t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         self.at(t - self.calendar.now, self.feed, dst, event)
+
+    def _socket_send(self, src: str, dst: str, msg: wire.Message | None,
+                     notice: ev.Input | None) -> float:
+        """When a frame (or a control notice) from ``src`` leaves, or -1 if it never reaches
+        ``dst`` (``SendBlocking.send``)."""
+        if notice is not None and type(notice) is ev.PeerPolled:
+            return self.calendar.now  # decode group peers: a collective, not a ZMQ socket
+        crashed = self.runtime.crashed
+        dead = dst in crashed
+        server_dead = False
+        if dead and self.topo.nodes[dst].role == "prefill":  # decode's heartbeat probes it
+            inst = self.topo.nodes[dst].instance
+            server_dead = all(n.id in crashed for g in self.topo.prefill_groups for n in g.nodes
+                              if n.instance == inst)
+        return self.sockets.send(self.calendar.now, src, self.topo.nodes[src].role, dst, dead,
+                                 msg, self.runtime.current, server_dead)
+
+    def scheduler_blocked_until(self, nodes: list[str]) -> float:
+        """Until when the scheduler thread of any of ``nodes`` sits in a blocked send."""
+        if not self._dead_peers:
+            return 0.0
+        return max(self.sockets.blocked_until(n) for n in nodes)
+
+    def _on_rank_crashed(self, node: str, e: ev.RankCrashed) -> None:
+        self._dead_peers = True
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
@@ -666,11 +709,13 @@ class Simulation:
         if node not in self.ranks:
             return
         self.runtime.crashed[node] = f"crashed by fault {spec.text}"
+        self._dead_peers = True
         if spec.action == "restart":
             self.at(spec.down or 0.0, self._restart, node)
 
     def _restart(self, node: str) -> None:
         self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))
+        self.sockets.revived(node)
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
@@ -714,6 +759,9 @@ class Simulation:
             self.progress_cb(now)
         in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
         idle = now - self.runtime.last_progress
+        if idle >= window and self._dead_peers and any(
+                now < until < math.inf for until in self.sockets.busy.values()):
+            return ""  # a thread sits in a send that will return: slow, not stuck
         return "wedge" if in_flight > 0 and idle >= window else ""
 
     def run_pending(self) -> None:
@@ -745,6 +793,9 @@ class Simulation:
             self.stop_reason = "until"
         self.metrics.prefill_pools = [s.series for s in self.schedulers]
         self.metrics.serving = self.serving_summary()
+        self.metrics.send_blocked_s = self.sockets.totals(self.calendar.now)
+        self.metrics.send_blocked_by_frame = {k: round(v, 6) for k, v in
+                                              sorted(self.sockets.by_frame.items())}
         return self.stop_reason
 
     def serving_summary(self) -> dict[str, Any]:
