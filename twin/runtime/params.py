@@ -82,8 +82,11 @@ class SimParams:
     # tables of the named model and GPU, see twin/models), "analytic" (the formulas above), or
     # "auto" (a profile where one exists for the model, GPU and TP size, else analytic).
     compute_costs: str = "auto"
-    # Radix caches (tokens); 0 disables a side's cache.
-    prefill_radix_tokens: int = 2_000_000
+    # Radix caches (tokens). -1 (prefill's default): each group's cache lives in that group's KV
+    # pool, as SGLang's radix cache does (prefixes stay in free pool pages, evicted LRU when
+    # running requests need the pages); N > 0: one separate N-token cache shared by every group
+    # (the twin's earlier model, kept as an override); 0: off.
+    prefill_radix_tokens: int = -1
     decode_radix_tokens: int = 0
     # Early send of the prefill-cached prefix (SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX).
     early_send_cached_prefix: bool = True
@@ -95,7 +98,8 @@ class SimParams:
                   base: SimParams | None = None) -> SimParams:
         """Parameters from a ``[sim]`` table; with ``base``, only the named fields change.
 
-        Every value is finite and non-negative; bandwidths, the poll cadence and the wedge
+        Every value is finite and non-negative (a radix cache size may also be -1, "in the KV
+        pool"); bandwidths, the poll cadence and the wedge
         window are positive (a zero there divides by zero or never advances time).
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -119,6 +123,9 @@ class SimParams:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             else:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and key in RADIX_FIELDS and value == RADIX_IN_POOL:
+                kwargs[key] = value
+                continue
             if not ok or (not isinstance(value, bool) and not (math.isfinite(value)
                                                                and value >= 0)):
                 raise ConfigError(f"{source}: field 'sim.{key}': expected a finite, "
@@ -135,6 +142,10 @@ class SimParams:
     def replace(self, **changes: Any) -> SimParams:
         return dataclasses.replace(self, **changes)
 
+
+#: ``prefill_radix_tokens`` / ``decode_radix_tokens``: the cache lives in the group's KV pool.
+RADIX_IN_POOL = -1
+RADIX_FIELDS = frozenset({"prefill_radix_tokens", "decode_radix_tokens"})
 
 #: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
 POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",

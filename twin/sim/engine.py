@@ -329,7 +329,9 @@ class Simulation:
         self.metrics.loops = [loop.series for loop in self.decode_loops]
         self._loop_of = {n.id: self.decode_loops[i] for i, g in enumerate(self.topo.decode_groups)
                          for n in g.nodes}
-        self.placement = Placement(cfg, self.topo, self.params, request_overrides)
+        self.placement = Placement(cfg, self.topo, self.params, request_overrides,
+                                   pools=(self.deployment.prefill.max_total_tokens,
+                                          self.deployment.decode.max_total_tokens))
         self.link_last: dict[tuple[str, str, str], float] = {}
         self.nic_free: dict[str, float] = {}
         self.stream_free: dict[str, float] = {}
@@ -689,13 +691,15 @@ class Simulation:
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
         if req.status == "Success":
-            self.placement.decode_done(self.workload.requests[req.rid])
+            self.placement.decode_done(self.workload.requests[req.rid], req.decode_group,
+                                       self.decode_loops[req.decode_group].used)
         if self.unfinished == 0 and not self.done.triggered:
             self.stop_reason = "all requests ended"
             self.done.succeed()
 
     def prefill_finished(self, req: RequestState) -> None:
-        self.placement.prefill_done(self.workload.requests[req.rid])
+        self.placement.prefill_done(self.workload.requests[req.rid], req.prefill_group,
+                                    self.schedulers[req.prefill_group].used)
 
     # -- timed faults and the run loop -------------------------------------------------------
     def _timed_fault(self, spec: FaultSpec) -> None:
