@@ -476,6 +476,13 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     faults = list(faults or [])
     params = params or SimParams()
     options = options or HwOptions()
+    if not cfg.stages:
+        # Equal attention TP needs no staging in SGLang, but the ranks here write KV only
+        # through the ring (no direct page-write path): stage those rooms, and say so.
+        cfg = cfg.replace(stage_equal_tp=True)
+        if echo is not None:
+            echo("note: equal prefill and decode attention TP: SGLang writes the KV pages "
+                 "directly; the hardware mode stages them through the ring (stage_equal_tp)")
     check_supported(defects, faults)
     specs = [parse_fault(f) for f in faults]
     header: dict[str, Any] | None = None

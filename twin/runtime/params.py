@@ -41,6 +41,10 @@ class SimParams:
     # WRITEs wait on process scheduling (the hardware mode on a shared CPU host).
     transfer_jitter_s: float = 0.0
     nic_bandwidth_Bps: float = 50e9
+    # A room that needs no staging (equal attention TP) is written page by page: one RDMA
+    # WRITE per page, layer and K/V, each costing this on top of its bytes (no gather kernel).
+    # Not calibrated: about a NIC's message rate for small writes.
+    direct_write_s: float = 5e-8
     ranks_per_nic: int = 2
     # Device copies: gather on prefill, scatter on decode (HBM-bound kernels).
     gather_bandwidth_Bps: float = 600e9

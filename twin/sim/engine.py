@@ -74,6 +74,7 @@ class _DataPlaneCosts:
         self.rdma_latency_s: float = p.rdma_latency_s
         self.transfer_jitter_s: float = p.transfer_jitter_s
         self.ranks_per_nic: int = p.ranks_per_nic
+        self.direct_write_s: float = p.direct_write_s
 
 
 class _Call:
@@ -309,6 +310,7 @@ class Simulation:
             self._fire = self._fire_when_running
         self._zmq_latency_s = p.zmq_latency_s
         self._costs = _DataPlaneCosts(p)
+        self._writes_per_page = 2 * cfg.model.num_layers  # K and V of every layer
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
         self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
@@ -518,13 +520,17 @@ class Simulation:
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
             req.first_transfer_s = now
-        gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
+        wire_s = e.nbytes / p.nic_bandwidth_Bps
+        if e.staged:  # gather the head slice into the staging buffer, one bulk WRITE
+            gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
+        else:  # straight from the KV pool: one WRITE per page, layer and K/V
+            gather = 0.0
+            wire_s += e.num_pages * self._writes_per_page * p.direct_write_s
         if self._blocking:  # the gather holds the process; the WRITE is posted after it
             gather += max(0.0, self.busy_until.get(node, 0.0) - now)
             self.busy_until[node] = now + gather
         nic = self.metrics.nic_of(node, p.ranks_per_nic)
         start = max(now + gather, self.nic_free.get(nic, 0.0))
-        wire_s = e.nbytes / p.nic_bandwidth_Bps
         self.nic_free[nic] = start + wire_s
         self.metrics.nic_busy(nic, wire_s, e.nbytes)
         done = start + wire_s + p.rdma_latency_s
