@@ -56,11 +56,14 @@ def test_watermarks_to_a_dead_prefill_block_the_decode_scheduler_until_the_fix()
     assert set(blocked) == {"d0g0r0", "d0g0r1"}
     assert all(v >= 1.0 for v in blocked.values())
     assert stalled.sim.sockets.blocked_until("d0g0r0", SCHEDULER) > CRASH_AT
+    assert set(stalled.summary()["send_blocked_by_thread"]) == {SCHEDULER}
+    assert set(stalled.summary()["send_blocked_by_frame"]) == {"WATERMARK"}
     fixed = _run(STALE_WATERMARK_SUBSCRIBERS)
     assert fixed.sim.sockets.blocked_until("d0g0r0", SCHEDULER) == 0.0
     # the sender to the dead subscriber blocks; the one to the live prefill never waits
     assert fixed.sim.sockets.blocked_until("d0g0r0", f"{WATERMARK_SENDER}:p0g1r0") > CRASH_AT
     assert fixed.sim.sockets.blocked_until("d0g0r0", f"{WATERMARK_SENDER}:p0g0r0") == 0.0
+    assert SCHEDULER not in fixed.summary()["send_blocked_by_thread"]
     late_stalled, late_fixed = _late_ttft(stalled), _late_ttft(fixed)
     assert late_stalled and late_fixed
     # healthy-group requests after the crash: TTFT climbs by whole send timeouts without the

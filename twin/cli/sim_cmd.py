@@ -57,7 +57,10 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
     if s.get("send_blocked_s"):
         blocked = ", ".join(f"{n} {v:.1f} s" for n, v in s["send_blocked_s"].items())
         kinds = ", ".join(f"{k} {v:.1f} s" for k, v in s.get("send_blocked_by_frame", {}).items())
-        click.echo(f"blocked     sends to dead peers held threads: {blocked} ({kinds})")
+        threads = ", ".join(f"{k} {v:.1f} s"
+                            for k, v in s.get("send_blocked_by_thread", {}).items())
+        click.echo(f"blocked     sends to dead peers held threads: {blocked} (by frame: {kinds}; "
+                   f"by thread: {threads})")
     if s["deferrals"]:
         click.echo(f"deferrals   {sum(s['deferrals'].values())} (backpressure waits)")
     if s["defects"]:

@@ -806,6 +806,8 @@ class Simulation:
         self.metrics.send_blocked_s = self.sockets.totals(self.calendar.now)
         self.metrics.send_blocked_by_frame = {k: round(v, 6) for k, v in
                                               sorted(self.sockets.by_frame.items())}
+        self.metrics.send_blocked_by_thread = {k: round(v, 6) for k, v in
+                                               sorted(self.sockets.by_thread.items())}
         return self.stop_reason
 
     def serving_summary(self) -> dict[str, Any]:

@@ -120,8 +120,8 @@ def thread_of(role: str, msg: wire.Message | None, cause: ev.Input | None,
 class SendBlocking:
     """Per-socket queues to dead peers and per-thread blocked time of one simulation."""
 
-    __slots__ = ("blocked_s", "busy", "by_frame", "died", "forever", "hwm", "lost", "prune",
-                 "queued", "receiver_timeout_s", "reset", "watermark_sender")
+    __slots__ = ("blocked_s", "busy", "by_frame", "by_thread", "died", "forever", "hwm",
+                 "lost", "prune", "queued", "receiver_timeout_s", "reset", "watermark_sender")
 
     def __init__(self, *, send_timeout_s: float, sndhwm: int, fix: bool) -> None:
         self.receiver_timeout_s = send_timeout_s
@@ -132,6 +132,7 @@ class SendBlocking:
         self.forever: dict[tuple[str, str], float] = {}  # (node, thread) -> blocked since
         self.blocked_s: dict[str, float] = {}  # node -> seconds its threads sat in sends
         self.by_frame: dict[str, float] = {}  # frame kind -> blocked seconds (all ranks)
+        self.by_thread: dict[str, float] = {}  # thread (scheduler, ...) -> seconds (all ranks)
         self.queued: dict[tuple[str, str, str], int] = {}  # (src, dst, socket) -> frames
         self.died: dict[str, float] = {}  # dead prefill server -> when first seen all gone
         self.reset: set[tuple[str, str, str]] = set()  # sockets the heartbeat re-created
@@ -187,6 +188,8 @@ class SendBlocking:
             self.blocked_s[src] = self.blocked_s.get(src, 0.0) + wait
             kind = wire.tag_of(msg).decode() if msg is not None else "metadata/notice"
             self.by_frame[kind] = self.by_frame.get(kind, 0.0) + wait
+            name = thread.split(":", 1)[0]
+            self.by_thread[name] = self.by_thread.get(name, 0.0) + wait
         return -1.0
 
     def blocked_until(self, node: str, thread: str = SCHEDULER) -> float:
