@@ -63,9 +63,10 @@ CATALOG: dict[str, FixInfo] = {
         ),
         FixInfo(
             STALE_WATERMARK_SUBSCRIBERS, "decode scheduler (simulator)",
-            "WATERMARK broadcasts leave from a sender thread of their own, not the decode "
-            "scheduler, and a dead prefill's subscriber is dropped once the heartbeat gives up "
-            "on it (5 s x 2 failures). Without it every free sends WATERMARK to every "
+            "WATERMARK broadcasts leave off the decode scheduler thread (the twin: one sender "
+            "per subscriber), and a dead prefill server's subscribers are dropped once decode's "
+            "heartbeat gives up on it (5 s x 2 failures; one dead rank of a server that still "
+            "answers is never detected). Without it every free sends WATERMARK to every "
             "subscriber ever registered from the scheduler thread: once a dead prefill's "
             "socket holds its high-water mark (1000 frames) each such send blocks the "
             "scheduler for SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT (1 s), stalling decode for "
