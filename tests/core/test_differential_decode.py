@@ -77,7 +77,10 @@ class DecodeDifferential(RuleBasedStateMachine):
         base = TwinConfig(prefill=ServerSide(tp_size=prefill_tp),
                           decode=ServerSide(tp_size=decode_tp), model=MODEL,
                           chunked_prefill_size=cps, page_size=page,
-                          waiting_timeout_s=TIMEOUT_S, deferred_decode_kv_release=False)
+                          waiting_timeout_s=TIMEOUT_S, deferred_decode_kv_release=False,
+                          # the harness registers every room with the staging handler, as
+                          # SGLang does for a receiver that require_staging
+                          stage_equal_tp=True)
         region = base.region_layout(rank, base.full_chunk_pages)[2]
         self.cfg = base.replace(staging_pool_size_bytes=max(1, int(ring_regions * region)))
         self.writers = [f"p{p}" for p in range(prefill_tp)

@@ -75,7 +75,8 @@ def test_concluded_states_are_terminal() -> None:
 
 CFG = TwinConfig.from_dict({"prefill": {"tp_size": 1}, "decode": {"tp_size": 1},
                             "chunked_prefill_size": 64, "page_size": 16,
-                            "staging_pool_size_mb": 64})
+                            "staging_pool_size_mb": 64,
+                            "stage_equal_tp": True})  # the exchange below is the staged one
 
 
 def test_rooms_move_through_the_table_in_a_real_exchange() -> None:

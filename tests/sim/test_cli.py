@@ -222,8 +222,10 @@ def test_scenarios_list_and_defects() -> None:
     assert {row["name"] for row in rows} >= {"default", "warmup-stall", "radix-grid"}
     r = invoke("defects", "--json")
     kinds = [row["kind"] for row in json.loads(r.stdout)]
-    assert kinds.count("defect") == 10 and kinds.count("fix") == 3
-    assert "drop-late-staging-req" in invoke("defects").output
+    assert kinds.count("defect") == 10 and kinds.count("fix") == 4
+    listing = invoke("defects").output
+    assert "drop-late-staging-req" in listing
+    assert "stale-watermark-subscribers" in listing and "#36049" in listing
     r = invoke("walkthrough")
     assert "waits forever" in r.output and "may write" in r.output
 

@@ -51,6 +51,7 @@ OUTCOME = {"status": "completed", "completed": 1, "failed": 0, "requests": 1, "d
 def small_config(ring_bytes: int = 1 << 16) -> TwinConfig:
     return TwinConfig(model=ModelShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype_bytes=2),
                       prefill=ServerSide(tp_size=1), decode=ServerSide(tp_size=1),
+                      stage_equal_tp=True,  # these runs exercise the staging path
                       chunked_prefill_size=64, page_size=16, staging_pool_size_bytes=ring_bytes,
                       transfer_queue_size=2)
 

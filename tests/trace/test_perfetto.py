@@ -24,6 +24,7 @@ NODES = [{"id": P, "role": "prefill", "instance": 0, "dp": 0, "rank": 0},
 def config() -> TwinConfig:
     return TwinConfig(model=ModelShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype_bytes=2),
                       prefill=ServerSide(tp_size=1), decode=ServerSide(tp_size=1),
+                      stage_equal_tp=True,  # these runs exercise the staging path
                       chunked_prefill_size=64, page_size=16, staging_pool_size_bytes=RING,
                       transfer_queue_size=2)
 

@@ -238,8 +238,10 @@ def describe(cfg: TwinConfig) -> str:
 
     m = cfg.model
     ring = cfg.ring_bytes / (1 << 20)
-    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, ring {ring:g} MiB per "
-            f"decode rank, chunked_prefill_size {cfg.chunked_prefill_size}, page "
+    staging = (f"ring {ring:g} MiB per decode rank" if cfg.stages else
+               "no staging (equal attention TP: KV pages written directly)")
+    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, {staging}, "
+            f"chunked_prefill_size {cfg.chunked_prefill_size}, page "
             f"{cfg.page_size}, model {m.num_layers} layers x {m.num_kv_heads} KV heads x "
             f"{m.head_dim}")
 
@@ -544,7 +546,7 @@ def check_ring(cfg: TwinConfig, workload: Workload, params: SimParams,
     region of ``min(full_chunk_pages, pages it transfers)`` pages; with a decode radix cache the
     pages it transfers can shrink to its uncached suffix.
     """
-    if not workload.requests:
+    if not workload.requests or not cfg.stages:  # nothing is staged: any ring will do
         return []
     full = cfg.full_chunk_pages
     page = cfg.page_size

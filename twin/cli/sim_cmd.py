@@ -58,6 +58,13 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
         if lat:
             click.echo(f"{label:<11} p50 {lat['p50'] * 1e3:.1f} ms  p90 {lat['p90'] * 1e3:.1f} "
                        f"ms  p99 {lat['p99'] * 1e3:.1f} ms")
+    if s.get("send_blocked_s"):
+        blocked = ", ".join(f"{n} {v:.1f} s" for n, v in s["send_blocked_s"].items())
+        kinds = ", ".join(f"{k} {v:.1f} s" for k, v in s.get("send_blocked_by_frame", {}).items())
+        threads = ", ".join(f"{k} {v:.1f} s"
+                            for k, v in s.get("send_blocked_by_thread", {}).items())
+        click.echo(f"blocked     sends to dead peers held threads: {blocked} (by frame: {kinds}; "
+                   f"by thread: {threads})")
     if s["deferrals"]:
         click.echo(f"deferrals   {sum(s['deferrals'].values())} (backpressure waits)")
     if s["defects"]:

@@ -295,6 +295,20 @@ def advise_command(cps_list: str | None, ttft: float | None, tpot: float | None,
     budgets = Budgets(ttft, tpot, int(percentile))
     job = _job(kw, horizon, None if no_early_stop else early_stop_for(budgets))
     cfg = job.base.cfg
+    if not cfg.stages:
+        # SGLang stages a room only when decode's attention TP differs from prefill's
+        # (nixl/conn.py ~1058 needs_staging): there is no ring to size
+        reason = (f"prefill and decode attention TP are equal ({cfg.prefill.attn_tp_size}): "
+                  f"SGLang writes the KV pages directly, without staging; no staging ring is "
+                  f"needed (SGLANG_DISAGG_STAGING_POOL_SIZE_MB is unused)")
+        if as_json:
+            emit_json({"staging": False, "ring_mb": 0, "reason": reason})
+        else:
+            from twin.cli.common import describe
+
+            click.echo(f"deployment  {describe(cfg)}")
+            click.echo(f"advice      {reason}")
+        return
     if cps_list is None:
         base_cps = cfg.chunked_prefill_size
         cands = [c for c in (base_cps // 4, base_cps // 2, base_cps, base_cps * 2)

@@ -90,6 +90,13 @@ class TwinConfig:
     ``control_retry_s`` is how long the lost-control-message recovery fix waits before it
     re-requests a chunk's STAGING_RSP and watermark.
 
+    ``stage_equal_tp``: SGLang stages a room only when a decode peer's attention TP differs
+    from prefill's (``nixl/conn.py`` ~1058 ``needs_staging``, ``mooncake/conn.py`` ~664,
+    ``common/conn.py`` ~2557-2561 ``require_staging``); with equal TP prefill writes the KV
+    pages straight into decode's pool: no STAGING_REQ, ring or WATERMARK. True stages every
+    room anyway: the twin's model before it knew this (traces recorded without the field), and
+    the hardware mode, which has no direct page-write path.
+
     ``worker_wake``: ``"sglang"`` wakes a deferred transfer worker on every WATERMARK and on
     nothing else (a STAGING_RSP or a queued chunk is found when the bounded wait ends);
     ``"eager"`` is the twin's model before trace format 3 (a STAGING_RSP, a queued chunk or
@@ -115,12 +122,19 @@ class TwinConfig:
     fixes: tuple[str, ...] = ()
     control_retry_s: float = 0.05
     worker_wake: str = "sglang"
+    stage_equal_tp: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fixes, tuple):
             object.__setattr__(self, "fixes", tuple(self.fixes))
         validate(self)
+
+    @property
+    def stages(self) -> bool:
+        """Whether rooms go through the staging ring: prefill's and decode's attention TP
+        differ (one decode TP per deployment, so every room or none), or ``stage_equal_tp``."""
+        return self.stage_equal_tp or self.prefill.attn_tp_size != self.decode.attn_tp_size
 
     @property
     def fix_set(self) -> Fixes:

@@ -284,7 +284,10 @@ class DecodeRank:
         self._register(room, out)
 
     def _register(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
-        if room.decode_prefix_len % self.cfg.page_size:
+        # ``register_decode_req`` runs only for a receiver that ``require_staging`` (prefill's
+        # attention TP differs, cc ~2557-2561); its unaligned-prefix check with it
+        stages = self.cfg.stage_equal_tp or room.prefill_attn_tp != self._decode_tp
+        if stages and room.decode_prefix_len % self.cfg.page_size:
             reason = (f"decode prefix length {room.decode_prefix_len} is not page-aligned "
                       f"(page_size={self.cfg.page_size})")
             if self.defects.on(RAISE_ON_UNALIGNED_PREFIX):

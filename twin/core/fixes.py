@@ -16,6 +16,7 @@ from twin.core.switches import SwitchSet
 MULTI_TARGET_RETRY_RESUME = "multi-target-retry-resume"
 LOST_CONTROL_RECOVERY = "lost-control-recovery"
 DROP_LATE_STAGING_REQ = "drop-late-staging-req"
+STALE_WATERMARK_SUBSCRIBERS = "stale-watermark-subscribers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,18 @@ CATALOG: dict[str, FixInfo] = {
             "the twin's finding (docs/defects.md, 'A STAGING_REQ after its chunk was scattered "
             "leaks until the completion timeout'), first seen on real transfers between two "
             "network namespaces",
+        ),
+        FixInfo(
+            STALE_WATERMARK_SUBSCRIBERS, "decode scheduler (simulator)",
+            "WATERMARK broadcasts leave off the decode scheduler thread (the twin: one sender "
+            "per subscriber), and a dead prefill server's subscribers are dropped once decode's "
+            "heartbeat gives up on it (5 s x 2 failures; one dead rank of a server that still "
+            "answers is never detected). Without it every free sends WATERMARK to every "
+            "subscriber ever registered from the scheduler thread: once a dead prefill's "
+            "socket holds its high-water mark (1000 frames) each such send blocks the "
+            "scheduler for SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT (1 s), stalling decode for "
+            "every healthy prefill group too",
+            "sglang PR #36049 (not merged in 0.5.23; issue #34737)",
         ),
     )
 }

@@ -175,6 +175,8 @@ class PrefillRank:
         self._resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
         self._recovery = self.fixes.on(LOST_CONTROL_RECOVERY)
         self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
+        # ``needs_staging`` false (equal attention TP): pages go straight to decode's pool
+        self._direct = not cfg.stages
         m = cfg.model
         heads = max(1, m.num_kv_heads // cfg.prefill.attn_tp_size)
         pages = cfg.prefill_staging_buffer_pages
@@ -310,8 +312,11 @@ class PrefillRank:
         self._prefetch(room, out)
 
     def _prefetch(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
-        """``prefetch_staging_reqs``: one STAGING_REQ per grid chunk and target, once."""
+        """``prefetch_staging_reqs``: one STAGING_REQ per grid chunk and target, once; none
+        for a room that needs no staging (``_prefetch_staging_reqs``, nx ~1058-1068)."""
         room.prefetched = True
+        if self._direct:
+            return
         room_id = room.room
         grid_pages = self._full_pages
         for target in room.targets:
@@ -426,6 +431,14 @@ class PrefillRank:
             if chunk.num_pages == 0:
                 chunk.written.update(pending)
                 continue
+            if self._direct:  # ``send_kvcache`` (nx ~1722-1760): no region, no watermark
+                i = pending[0]
+                out.append(self._post_direct(index, room, chunk, room.targets[i], chunk_idx))
+                w.busy = chunk
+                chunk.current = i
+                chunk.staged = False
+                w.blocked_streak = 0
+                return True
             blocked: tuple[PrefillTarget, str] | None = None
             for i in pending if resume else pending[:1]:
                 target = room.targets[i]
@@ -514,6 +527,23 @@ class PrefillRank:
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
             region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd,
             staged=staged, is_last=chunk.is_last, decode_rank=target.decode_rank)
+
+    def _post_direct(self, index: int, room: PrefillRoom, chunk: TransferChunk,
+                     target: PrefillTarget, chunk_idx: int) -> ev.StartTransfer:
+        """The page-by-page write of a room that needs no staging: this rank's KV of the
+        chunk's pages into the target's KV pool (``staged`` False, no ring region)."""
+        key = (target.decode_rank, chunk.num_pages)
+        write = self._writes.get(key)
+        if write is None:
+            writer_bytes = self.cfg.region_layout(target.decode_rank, chunk.num_pages)[1]
+            wi = self._writer
+            write = self._writes[key] = (writer_bytes[wi], sum(writer_bytes[:wi]),
+                                         sum(writer_bytes))
+        return factories.new_start_transfer(
+            worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
+            page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=-1,
+            region_end=-1, dst_offset=-1, nbytes=write[0], writer=self._writer, round=0,
+            staged=False, is_last=chunk.is_last, decode_rank=target.decode_rank)
 
     def _on_transfer_done(self, e: ev.TransferDone, out: list[ev.Effect]) -> None:
         w = self._workers[e.worker]

@@ -32,6 +32,7 @@ from twin.core.grid import pages_for_tokens
 from twin.core.sendplan import early_send_end
 from twin.hw import messages
 from twin.hw.launcher import HwOptions, Launcher, open_hub
+from twin.models.costs import Deployment
 from twin.runtime.diagnosis import diagnose, fault_record
 from twin.runtime.faults import FaultSpec, fault_report, parse_fault
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
@@ -144,7 +145,10 @@ class HwRun:
         self.topo = launcher.topo
         self.workload = workload
         self.params = params
-        self.placement = Placement(self.cfg, self.topo, params, overrides)
+        deployment = Deployment.build(self.cfg, params)  # the KV pools a radix cache lives in
+        self.placement = Placement(self.cfg, self.topo, params, overrides,
+                                   pools=(deployment.prefill.max_total_tokens,
+                                          deployment.decode.max_total_tokens))
         self.max_concurrency = max_concurrency
         self.reqs: dict[int, RequestState] = {}
         self.queue: dict[int, deque[RequestState]] = {}
@@ -211,7 +215,8 @@ class HwRun:
                 req.status = status
                 req.kv_done_s = self.launcher.now()
                 if status == "Success":
-                    self.placement.decode_done(self.workload.requests[req.rid])
+                    self.placement.decode_done(self.workload.requests[req.rid],
+                                               req.decode_group)
         elif kind == "setup-done":
             self.last_progress = self.launcher.now()
             self.setting_up.discard((r["node"], r["room"]))
@@ -325,7 +330,7 @@ class HwRun:
         self._group_feed(group, ev.SendKV(room=req.room, end_idx=req.extend_end, last=last))
         if last:
             req.prefill_done_s = self.launcher.now()
-            self.placement.prefill_done(self.workload.requests[req.rid])
+            self.placement.prefill_done(self.workload.requests[req.rid], req.prefill_group)
             self.busy.discard(group)
             self._schedule(group)
         else:
@@ -471,6 +476,13 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     faults = list(faults or [])
     params = params or SimParams()
     options = options or HwOptions()
+    if not cfg.stages:
+        # Equal attention TP needs no staging in SGLang, but the ranks here write KV only
+        # through the ring (no direct page-write path): stage those rooms, and say so.
+        cfg = cfg.replace(stage_equal_tp=True)
+        if echo is not None:
+            echo("note: equal prefill and decode attention TP: SGLang writes the KV pages "
+                 "directly; the hardware mode stages them through the ring (stage_equal_tp)")
     check_supported(defects, faults)
     specs = [parse_fault(f) for f in faults]
     header: dict[str, Any] | None = None

@@ -30,12 +30,21 @@ class SimParams:
     # Control plane (ZMQ over TCP): one-way latency = zmq_latency_s + Exp(zmq_jitter_s).
     zmq_latency_s: float = 50e-6
     zmq_jitter_s: float = 20e-6
+    # A send to a peer that is gone (twin/sim/sockets.py): frames queue up to the socket's
+    # high-water mark (ZMQ_SNDHWM, messages), then each send blocks its thread for the send
+    # timeout of decode's sockets (SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT, 1 s).
+    zmq_send_timeout_s: float = 1.0
+    zmq_sndhwm: int = 1000
     # Data plane (RDMA WRITE): latency plus bytes / NIC bandwidth; ranks share NICs.
     rdma_latency_s: float = 8e-6
     # Mean of an exponential extra latency per WRITE (0: none); calibrated on hosts where
     # WRITEs wait on process scheduling (the hardware mode on a shared CPU host).
     transfer_jitter_s: float = 0.0
     nic_bandwidth_Bps: float = 50e9
+    # A room that needs no staging (equal attention TP) is written page by page: one RDMA
+    # WRITE per page, layer and K/V, each costing this on top of its bytes (no gather kernel).
+    # Not calibrated: about a NIC's message rate for small writes.
+    direct_write_s: float = 5e-8
     ranks_per_nic: int = 2
     # Device copies: gather on prefill, scatter on decode (HBM-bound kernels).
     gather_bandwidth_Bps: float = 600e9
@@ -77,8 +86,11 @@ class SimParams:
     # tables of the named model and GPU, see twin/models), "analytic" (the formulas above), or
     # "auto" (a profile where one exists for the model, GPU and TP size, else analytic).
     compute_costs: str = "auto"
-    # Radix caches (tokens); 0 disables a side's cache.
-    prefill_radix_tokens: int = 2_000_000
+    # Radix caches (tokens). -1 (prefill's default): each group's cache lives in that group's KV
+    # pool, as SGLang's radix cache does (prefixes stay in free pool pages, evicted LRU when
+    # running requests need the pages); N > 0: one separate N-token cache shared by every group
+    # (the twin's earlier model, kept as an override); 0: off.
+    prefill_radix_tokens: int = -1
     decode_radix_tokens: int = 0
     # Early send of the prefill-cached prefix (SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX).
     early_send_cached_prefix: bool = True
@@ -90,7 +102,8 @@ class SimParams:
                   base: SimParams | None = None) -> SimParams:
         """Parameters from a ``[sim]`` table; with ``base``, only the named fields change.
 
-        Every value is finite and non-negative; bandwidths, the poll cadence and the wedge
+        Every value is finite and non-negative (a radix cache size may also be -1, "in the KV
+        pool"); bandwidths, the poll cadence and the wedge
         window are positive (a zero there divides by zero or never advances time).
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -114,6 +127,9 @@ class SimParams:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             else:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and key in RADIX_FIELDS and value == RADIX_IN_POOL:
+                kwargs[key] = value
+                continue
             if not ok or (not isinstance(value, bool) and not (math.isfinite(value)
                                                                and value >= 0)):
                 raise ConfigError(f"{source}: field 'sim.{key}': expected a finite, "
@@ -130,6 +146,10 @@ class SimParams:
     def replace(self, **changes: Any) -> SimParams:
         return dataclasses.replace(self, **changes)
 
+
+#: ``prefill_radix_tokens`` / ``decode_radix_tokens``: the cache lives in the group's KV pool.
+RADIX_IN_POOL = -1
+RADIX_FIELDS = frozenset({"prefill_radix_tokens", "decode_radix_tokens"})
 
 #: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
 POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",

@@ -105,6 +105,7 @@ class Runtime:
         self._poll_tokens: dict[tuple[str, int], int] = {}
         self._time = clock or driver.time  # ``clock``: a cheaper reader of the same time
         self._now = 0.0  # the time of the input being handled (effects happen then)
+        self.current: ev.Input | None = None  # the input being handled (what a send answers)
         self._local: deque[tuple[str, ev.Input]] = deque()
         self._draining = False
         self._table = self._dispatch_table(hooks or {})
@@ -132,6 +133,7 @@ class Runtime:
             now = rank.now
         self.inputs += 1
         self._now = now
+        self.current = event
         effects = rank.handle(event, now)
         p = self._packer
         if p is not None:  # the trace writer's batch (TraceWriter.packer)

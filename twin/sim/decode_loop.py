@@ -68,6 +68,7 @@ class LoopHost(Protocol):
     def decode_admitted(self, req: RequestState) -> None: ...
     def first_token(self, req: RequestState) -> None: ...
     def request_ended(self, req: RequestState) -> None: ...
+    def scheduler_blocked_until(self, nodes: list[str]) -> float: ...
 
 
 @dataclass(slots=True)
@@ -128,6 +129,7 @@ class DecodeLoop:
         self._busy = False  # an iteration or a run of steps is scheduled
         self._token = 0
         self._next_at = 0.0
+        self._blocked = 0.0  # the scheduler thread sits in a blocked send until then
         self._run_times: list[float] = []  # step ends of the run in flight
         self.series = LoopSeries()
         self.iterations: list[float] | None = None  # set to a list to record every iteration
@@ -181,6 +183,8 @@ class DecodeLoop:
     def _kick(self, due: float | None = None) -> None:
         """Something the next poll must see happens at ``due`` (default now)."""
         now = self.sim.time()
+        if self._blocked > now:
+            return  # stuck in a send: the loop looks again when it returns
         due = now if due is None else max(due, now)
         if not self._busy:
             self._schedule(max(self._grid(due), now), self._iterate)
@@ -212,10 +216,29 @@ class DecodeLoop:
         if self.running and self.capacity - self.used < len(self.running):
             self._make_room()
         self._record(now)
+        blocked = self.sim.scheduler_blocked_until(self.nodes)
+        if blocked > now:
+            # A send of this iteration (a WATERMARK or metadata to a dead peer) blocks the
+            # scheduler thread (twin/sim/sockets.py): no step runs until it returns.
+            self._blocked = blocked
+            if math.isinf(blocked):
+                self._token += 1  # never again
+                self._busy = True
+                return
+            self._schedule(blocked, self._unblocked)
+            return
         if self.running:
             self._run_steps(now)
             return
         self._idle(now)
+
+    def _unblocked(self) -> None:
+        """The blocked send returned: the iteration goes on to its decode step."""
+        now = self.sim.time()
+        if self.running:
+            self._run_steps(now)
+        else:
+            self._iterate()
 
     def _run_steps(self, now: float) -> None:
         n = len(self.running)

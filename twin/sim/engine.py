@@ -24,6 +24,7 @@ from twin.core import factories, wire
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
+from twin.core.fixes import STALE_WATERMARK_SUBSCRIBERS
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
@@ -39,6 +40,7 @@ from twin.sim.clock import CalendarEnvironment
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
 from twin.sim.scheduler import PrefillScheduler
+from twin.sim.sockets import SendBlocking
 from twin.sim.stalls import ProcessStalls
 from twin.workloads import Request, Workload
 
@@ -72,6 +74,7 @@ class _DataPlaneCosts:
         self.rdma_latency_s: float = p.rdma_latency_s
         self.transfer_jitter_s: float = p.transfer_jitter_s
         self.ranks_per_nic: int = p.ranks_per_nic
+        self.direct_write_s: float = p.direct_write_s
 
 
 class _Call:
@@ -321,6 +324,7 @@ class Simulation:
                                    ev.Deferred: self._on_deferred,
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
+                                   ev.RankCrashed: self._on_rank_crashed,
                                },
                                clock=self.time)
         self.feed = self.runtime.feed
@@ -338,12 +342,17 @@ class Simulation:
             self._fire = self._fire_when_running
         self._zmq_latency_s = p.zmq_latency_s
         self._costs = _DataPlaneCosts(p)
+        self._writes_per_page = 2 * cfg.model.num_layers  # K and V of every layer
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
         self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self._faulty = bool(self.injector.specs)  # read on every frame
+        # Sends that block on a dead peer (twin/sim/sockets.py); checked once a rank died
+        self.sockets = SendBlocking(send_timeout_s=p.zmq_send_timeout_s, sndhwm=p.zmq_sndhwm,
+                                    fix=cfg.fix_set.on(STALE_WATERMARK_SUBSCRIBERS))
+        self._dead_peers = False
         self.integrity = IntegrityModel(cfg.ring_bytes)
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, RequestState] = {}
@@ -354,7 +363,9 @@ class Simulation:
         self.metrics.loops = [loop.series for loop in self.decode_loops]
         self._loop_of = {n.id: self.decode_loops[i] for i, g in enumerate(self.topo.decode_groups)
                          for n in g.nodes}
-        self.placement = Placement(cfg, self.topo, self.params, request_overrides)
+        self.placement = Placement(cfg, self.topo, self.params, request_overrides,
+                                   pools=(self.deployment.prefill.max_total_tokens,
+                                          self.deployment.decode.max_total_tokens))
         self.link_last: dict[tuple[str, str, str], float] = {}
         self.nic_free: dict[str, float] = {}
         self.stream_free: dict[str, float] = {}
@@ -443,7 +454,7 @@ class Simulation:
 
     # -- driver: control plane -----------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
-        if self._faulty:
+        if self._faulty or self._dead_peers:
             self._transmit_faulty(src, dst, msg)
             return
         # No faults: one copy, no extra delay (the same arithmetic as ``_transmit_faulty``).
@@ -486,6 +497,11 @@ class Simulation:
             extra -= fate.hold_s
         if self._blocking:
             delay += max(0.0, self.busy_until.get(src, 0.0) - self.calendar.now)
+        if self._dead_peers:  # the send may wait for its thread, block, or go nowhere
+            depart = self._socket_send(src, dst, msg, None)
+            if depart < 0:
+                return
+            delay += depart - self.calendar.now
         t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         arrived = factories.new_message_arrived(src=src, msg=msg)
@@ -496,9 +512,40 @@ class Simulation:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
         link = (src, dst, wire.CONTROL_SOCKET)
-        t = max(self.calendar.now + self.params.zmq_latency_s, self.link_last.get(link, 0.0))
+        delay = self.params.zmq_latency_s
+        if self._dead_peers:
+            depart = self._socket_send(src, dst, None, event)
+            if depart < 0:
+                return
+            delay += depart - self.calendar.now
+        t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
         self.at(t - self.calendar.now, self.feed, dst, event)
+
+    def _socket_send(self, src: str, dst: str, msg: wire.Message | None,
+                     notice: ev.Input | None) -> float:
+        """When a frame (or a control notice) from ``src`` leaves, or -1 if it never reaches
+        ``dst`` (``SendBlocking.send``)."""
+        if notice is not None and type(notice) is ev.PeerPolled:
+            return self.calendar.now  # decode group peers: a collective, not a ZMQ socket
+        crashed = self.runtime.crashed
+        dead = dst in crashed
+        server_dead = False
+        if dead and self.topo.nodes[dst].role == "prefill":  # decode's heartbeat probes it
+            inst = self.topo.nodes[dst].instance
+            server_dead = all(n.id in crashed for g in self.topo.prefill_groups for n in g.nodes
+                              if n.instance == inst)
+        return self.sockets.send(self.calendar.now, src, self.topo.nodes[src].role, dst, dead,
+                                 msg, self.runtime.current, server_dead)
+
+    def scheduler_blocked_until(self, nodes: list[str]) -> float:
+        """Until when the scheduler thread of any of ``nodes`` sits in a blocked send."""
+        if not self._dead_peers:
+            return 0.0
+        return max(self.sockets.blocked_until(n) for n in nodes)
+
+    def _on_rank_crashed(self, node: str, e: ev.RankCrashed) -> None:
+        self._dead_peers = True
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
@@ -507,13 +554,17 @@ class Simulation:
         req = self.requests.get(e.room)
         if req is not None and req.first_transfer_s < 0:
             req.first_transfer_s = now
-        gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
+        wire_s = e.nbytes / p.nic_bandwidth_Bps
+        if e.staged:  # gather the head slice into the staging buffer, one bulk WRITE
+            gather = p.kernel_launch_s + e.nbytes / p.gather_bandwidth_Bps
+        else:  # straight from the KV pool: one WRITE per page, layer and K/V
+            gather = 0.0
+            wire_s += e.num_pages * self._writes_per_page * p.direct_write_s
         if self._blocking:  # the gather holds the process; the WRITE is posted after it
             gather += max(0.0, self.busy_until.get(node, 0.0) - now)
             self.busy_until[node] = now + gather
         nic = self.metrics.nic_of(node, p.ranks_per_nic)
         start = max(now + gather, self.nic_free.get(nic, 0.0))
-        wire_s = e.nbytes / p.nic_bandwidth_Bps
         self.nic_free[nic] = start + wire_s
         self.metrics.nic_busy(nic, wire_s, e.nbytes)
         done = start + wire_s + p.rdma_latency_s
@@ -680,13 +731,15 @@ class Simulation:
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
         if req.status == "Success":
-            self.placement.decode_done(self.workload.requests[req.rid])
+            self.placement.decode_done(self.workload.requests[req.rid], req.decode_group,
+                                       self.decode_loops[req.decode_group].used)
         if self.unfinished == 0 and not self.done.triggered:
             self.stop_reason = "all requests ended"
             self.done.succeed()
 
     def prefill_finished(self, req: RequestState) -> None:
-        self.placement.prefill_done(self.workload.requests[req.rid])
+        self.placement.prefill_done(self.workload.requests[req.rid], req.prefill_group,
+                                    self.schedulers[req.prefill_group].used)
 
     # -- timed faults and the run loop -------------------------------------------------------
     def _timed_fault(self, spec: FaultSpec) -> None:
@@ -700,11 +753,13 @@ class Simulation:
         if node not in self.ranks:
             return
         self.runtime.crashed[node] = f"crashed by fault {spec.text}"
+        self._dead_peers = True
         if spec.action == "restart":
             self.at(spec.down or 0.0, self._restart, node)
 
     def _restart(self, node: str) -> None:
         self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))
+        self.sockets.revived(node)
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
@@ -795,6 +850,9 @@ class Simulation:
             self.progress_cb(now)
         in_flight = self.arrived - (len(self.workload.requests) - self.unfinished)
         idle = now - self.runtime.last_progress
+        if idle >= window and self._dead_peers and any(
+                now < until < math.inf for until in self.sockets.busy.values()):
+            return ""  # a thread sits in a send that will return: slow, not stuck
         return "wedge" if in_flight > 0 and idle >= window else ""
 
     def run_pending(self) -> None:
@@ -826,6 +884,11 @@ class Simulation:
             self.stop_reason = "until"
         self.metrics.prefill_pools = [s.series for s in self.schedulers]
         self.metrics.serving = self.serving_summary()
+        self.metrics.send_blocked_s = self.sockets.totals(self.calendar.now)
+        self.metrics.send_blocked_by_frame = {k: round(v, 6) for k, v in
+                                              sorted(self.sockets.by_frame.items())}
+        self.metrics.send_blocked_by_thread = {k: round(v, 6) for k, v in
+                                               sorted(self.sockets.by_thread.items())}
         return self.stop_reason
 
     def serving_summary(self) -> dict[str, Any]:

@@ -36,6 +36,10 @@ class Metrics:
         self.loops: list[LoopSeries] = []  # decode loop of each decode group
         self.prefill_pools: list[list[tuple[float, int, int]]] = []  # per prefill group
         self.serving: dict[str, Any] = {}  # pools, retractions, blocked time (set at the end)
+        # seconds each rank's threads sat in sends blocked on a dead peer (set at the end)
+        self.send_blocked_s: dict[str, float] = {}
+        self.send_blocked_by_frame: dict[str, float] = {}  # by the kind of frame sent
+        self.send_blocked_by_thread: dict[str, float] = {}  # by the thread that sent it
 
     def nic_of(self, node: str, ranks_per_nic: int) -> str:
         nic = self._nic_cache.get(node)
@@ -172,6 +176,9 @@ class Metrics:
             "decode": self.decode_summary(),
             "serving": self.serving,
             "deferrals": dict(sorted(self.deferrals.items())),
+            "send_blocked_s": dict(self.send_blocked_s),
+            "send_blocked_by_frame": dict(self.send_blocked_by_frame),
+            "send_blocked_by_thread": dict(self.send_blocked_by_thread),
             "nic_bytes": dict(sorted(self.nic_bytes.items())),
             "peak_ring_bytes": {n: max((v for _, v in s), default=0)
                                 for n, s in sorted(self.occ.items())},

@@ -66,10 +66,14 @@ def comparable(effects: list[Any], version: int,
     return out
 
 
-def recorded_config(version: int, cfg: TwinConfig) -> TwinConfig:
+def recorded_config(version: int, cfg: TwinConfig,
+                    data: dict[str, object] | None = None) -> TwinConfig:
     """The config a trace of ``version`` was recorded with, in today's terms: before format 3
     the twin woke a deferred transfer worker on any allocation or queued chunk
-    (``worker_wake = "eager"``)."""
+    (``worker_wake = "eager"``); a config without ``stage_equal_tp`` (``data``: the header's
+    config as read) staged every room, equal TP too."""
     if version < 3 and cfg.worker_wake == "sglang":
-        return cfg.replace(worker_wake="eager")
+        cfg = cfg.replace(worker_wake="eager")
+    if data is not None and "stage_equal_tp" not in data and not cfg.stage_equal_tp:
+        cfg = cfg.replace(stage_equal_tp=True)
     return cfg

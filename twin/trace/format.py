@@ -224,7 +224,7 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
         raise TraceError(where, "expected an object", "config")
     try:
         config = TwinConfig.from_dict(cfg_data, source="config")
-        config = recorded_config(h["version"], config)
+        config = recorded_config(h["version"], config, cfg_data)
     except ConfigError as exc:
         found = re.search(r"field '([^']+)': (.*)", str(exc), re.DOTALL)
         if found is None:

@@ -72,7 +72,6 @@ class PrefixCache:
 
     def insert(self, request: Request) -> None:
         """Record ``request``'s prompt blocks as cached and most recently used; evict LRU."""
-        lru = self._lru
         g = request.prefix_group
         if g is not None and request.shared_prefix_len > 0:
             length = max(self._groups.get(g, 0), request.shared_prefix_len)
@@ -80,7 +79,13 @@ class PrefixCache:
             self._touch(("group", g), 1 if length % request.block_tokens else 0)
         for h in reversed(request.prefix_hashes):
             self._touch(h, 1)
-        while self._used > self.capacity_blocks:
+        self.evict_to(self.capacity_blocks)
+
+    def evict_to(self, blocks: int) -> None:
+        """Evict least-recently-used entries until at most ``blocks`` blocks are held (a cache
+        in a KV pool gives up pages that running requests need)."""
+        lru = self._lru
+        while self._used > blocks and lru:
             key, size = lru.popitem(last=False)
             self._used -= size
             if type(key) is tuple:
