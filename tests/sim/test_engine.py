@@ -390,3 +390,21 @@ def test_calendar_calls_and_simpy_events_run_in_simpy_order() -> None:
         (1.0, "process after a zero timeout"),
         (2.0, "call at 2"),
     ]
+
+
+def test_a_crashed_rank_is_one_root_naming_when_and_how_many_rooms() -> None:
+    """A crashed prefill rank is the one root of every room that waits on it (not one root per
+    room): the root names the rank, the fault that killed it, when, and the rooms behind it."""
+    from twin.launch_args import config_from_launch
+
+    cfg = config_from_launch("--tp-size 2 --dp-size 2 --enable-dp-attention", "--tp-size 2")
+    r = run_sim(cfg, poisson(300, 50.0, 1024, 64, seed=0),
+                faults=[parse_fault("crash:p0g1r0:at=2")], params=SimParams(wedge_window_s=2.0))
+    assert r.exit_code == EXIT_WEDGE
+    roots = [line for line in r.diagnosis if line.startswith("root: ")]
+    assert len(roots) == 1, roots
+    waiting = {q.room for q in r.sim.requests.values() if not q.finished}
+    assert waiting and all(r.sim.requests[room].prefill_group == 1 for room in waiting)
+    assert roots[0].startswith("root: p0g1r0 crashed: crashed by fault crash:p0g1r0:at=2 "
+                               "at t=2 s [")
+    assert f" of {len(waiting)} room(s) wait on it]" in roots[0]

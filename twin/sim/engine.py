@@ -29,7 +29,7 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
 from twin.runtime.collector import paced_collector
-from twin.runtime.diagnosis import fault_record
+from twin.runtime.diagnosis import crash_reason, fault_record
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
@@ -665,7 +665,7 @@ class Simulation:
         node = spec.target
         if node not in self.ranks:
             return
-        self.runtime.crashed[node] = f"crashed by fault {spec.text}"
+        self.runtime.crashed[node] = crash_reason(spec.text)
         if spec.action == "restart":
             self.at(spec.down or 0.0, self._restart, node)
 

@@ -197,8 +197,12 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     if result.wedged:
         unfinished = {r.room for r in sim.requests.values() if not r.finished}
         snapshots = {n: r.snapshot() for n, r in sim.ranks.items()}
+        topo = sim.topo
+        nodes_of = {r.room: tuple(n.id for n in (*topo.prefill_groups[r.prefill_group].nodes,
+                                                *topo.decode_groups[r.decode_group].nodes))
+                    for r in sim.requests.values() if not r.finished}
         result.diagnosis = diagnose(snapshots, sim.crashed, unfinished, sim.last_dropped,
-                                    sim.fault_notes).lines()
+                                    sim.fault_notes, nodes_of).lines()
         waiting = sorted(unfinished)
         head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
                 f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else
