@@ -195,6 +195,26 @@ def test_waiting_timeout_without_result_fails_and_notifies_prefill():
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
 
 
+def test_waiting_clock_starts_at_send_metadata_and_fails_at_elapsed_equal_timeout():
+    """SGLang starts a room's waiting clock at the end of ``send_metadata`` (``init_time``,
+    common/conn.py ~2886) and fails it once ``elapsed >= timeout`` in WaitingForInput
+    (~2603-2611, ~2888-2893). The twin sends the metadata in the room's DecodeRoomInit, so
+    the clock starts there even when registration comes later (late-decode-registration);
+    an input that polls the room at exactly the timeout fails it (``>``, as the twin had,
+    waited past that poll)."""
+    t = CFG.waiting_timeout_s
+    d = rank(defects=("late-decode-registration",))
+    out = init(d, now=1.0)
+    (meta,) = of(out, ev.SendMetadata)
+    assert meta.register_at is not None and meta.register_at > 1.0
+    d.handle(ev.DecodeRoomRegister(room=1), meta.register_at)  # registered later
+    req(d, now=2.0)
+    assert not of(ready(d, now=1.0 + t - 0.5), ev.RoomConcluded)
+    out = ready(d, src="p1", rank_id=1, now=1.0 + t)  # polls the room at exactly the timeout
+    (done,) = of(out, ev.RoomConcluded)
+    assert done.status == "Failed" and "no transfer result" in done.reason
+
+
 def test_prefill_failure_releases_unscattered_allocations_without_deferred_release():
     d = rank(cfg=NO_DEFER)
     init(d)

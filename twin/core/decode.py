@@ -92,7 +92,11 @@ class DecodeRoom:
     decode_prefix_len: int
     total_pages: int
     registered: bool
-    registered_at: float
+    # The waiting clock's start, SGLang's ``init_time``: set at the end of ``send_metadata``
+    # (cc ~2886), which in the twin is the same input as the registration (DecodeRoomInit
+    # is pop_preallocated: register, then send the metadata). It is checked only while the
+    # room waits for transfer status (KVPoll.WaitingForInput, cc ~2603-2611).
+    wait_start: float
     state: DecodeRoomState
     fail_reason: str
     success_at: float
@@ -117,7 +121,7 @@ class DecodeRoom:
 
     def __init__(self, *, room: int, prefill_ranks: tuple[str, ...], prefill_attn_tp: int,
                  decode_prefix_len: int, total_pages: int, registered: bool,
-                 registered_at: float, group: tuple[str, ...] = (),
+                 wait_start: float, group: tuple[str, ...] = (),
                  peer_polls: dict[str, str] | None = None) -> None:
         self.room = room
         self.prefill_ranks = prefill_ranks
@@ -125,7 +129,7 @@ class DecodeRoom:
         self.decode_prefix_len = decode_prefix_len
         self.total_pages = total_pages
         self.registered = registered
-        self.registered_at = registered_at
+        self.wait_start = wait_start
         self.state = _S_WAITING
         self.fail_reason = ""
         self.success_at = 0.0
@@ -256,7 +260,7 @@ class DecodeRank:
         room = DecodeRoom(
             room=e.room, prefill_ranks=e.prefill_ranks, prefill_attn_tp=e.prefill_attn_tp,
             decode_prefix_len=e.decode_prefix_len, total_pages=e.total_pages,
-            registered=not late, registered_at=self.now,
+            registered=not late, wait_start=self.now,
             group=tuple(g for g in e.group if g != self.session),
             peer_polls=self._early_polls.pop(e.room, {}),
         )
@@ -487,7 +491,8 @@ class DecodeRank:
                 # failure path below sends ABORT (with deferred release on).
                 self._fail(room, f"not complete {timeout:.0f}s after all-ranks Success (a "
                            f"scatter never arrived)", out)
-        elif room.state is _S_WAITING and self.now - room.registered_at > timeout:
+        elif room.state is _S_WAITING and self.now - room.wait_start >= timeout:
+            # ``_check_waiting_timeout`` (cc ~2888-2893): fails once elapsed >= the timeout
             self._fail(room, f"no transfer result within {timeout:.0f}s", out, initiated=True)
 
     def _poll_value(self, room: DecodeRoom) -> str:
