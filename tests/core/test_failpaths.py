@@ -333,3 +333,18 @@ def test_multi_target_retry_resume_fix_writes_ready_sessions_first():
     c = _inverted_allocation_order((MULTI_TARGET_RETRY_RESUME,))
     assert c.outcome(0) == "Success" and c.outcome(1) == "Success"
     assert not c.integrity.violations
+
+
+
+def test_a_legacy_abort_without_a_return_address_fails_the_room_and_is_never_acknowledged():
+    """sglang 0.5.23 parses ``[ABORT, room]`` (``AbortNotification.from_zmq``): the room fails
+    on prefill as for any decode ABORT, and with no return address no ABORT_ACK is sent."""
+    p = prefill()
+    xfer = one_chunk_in_flight(p)
+    msg = wire.decode([b"ABORT", b"1"])
+    assert msg == wire.Abort(room=1, decode_ip=wire.NO_RETURN_ADDRESS, decode_port=0)
+    assert wire.encode(msg) == [b"ABORT", b"1"]
+    out = p.handle(ev.MessageArrived(src="d0", msg=msg), 0.0)
+    assert of(out, ev.RoomConcluded)[0].status == "Failed"
+    out = p.handle(ev.TransferDone(worker=xfer.worker), 0.001)
+    assert not sent(out, wire.AbortAck)
