@@ -325,14 +325,14 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
                 continue
             g.charge(key, droom.room)
     held = {r for snap in snapshots.values() for r in snap.rooms}
-    unheld = []
-    for room in sorted(unfinished - held):
-        dead = g.crashed_of((nodes_of or {}).get(room, ()))
+    unheld: list[int] = []
+    for rid in sorted(unfinished - held):
+        dead = g.crashed_of((nodes_of or {}).get(rid, ()))
         if dead is None:
-            unheld.append(room)
+            unheld.append(rid)
         else:
-            details.append(f"room {room} was placed on crashed rank {dead}")
-            g.charge(g.crash_root(dead), room)
+            details.append(f"room {rid} was placed on crashed rank {dead}")
+            g.charge(g.crash_root(dead), rid)
     roots = _root_lines(g)
     if unheld:
         # Not a root of their own: the driver holds them back (no KV pool pages or no
