@@ -35,7 +35,7 @@ from twin.core.defects import (
     RAISE_ON_UNALIGNED_PREFIX,
     Defects,
 )
-from twin.core.fixes import DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
+from twin.core.fixes import BOUND_STAGING_REQ_CHUNK, DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
 from twin.core.layout import num_tp_writers
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
@@ -115,6 +115,10 @@ class DecodeRoom:
     acks: set[int]
     held: bool
     release_at: float
+    # The length SGLang's ``receiver.chunk_staging_infos`` list has grown to: every
+    # STAGING_REQ that allocates pads it to ``chunk_idx + 1`` entries (sh ~847-848, ~859-860),
+    # so one malformed chunk_idx grows it by that much (issue #39764).
+    info_len: int
     # ``_chunk_events``: every submitted scatter whose allocation the poll has not freed yet,
     # in submission order (alloc_id -> chunk_idx); a held room's stay here until released.
     events: dict[int, int]
@@ -135,6 +139,7 @@ class DecodeRoom:
         self.success_at = 0.0
         self.success_ranks = set()
         self.chunks = {}
+        self.info_len = 0
         self.oversized = set()
         self.arrivals = {}
         self.scattering = {}
@@ -180,6 +185,11 @@ class DecodeRank:
         # Read on every chunk or poll (the config, defect and fix sets are frozen).
         self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         self._decode_tp = cfg.decode.attn_tp_size
+        self._bound_chunk = self.fixes.on(BOUND_STAGING_REQ_CHUNK)
+        # Memory accounting of structures keyed by wire fields: the entries of every live
+        # room's ``chunk_staging_infos`` (``DecodeRoom.info_len``), now and at their peak.
+        self.chunk_info_entries = 0
+        self.chunk_info_peak = 0
 
     @property
     def watermark(self) -> tuple[int, int]:
@@ -303,6 +313,15 @@ class DecodeRank:
         if room is None or not room.registered:
             out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason="room not registered"))
             return
+        if self._bound_chunk and not (0 <= msg.chunk_idx < room.total_pages
+                                      and msg.chunk_pages > 0):
+            # PR #39792: a negative chunk_idx, a non-positive page count or an index at or
+            # past the room's recorded page count is rejected before anything is allocated.
+            out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
+                                  reason=f"chunk_idx {msg.chunk_idx} / chunk_pages "
+                                  f"{msg.chunk_pages} out of range (room of "
+                                  f"{room.total_pages} pages)"))
+            return
         info = room.chunks.get(msg.chunk_idx)
         repeated = info is not None
         if info is not None:
@@ -344,6 +363,11 @@ class DecodeRank:
 
     def _allocate(self, room: DecodeRoom, chunk_idx: int, chunk_pages: int,
                   out: list[ev.Effect], late: bool = False) -> tuple[int, int, int]:
+        if chunk_idx >= room.info_len:  # ``while len(infos) <= chunk_idx: infos.append(...)``
+            self.chunk_info_entries += chunk_idx + 1 - room.info_len
+            room.info_len = chunk_idx + 1
+            if self.chunk_info_entries > self.chunk_info_peak:
+                self.chunk_info_peak = self.chunk_info_entries
         required = self.region_bytes(room, chunk_pages)
         got = self._allocator.assign(required)
         if got is None:
@@ -606,6 +630,7 @@ class DecodeRank:
     def _unregister(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """``unregister_decode_req`` + ``release_room``: free what was never scattered."""
         del self._rooms[room.room]
+        self.chunk_info_entries -= room.info_len
         if not self.defects.on(NO_RELEASE_ROOM):
             for chunk_idx, info in sorted(room.chunks.items()):
                 self._free(info.alloc_id, room.room, chunk_idx, "released", out)

@@ -445,6 +445,7 @@ class Simulation:
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
         link = (src, dst, wire.socket_of(msg))  # FIFO per sending socket, not per peer
+        msg = fate.frame(msg)  # a corrupt fault rewrites fields before the frame leaves
         copies, extra = fate.copies, fate.extra_s
         if fate.hold_s:
             # A delay stalls the socket: this frame and every later one on it wait.

@@ -98,6 +98,10 @@ class SimResult:
             "fault_report": fault_report(sim.injector.specs, _fired(sim)),
             "failures": _failure_reasons(sim),
             **sim.metrics.summary(),
+            # Entries of decode's per-room chunk_staging_infos at their peak, per decode rank
+            # (each a 5-tuple in SGLang): a malformed STAGING_REQ chunk_idx grows them (#39764).
+            "peak_chunk_infos": {n: r.chunk_info_peak for n, r in sorted(sim.ranks.items())
+                                 if hasattr(r, "chunk_info_peak")},
             "nic_utilisation": sim.metrics.nic_utilisation(sim.env.now),
         }
 
