@@ -57,8 +57,11 @@ class _Root:
 
 class _Graph:
     def __init__(self, snapshots: Mapping[str, RankSnapshot], dropped: Mapping[int, list[str]],
-                 faults: Mapping[int, list[str]], crashed: Mapping[str, str]) -> None:
+                 faults: Mapping[int, list[str]], crashed: Mapping[str, str],
+                 restarted: Mapping[str, str]) -> None:
         self.crashed = crashed
+        self.restarted = restarted
+        self.nodes_of: Mapping[int, tuple[str, ...]] = {}
         self.prefills = {n: s for n, s in snapshots.items() if isinstance(s, PrefillSnapshot)}
         self.decodes = {n: s for n, s in snapshots.items() if isinstance(s, DecodeSnapshot)}
         self.dropped = dropped
@@ -156,10 +159,13 @@ class _Graph:
                              f"{node} waits for a watermark from {session}, which is not in this "
                              f"run's snapshots")
         if is_watermark_ready(dec.watermark, info.round, info.end):
+            stale = (f"; {node} restarted and decode still counts it as subscribed, so it "
+                     f"sent the new session no snapshot (a stale WATERMARK subscriber, sglang "
+                     f"PR #36049)" if node in self.restarted else "")
             return self.root(("never-sent", node),
                              f"decode's watermark would admit the waiting chunks of {node} "
                              f"(it knows {wm}) but was never sent to this session "
-                             f"(from {{subjects}})", subject=f"{session} at {dec.watermark}")
+                             f"(from {{subjects}}){stale}", subject=f"{session} at {dec.watermark}")
         return self.pin_root(dec, seen)
 
     def pin_root(self, dec: DecodeSnapshot, seen: frozenset[tuple[int, int, str]]) -> RootKey:
@@ -223,6 +229,13 @@ def crash_reason(fault: str) -> str:
         f"crashed by fault {fault}"
 
 
+def restart_reason(fault: str) -> str:
+    """``crash_reason`` of a ``restart:`` fault, and when the rank came back empty."""
+    spec = parse_fault(fault)
+    back = (spec.at or 0.0) + (spec.down or 0.0)
+    return f"{crash_reason(fault)}, restarted with empty state at t={back:g} s"
+
+
 def _note_fault(notes: dict[int, list[str]], room: int, fault: str, detail: str) -> None:
     """Add fault ``fault`` that fired on ``detail`` to ``notes`` of ``room`` (the ``faults``
     of ``diagnose``): each distinct note once, at most eight per room, none for room -1."""
@@ -256,15 +269,19 @@ def note_fault_record(notes: dict[int, list[str]], d: Mapping[str, Any]) -> None
 def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
              unfinished: set[int], dropped: Mapping[int, list[str]] | None = None,
              faults: Mapping[int, list[str]] | None = None,
-             nodes_of: Mapping[int, tuple[str, ...]] | None = None) -> Diagnosis:
+             nodes_of: Mapping[int, tuple[str, ...]] | None = None,
+             restarted: Mapping[str, str] | None = None) -> Diagnosis:
     """Why ``unfinished`` rooms cannot progress: roots first, then every blocked item.
 
     ``dropped`` holds the ranks' notes of dropped inputs per room; ``faults`` the injected
     faults that touched each room (named on the root they lie on); ``nodes_of`` the ranks
     each room was placed on, when the driver knows it: an unfinished room no rank holds
-    (it arrived at a crashed rank, which handles nothing) is charged to a crashed one.
+    (it arrived at a crashed rank, which handles nothing) is charged to a crashed one;
+    ``restarted`` the ranks that crashed and came back empty: a room waiting for the status of
+    one that no longer knows the room was lost in that restart (one root per restart).
     """
-    g = _Graph(snapshots, dropped or {}, faults or {}, crashed)
+    g = _Graph(snapshots, dropped or {}, faults or {}, crashed, restarted or {})
+    g.nodes_of = nodes_of or {}
     details: list[str] = [f"{node} crashed: {why}" for node, why in sorted(crashed.items())]
     for node in sorted(crashed):
         g.charge(g.crash_root(node), -1)
@@ -382,6 +399,14 @@ def _status_root(g: _Graph, node: str, room: int, missing: list[str]) -> RootKey
     (a crashed rank is the one root of every room that waits on it, not one root per room)."""
     if (dead := g.crashed_of(missing)) is not None:
         return g.crash_root(dead)
+    # A restarted rank that lost the room: a writer of this rank's, or any prefill rank of the
+    # room's group (the group's forward and bootstrap wait for every rank).
+    for p in (*missing, *g.nodes_of.get(room, ())):
+        snap = g.prefills.get(p)
+        if p in g.restarted and snap is not None and room not in snap.rooms:
+            return g.root(("restart", p), f"{p} {g.restarted[p]}: the rooms it held when it "
+                          f"crashed are lost (no transfer status will come; decode fails each "
+                          f"at its waiting timeout)")
     for (r, chunk, session), (pnode, _, _) in sorted(g.chunks.items()):
         if r == room and pnode in missing and session == node:
             return g.chunk_root(r, chunk, session)

@@ -29,7 +29,7 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
 from twin.runtime.collector import paced_collector
-from twin.runtime.diagnosis import crash_reason, fault_record
+from twin.runtime.diagnosis import crash_reason, fault_record, restart_reason
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
@@ -328,6 +328,7 @@ class Simulation:
         self.stream_free: dict[str, float] = {}
         self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
         self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
+        self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
         self.unfinished = len(workload.requests)
         self.arrived = 0
         self.done = self.env.event()
@@ -668,6 +669,7 @@ class Simulation:
             return
         self.runtime.crashed[node] = crash_reason(spec.text)
         if spec.action == "restart":
+            self.restarted[node] = restart_reason(spec.text)
             self.at(spec.down or 0.0, self._restart, node)
 
     def _restart(self, node: str) -> None:

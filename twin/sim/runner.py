@@ -206,7 +206,7 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
                                                 *topo.decode_groups[r.decode_group].nodes))
                     for r in sim.requests.values() if not r.finished}
         result.diagnosis = diagnose(snapshots, sim.crashed, unfinished, sim.last_dropped,
-                                    sim.fault_notes, nodes_of).lines()
+                                    sim.fault_notes, nodes_of, sim.restarted).lines()
         waiting = sorted(unfinished)
         head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
                 f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else
