@@ -41,8 +41,8 @@ CATALOG: dict[str, FixInfo] = {
             "scattered and reused, and a session that is not ready no longer blocks the others "
             "(which can deadlock when two prefill senders' allocations are ordered differently "
             "on two decode rings)",
-            "the twin's finding (docs/defects.md, 'Multi-target retry rewrites a reallocated "
-            "region')",
+            "sglang PR #38100 (issue #38099), also the twin's finding (docs/defects.md, "
+            "'Multi-target retry rewrites a reallocated region'); not merged in 0.5.23",
         ),
         FixInfo(
             LOST_CONTROL_RECOVERY, "both",
