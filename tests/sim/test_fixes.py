@@ -122,3 +122,15 @@ def test_malformed_chunk_idx_grows_decode_memory_with_the_value_until_pr39792() 
 def test_a_negative_chunk_idx_is_dropped_with_the_fix() -> None:
     assert _malformed(-5)["status"] == "wedged"
     assert _malformed(-5, "bound-staging-req-chunk")["status"] == "completed"
+
+
+def test_a_negative_chunk_pages_corrupts_until_pr39792() -> None:
+    """A STAGING_REQ with chunk_pages -1 makes decode assign a negative region (SGLang's
+    ``StagingAllocator.assign`` moves its head back), so the real write overruns the next
+    allocations; PR #39792 rejects a non-positive page count."""
+    base = ["sim", "--prefill-args", "--tp-size 4", "--decode-args", "--tp-size 2",
+            "--workload", "poisson:n=20,rate=20", "--fault",
+            "corrupt:STAGING_REQ:src=p0g0r0:nth=1:field=chunk_pages:value=-1"]
+    r = invoke(*base)
+    assert r.exit_code == 4 and "overrun: d0g0r0 room 0" in r.output, r.output
+    assert invoke(*base, "--fix", "bound-staging-req-chunk").exit_code == EXIT_OK
