@@ -177,6 +177,9 @@ class DecodeRank:
         self._rooms: dict[int, DecodeRoom] = {}
         self._subscribers: dict[tuple[str, ...], str] = {}
         self._crashed: str | None = None
+        # ``decode_listener_thread`` ended (an exception it does not catch): frames are no
+        # longer handled, while the scheduler (timers, registration, polls) goes on.
+        self._listener_dead: str | None = None
         self.now = 0.0
         self._dirty: set[int] = set()
         self._deadlines: list[tuple[float, int]] = []
@@ -220,7 +223,7 @@ class DecodeRank:
             head=a.head, round=a.round, watermark=a.get_watermark(),
             live=tuple(AllocationView(alloc_id=i, offset=o, size=n, round=r)
                        for i, o, n, r in a.live()),
-            rooms=rooms, subscribers=dict(self._subscribers))
+            rooms=rooms, subscribers=dict(self._subscribers), listener_dead=self._listener_dead)
 
     # -- dispatch ----------------------------------------------------------------------------
     def handle(self, event: ev.Input, now: float) -> list[ev.Effect]:
@@ -229,6 +232,10 @@ class DecodeRank:
         self.now = now
         if self._crashed is not None:
             return [ev.Dropped(what=type(event).__name__, room=-1, reason="rank crashed")]
+        if self._listener_dead is not None and type(event) is ev.MessageArrived:
+            msg = event.msg
+            return [ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                               reason="decode listener thread ended")]
         out: list[ev.Effect] = []
         handler = _DECODE_HANDLERS.get(type(event))
         if handler is None:
@@ -322,23 +329,31 @@ class DecodeRank:
                                   f"{msg.chunk_pages} out of range (room of "
                                   f"{room.total_pages} pages)"))
             return
-        info = room.chunks.get(msg.chunk_idx)
+        key = msg.chunk_idx
+        if key < 0:
+            # 0.5.23 indexes its chunk_staging_infos list with the wire's chunk_idx: a negative
+            # one is a Python index from the end (sh ~833-863).
+            key = room.info_len + msg.chunk_idx
+            if key < 0:
+                self._index_error(room, msg, out)
+                return
+        info = room.chunks.get(key)
         repeated = info is not None
         if info is not None:
             offset, rnd, end = info.offset, info.round, info.end
-        elif msg.chunk_idx in room.oversized:
+        elif key in room.oversized:
             offset, rnd, end = ALLOC_OVERSIZED, 0, -1
-        elif msg.chunk_idx in room.scattered and self.fixes.on(DROP_LATE_STAGING_REQ):
+        elif key in room.scattered and self.fixes.on(DROP_LATE_STAGING_REQ):
             out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
-                                  reason=f"chunk {msg.chunk_idx} was already scattered"))
+                                  reason=f"chunk {key} was already scattered"))
             return
         else:
             # A STAGING_REQ that arrives after its chunk was scattered (it travels on its own
             # socket, so another writer's CHUNK_READY can overtake it) gets a fresh allocation,
             # as in SGLang: nothing will ever scatter it, so it pins the watermark until the
             # waiting timeout fails the room.
-            offset, rnd, end = self._allocate(room, msg.chunk_idx, msg.chunk_pages, out,
-                                              late=msg.chunk_idx in room.scattered)
+            offset, rnd, end = self._allocate(room, key, msg.chunk_pages, out,
+                                              late=key in room.scattered)
         rsp = factories.new_staging_rsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
                               end=end, session_id=msg.session_id)
         for dst in room.prefill_ranks:
@@ -347,6 +362,25 @@ class DecodeRank:
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
             # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
             self._send_watermark(tuple(sorted(room.prefill_ranks)), msg.session_id, out)
+
+    def _index_error(self, room: DecodeRoom, msg: wire.StagingReq,
+                     out: list[ev.Effect]) -> None:
+        """A negative chunk_idx past the start of the room's chunk_staging_infos list: SGLang
+        allocates ring space, then ``infos[chunk_idx] = ...`` raises IndexError. The allocation
+        is recorded nowhere, so nothing ever frees it (it pins the watermark), and the exception
+        ends ``decode_listener_thread`` (nx ~1017-1040 catches nothing): from then on this rank
+        handles no frame, while its scheduler goes on."""
+        required = self.region_bytes(room, msg.chunk_pages)
+        got = self._allocator.assign(required)
+        if got is not None:
+            alloc_id, offset, rnd = got
+            out.append(factories.new_allocated(room=room.room, chunk_idx=msg.chunk_idx,
+                                               alloc_id=alloc_id, offset=offset, round=rnd,
+                                               size=required))
+        self._listener_dead = (f"STAGING_REQ room {msg.room} chunk_idx {msg.chunk_idx}: "
+                               f"IndexError on a chunk list of {room.info_len} entries ended "
+                               f"decode_listener_thread")
+        out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason=self._listener_dead))
 
     def region_bytes(self, room: DecodeRoom, chunk_pages: int) -> int:
         """Bytes of one staging region holding ``chunk_pages`` pages from every writer."""

@@ -86,6 +86,14 @@ class _Graph:
         """The one root of every piece of work that waits on crashed rank ``node``."""
         return self.root(("crash", node), f"{node} crashed: {self.crashed[node]}")
 
+    def listener_root(self, dec: DecodeSnapshot) -> RootKey:
+        """The one root of every piece of work that waits on a decode rank whose listener
+        thread ended (it handles no frame; its rooms fail at their waiting timeout)."""
+        return self.root(("listener", dec.node),
+                         f"{dec.node}: {dec.listener_dead}: the rank handles no frame any more "
+                         f"(STAGING_REQ, CHUNK_READY, KV_STATUS, ABORT_ACK); each of its rooms "
+                         f"fails at its waiting timeout")
+
     def crashed_of(self, nodes: list[str] | tuple[str, ...]) -> str | None:
         """The first of ``nodes`` that crashed, or None."""
         return next((n for n in nodes if n in self.crashed), None)
@@ -123,6 +131,8 @@ class _Graph:
                     seen: frozenset[tuple[int, int, str]]) -> RootKey:
         found = self.chunks.get((room, chunk, session))
         dec = self.decodes.get(session)
+        if dec is not None and dec.listener_dead:
+            return self.listener_root(dec)
         droom = dec.rooms.get(room) if dec is not None else None
         if found is None and droom is not None and (alloc := droom.chunks.get(chunk)) is not None \
                 and alloc.late:
@@ -317,6 +327,10 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
             if node in crashed:
                 details.append(f"{node}: room {droom.room} sits on a crashed rank")
                 key = g.crash_root(node)
+            elif dec.listener_dead:
+                details.append(f"{node}: room {droom.room} sits on a rank whose listener "
+                               f"thread ended")
+                key = g.listener_root(dec)
             elif not droom.registered:
                 details.append(f"{node}: room {droom.room} is not registered yet")
                 key = g.root(("unregistered", node, droom.room),
