@@ -3,7 +3,8 @@
 ``sglang_ref`` loads SGLang's pure helpers; this module loads the code that *decides*: the
 whole ``DecodeStagingHandler`` class and ``handle_staging_req`` (``common/staging_handler.py``),
 ``StagingManagerMixin._handle_staging_req`` (the listener's STAGING_REQ entry),
-``CommonKVManager.handle_chunk_ready`` and ``apply_prefill_status`` (``common/conn.py``) and
+``CommonKVManager.handle_chunk_ready`` and ``apply_prefill_status``, the receiver's
+``CommonKVReceiver.poll``, ``_poll`` and ``_check_waiting_timeout`` (``common/conn.py``) and
 ``poll_and_all_reduce_with_staging`` (``utils.py``). NIXL, ZMQ, CUDA streams, events and
 threads are replaced by recording stubs; the clock is a settable fake. Loading refuses when
 the code's shape changed (a method or a function-local import that is not where it was).
@@ -11,8 +12,8 @@ the code's shape changed (a method or a function-local import that is not where 
 ``SglangDecodeRank`` wraps one decode rank around that code. What is *not* SGLang's own code
 here is the thin glue a decode scheduler supplies, written after ``decode.py``
 (``pop_transferred`` with deferred release off: conclude on the reduced poll, then
-``unregister_decode_req``) and ``CommonKVReceiver._poll`` (status, waiting timeout); it is
-marked ``# glue`` below.
+``unregister_decode_req``) and the end of ``send_metadata`` (``init_time``, the start of the
+waiting clock the loaded ``_check_waiting_timeout`` reads); it is marked ``# glue`` below.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import linecache
+import logging
 import sys
 import threading
 import types
@@ -183,7 +185,15 @@ def load_machines() -> types.SimpleNamespace:
     manager = _top(ctree, "CommonKVManager", CONN)
     assert isinstance(manager, ast.ClassDef)
     conn_fns = [_method(manager, m) for m in ("handle_chunk_ready", "apply_prefill_status")]
-    cns = _exec(CONN, src[CONN], conn_fns, {"KVPoll": KVPoll}, wheel)
+    receiver = _top(ctree, "CommonKVReceiver", CONN)
+    assert isinstance(receiver, ast.ClassDef)
+    recv_fns = [_method(receiver, m) for m in ("poll", "_poll", "_check_waiting_timeout")]
+    logger = logging.getLogger("sglang_sm_conn")
+    cns = _exec(CONN, src[CONN], [*conn_fns, *recv_fns], {
+        "KVPoll": KVPoll, "time": clock,
+        "logger": types.SimpleNamespace(debug=logger.debug, warning=logger.warning,
+                                        error=logger.error, warning_once=logger.warning),
+    }, wheel)
 
     # utils.py: the staging-aware poll (one rank: the all-reduce is the identity).
     poll_fn = _top(ast.parse(src[UTILS]), "poll_and_all_reduce_with_staging", UTILS)
@@ -199,6 +209,8 @@ def load_machines() -> types.SimpleNamespace:
         handle_staging_req_entry=ns["_handle_staging_req"],
         handle_chunk_ready=cns["handle_chunk_ready"],
         apply_prefill_status=cns["apply_prefill_status"],
+        receiver_poll=cns["poll"], receiver_poll_inner=cns["_poll"],
+        check_waiting_timeout=cns["_check_waiting_timeout"],
         poll_and_all_reduce_with_staging=uns["poll_and_all_reduce_with_staging"],
         StagingAllocator=ref.StagingAllocator, clock=clock, events=events,
     )
@@ -221,33 +233,46 @@ class _Sock:
 
 @dataclass
 class _Receiver:
-    """The parts of ``CommonKVReceiver`` the staging code reads, plus its poll (glue)."""
+    """The parts of ``CommonKVReceiver`` the staging code and its loaded poll read."""
 
     room: int
     bootstrap_infos: list[dict[str, Any]]
     prefill_info: Any
     mgr: Any
     sent: list[tuple[str, list[bytes]]]
-    init_time: float
-    waiting_timeout: float
+    init_time: float | None  # glue: set where send_metadata ends (cc ~2886)
     require_staging: bool = True
     chunk_staging_infos: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     conclude_state: int | None = None
+    _prefill_wait_start: float | None = None  # the "early" allocation policy never sets it
+    abort_notified: bool = False
+    _lifecycle_lock: Any = field(default_factory=threading.Lock)
+
+    @property
+    def bootstrap_room(self) -> int:
+        return self.room
+
+    @property
+    def kv_mgr(self) -> Any:
+        return self.mgr
 
     def _connect_to_bootstrap_server(self, info: dict[str, Any]) -> tuple[_Sock, Any]:
         return _Sock(info["rank_ip"], self.sent), threading.Lock()
 
-    def poll(self) -> int:  # glue: CommonKVReceiver._poll
-        if self.conclude_state is not None:
-            return self.conclude_state
-        status = self.mgr.request_status[self.room]
-        if status in (KVPoll.Success, KVPoll.Failed):
-            self.conclude_state = status
-        elif status == KVPoll.WaitingForInput and \
-                self.mgr.clock.now - self.init_time >= self.waiting_timeout:
-            self.mgr.update_status(self.room, KVPoll.Failed)
-            return KVPoll.Failed
-        return status
+    def poll(self) -> int:  # CommonKVReceiver.poll, _poll, _check_waiting_timeout: loaded
+        return int(self.mgr.m.receiver_poll(self))
+
+    def _poll(self) -> int:
+        return int(self.mgr.m.receiver_poll_inner(self))
+
+    def _check_waiting_timeout(self) -> int | None:
+        return self.mgr.m.check_waiting_timeout(self)  # type: ignore[no-any-return]
+
+    def invalidate_cached_bootstrap_infos(self) -> None:
+        pass
+
+    def _send_abort_notification(self) -> None:
+        pass  # the ABORT frames are not compared (the twin's are checked by its own tests)
 
 
 class _Manager:
@@ -256,7 +281,9 @@ class _Manager:
     DEFAULT_PREFILL_FAILURE_REASON = "prefill failed"
 
     def __init__(self, m: types.SimpleNamespace, attn_tp_size: int, kv_args: Any) -> None:
+        self.m = m
         self.clock = m.clock
+        self.waiting_timeout = 0.0
         self.attn_tp_size = attn_tp_size
         self.kv_args = kv_args
         self.kv_buffer_tensors = None
@@ -273,6 +300,9 @@ class _Manager:
 
     def record_failure(self, room: int, reason: str) -> None:
         self.failure_records.setdefault(room, reason)
+
+    def check_status(self, room: int) -> int:  # NixlKVManager.check_status (nx ~1084)
+        return self.request_status.get(room, KVPoll.WaitingForInput)
 
     def update_status(self, room: int, status: int) -> None:  # glue: update_status's rules
         current = self.request_status.get(room)
@@ -304,6 +334,7 @@ class SglangDecodeRank:
             page_size=page_size, engine_rank=tp_rank, total_kv_head_num=total_kv_heads,
             kv_item_lens=[page_size * heads * head_bytes] * (2 * num_layers))
         self.mgr = _Manager(m, decode_tp, kv_args)
+        self.mgr.waiting_timeout = float(timeout_s)
         self.alloc = m.StagingAllocator(ring_bytes, "cpu", 0)
         self.alloc._scatter_stream = Stream()
         self.freed: list[int] = []
@@ -359,7 +390,7 @@ class SglangDecodeRank:
         receiver = _Receiver(room, [{"rank_ip": p, "rank_port": i, "pp_rank": 0}
                                     for p, i in zip(prefill_ranks, prefill_ranks_ids,
                                                     strict=True)],
-                             info, mgr, self.sent, m.clock.now, self.timeout_s)
+                             info, mgr, self.sent, m.clock.now)  # glue: send_metadata ends
         req = types.SimpleNamespace(bootstrap_room=room, kv=types.SimpleNamespace(
             cache_protected_len=prefix, req_pool_idx=0))
         decode_req = types.SimpleNamespace(req=req, kv_receiver=receiver)

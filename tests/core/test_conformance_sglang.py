@@ -277,3 +277,67 @@ def test_staging_layout_matches_sglang(ref, src_tp, dst_tp, heads, data, num_tok
     want = ref.compute_staging_layout(*args)
     assert got == want
     assert type(got) is tuple and type(got[1]) is list
+
+
+# --- ABORT frames -----------------------------------------------------------------------------
+
+
+def _sglang_abort_notification():
+    """SGLang's ``AckTarget`` and ``AbortNotification`` (common/conn.py), run from the wheel."""
+    import ast
+    import zipfile
+    from typing import NamedTuple
+
+    import msgspec
+    from sglang_machines import _exec, _top
+
+    wheel = sglang_ref.wheel_path()
+    with zipfile.ZipFile(wheel) as zf:
+        src = zf.read(sglang_ref.CONN).decode("utf-8")
+    tree = ast.parse(src)
+    body = [_top(tree, name, sglang_ref.CONN) for name in ("AckTarget", "AbortNotification")]
+    ns = _exec(sglang_ref.CONN, src, body, {"msgspec": msgspec, "ABORT_TAG": b"ABORT",
+                                            "NamedTuple": NamedTuple}, wheel)
+    return ns["AbortNotification"]
+
+
+def _abort_view(n) -> tuple:
+    """What an ABORT means to prefill: the room, and where an ACK goes (None: nowhere)."""
+    target = n.deferred_ack_target()
+    return n.room, None if target is None else (target.ip, target.port, target.generation)
+
+
+ABORT_CASES = [
+    [b"ABORT", b"7"],  # legacy: no return address
+    [b"ABORT", b"7", b"d0g0r1"],  # an address cut short: legacy
+    [b"ABORT", b"7", b"d0g0r1", b"4242"],  # an address, no generation: nothing to ACK
+    [b"ABORT", b"7", b"d0g0r1", b"4242", b"3"],
+    [b"ABORT", b"7", b"d0g0r1", b"port", b"3"],  # a bad port: legacy
+    [b"ABORT", b"7", b"d0g0r1", b"4242", b"gen"],  # a bad generation: None
+    [b"ABORT", b"7", b"d0g0r1", b"4242", b"3", b"extra"],  # extra frames are ignored
+]
+
+
+@pytest.mark.parametrize("frames", ABORT_CASES, ids=range(len(ABORT_CASES)))
+def test_abort_frames_parse_as_sglang_parses_them(frames):
+    """``AbortNotification.from_zmq`` accepts a legacy ``[ABORT, room]`` and every shorter or
+    malformed return address; the twin's decoder means the same (room, ACK target) by each."""
+    from twin.core.wire import NO_RETURN_ADDRESS, Abort, decode
+
+    sgl = _sglang_abort_notification().from_zmq(frames)
+    twin = decode(frames)
+    assert isinstance(twin, Abort)
+    ack = None
+    if twin.decode_ip != NO_RETURN_ADDRESS and twin.generation is not None:
+        ack = (twin.decode_ip, twin.decode_port, twin.generation)
+    assert (twin.room, ack) == _abort_view(sgl)
+    # what the twin would send again for it is what SGLang's to_zmq sends
+    assert encode(twin) == sgl.to_zmq()
+
+
+def test_abort_without_a_room_is_rejected_by_both():
+    from twin.core.wire import decode
+
+    assert _sglang_abort_notification().from_zmq([b"ABORT"]) is None
+    with pytest.raises(ValueError, match="ABORT: missing field 'room'"):
+        decode([b"ABORT"])

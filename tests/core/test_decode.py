@@ -195,6 +195,26 @@ def test_waiting_timeout_without_result_fails_and_notifies_prefill():
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
 
 
+def test_waiting_clock_starts_at_send_metadata_and_fails_at_elapsed_equal_timeout():
+    """SGLang starts a room's waiting clock at the end of ``send_metadata`` (``init_time``,
+    common/conn.py ~2886) and fails it once ``elapsed >= timeout`` in WaitingForInput
+    (~2603-2611, ~2888-2893). The twin sends the metadata in the room's DecodeRoomInit, so
+    the clock starts there even when registration comes later (late-decode-registration);
+    an input that polls the room at exactly the timeout fails it (``>``, as the twin had,
+    waited past that poll)."""
+    t = CFG.waiting_timeout_s
+    d = rank(defects=("late-decode-registration",))
+    out = init(d, now=1.0)
+    (meta,) = of(out, ev.SendMetadata)
+    assert meta.register_at is not None and meta.register_at > 1.0
+    d.handle(ev.DecodeRoomRegister(room=1), meta.register_at)  # registered later
+    req(d, now=2.0)
+    assert not of(ready(d, now=1.0 + t - 0.5), ev.RoomConcluded)
+    out = ready(d, src="p1", rank_id=1, now=1.0 + t)  # polls the room at exactly the timeout
+    (done,) = of(out, ev.RoomConcluded)
+    assert done.status == "Failed" and "no transfer result" in done.reason
+
+
 def test_prefill_failure_releases_unscattered_allocations_without_deferred_release():
     d = rank(cfg=NO_DEFER)
     init(d)
@@ -329,3 +349,40 @@ def test_drop_late_staging_req_fix_ignores_it():
     (dropped,) = of(late, ev.Dropped)
     assert "already scattered" in dropped.reason
     assert 0 not in d.snapshot().rooms[1].chunks
+
+
+def test_negative_chunk_idx_is_a_python_index_into_the_chunk_list():
+    """0.5.23 indexes ``chunk_staging_infos`` with the wire's chunk_idx: -1 after chunk 0 was
+    allocated is chunk 0, answered with chunk 0's region (no new allocation)."""
+    d = rank()
+    init(d)
+    first = sent(req(d, chunk=0), wire.StagingRsp)[0].msg
+    out = req(d, chunk=-1, src="p1")
+    assert not of(out, ev.Allocated)
+    rsp = sent(out, wire.StagingRsp)[0].msg
+    assert (rsp.chunk_idx, rsp.offset, rsp.end) == (-1, first.offset, first.end)
+
+
+def test_negative_chunk_idx_past_the_list_leaks_ring_space_and_ends_the_listener():
+    """On a room with no chunk yet, ``infos[-5] = ...`` raises IndexError after the ring space
+    was assigned: the allocation is recorded nowhere (never freed) and the exception ends
+    decode_listener_thread. The rank then drops every frame; its scheduler goes on, so the
+    waiting timeout still fails the room. PR #39792 drops the request instead."""
+    d = rank()
+    init(d)
+    out = req(d, chunk=-5)
+    (leak,) = of(out, ev.Allocated)
+    assert "IndexError" in of(out, ev.Dropped)[0].reason and not sent(out, wire.StagingRsp)
+    assert d.snapshot().listener_dead and [a.alloc_id for a in d.snapshot().live] == [
+        leak.alloc_id]
+    assert of(req(d, chunk=0, now=1.0), ev.Dropped)[0].reason == "decode listener thread ended"
+    out = d.handle(ev.Tick(), CFG.waiting_timeout_s + 1.0)
+    (done,) = of(out, ev.RoomConcluded)
+    assert done.status == "Failed" and [a.alloc_id for a in d.snapshot().live] == [
+        leak.alloc_id]  # release_room walks the chunk list: the leak stays
+
+    f = rank(cfg=CFG.replace(fixes=("bound-staging-req-chunk",)))
+    init(f)
+    out = req(f, chunk=-5)
+    assert not of(out, ev.Allocated) and "out of range" in of(out, ev.Dropped)[0].reason
+    assert f.snapshot().listener_dead is None and sent(req(f, chunk=0), wire.StagingRsp)

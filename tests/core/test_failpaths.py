@@ -333,3 +333,54 @@ def test_multi_target_retry_resume_fix_writes_ready_sessions_first():
     c = _inverted_allocation_order((MULTI_TARGET_RETRY_RESUME,))
     assert c.outcome(0) == "Success" and c.outcome(1) == "Success"
     assert not c.integrity.violations
+
+
+
+def test_a_legacy_abort_without_a_return_address_fails_the_room_and_is_never_acknowledged():
+    """sglang 0.5.23 parses ``[ABORT, room]`` (``AbortNotification.from_zmq``): the room fails
+    on prefill as for any decode ABORT, and with no return address no ABORT_ACK is sent."""
+    p = prefill()
+    xfer = one_chunk_in_flight(p)
+    msg = wire.decode([b"ABORT", b"1"])
+    assert msg == wire.Abort(room=1, decode_ip=wire.NO_RETURN_ADDRESS, decode_port=0)
+    assert wire.encode(msg) == [b"ABORT", b"1"]
+    out = p.handle(ev.MessageArrived(src="d0", msg=msg), 0.0)
+    assert of(out, ev.RoomConcluded)[0].status == "Failed"
+    out = p.handle(ev.TransferDone(worker=xfer.worker), 0.001)
+    assert not sent(out, wire.AbortAck)
+
+
+# -- PR #36707: ABORT_ACK while an errored transfer is unresolved ------------------------------
+def _abort_then_unsettled_error_with_a_chunk_queued(fixes):
+    """Room 1 has two chunks on one worker: chunk 0 in flight, chunk 1 queued. Decode aborts
+    (a generation: ACK awaited), then chunk 0's WRITE errors without settling (a handle may
+    still write into decode's pages); the worker then dequeues chunk 1 of the Failed room.
+    Returns every ABORT_ACK sent."""
+    p = PrefillRank(CFG.replace(fixes=tuple(fixes)), "p0", 0, 0)
+    p.handle(ev.RoomBootstrapped(room=1, targets=(ev.Target(
+        session="d0", decode_rank=0, total_pages=8, decode_prefix_len=0),)), 0.0)
+    rsp(p, 0)
+    (xfer,) = of(p.handle(ev.SendKV(room=1, end_idx=128, last=True), 0.0), ev.StartTransfer)
+    acks = sent(abort(p), wire.AbortAck)
+    out = p.handle(ev.TransferDone(worker=xfer.worker, ok=False, error="handle still running",
+                                   settled=False), 0.001)
+    assert [s.page_start for s in of(out, ev.ChunkSkipped)] == [4]  # chunk 1, skipped
+    return acks + sent(out, wire.AbortAck)
+
+
+def test_pr36707_incident_abort_ack_while_an_errored_transfer_is_unresolved():
+    """Keeping an unsettled transfer counted instead of poisoning the room (upstream after
+    0.5.23) opens the incident: the Failed-room skip path pops the room's whole count, and
+    ABORT_ACK goes out although the errored WRITE may still land in decode's pages."""
+    (ack,) = _abort_then_unsettled_error_with_a_chunk_queued(["count-errored-transfers"])
+    assert ack.msg == wire.AbortAck(room=1, prefill_rank=0, generation=5)
+
+
+def test_pr36707_keeping_the_count_makes_abort_ack_wait():
+    assert _abort_then_unsettled_error_with_a_chunk_queued(
+        ["count-errored-transfers", "keep-errored-outstanding"]) == []
+
+
+def test_pr36707_incident_is_absent_in_0_5_23_which_poisons_the_room():
+    assert _abort_then_unsettled_error_with_a_chunk_queued([]) == []
+    assert _abort_then_unsettled_error_with_a_chunk_queued(["keep-errored-outstanding"]) == []

@@ -244,3 +244,20 @@ def test_queued_requests_and_deferral_timers_do_not_spin_the_processes() -> None
     assert result.run_seconds > 1.0, result.run_seconds  # long enough for a spin to show
     assert result.coordinator_cpu_s < 0.5 * result.run_seconds, (
         result.coordinator_cpu_s, result.run_seconds)
+
+
+def test_a_corrupt_fault_rewrites_real_frames_and_pr39792_drops_them() -> None:
+    """The ``corrupt`` fault on real ranks: p0g0r0's first STAGING_REQ leaves the socket with
+    chunk_idx 100000; decode allocates for the phantom chunk, which holds room 0 (a wedge whose
+    root names that chunk). With ``bound-staging-req-chunk`` (PR #39792) decode drops it."""
+    from twin.core.fixes import BOUND_STAGING_REQ_CHUNK
+
+    sc = SCENARIOS["malformed-chunk-idx"]
+    result = run_hw(sc.config, sc.workload(), faults=list(sc.faults), params=sc.params,
+                    options=_options())
+    assert result.summary()["status"] == "wedged", result.summary()
+    roots = [line for line in result.diagnosis if line.startswith("root: ")]
+    assert any("room 0 chunks 100000 never got their CHUNK_READY" in r for r in roots), roots
+    fixed_run = run_hw(sc.config.replace(fixes=(BOUND_STAGING_REQ_CHUNK,)), sc.workload(),
+                       faults=list(sc.faults), params=sc.params, options=_options())
+    assert fixed_run.summary()["status"] == "completed", fixed_run.summary()

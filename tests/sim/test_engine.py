@@ -455,3 +455,37 @@ def test_an_idle_watcher_still_sees_an_event_between_arrivals() -> None:
     while tick <= when:
         tick += 7.0
     assert sim.env.now == tick and len(sim.metrics.done) == 1
+
+
+def test_a_crashed_rank_is_one_root_naming_when_and_how_many_rooms() -> None:
+    """A crashed prefill rank is the one root of every room that waits on it (not one root per
+    room): the root names the rank, the fault that killed it, when, and the rooms behind it."""
+    from twin.launch_args import config_from_launch
+
+    cfg = config_from_launch("--tp-size 2 --dp-size 2 --enable-dp-attention", "--tp-size 2")
+    r = run_sim(cfg, poisson(300, 50.0, 1024, 64, seed=0),
+                faults=[parse_fault("crash:p0g1r0:at=2")], params=SimParams(wedge_window_s=2.0))
+    assert r.exit_code == EXIT_WEDGE
+    roots = [line for line in r.diagnosis if line.startswith("root: ")]
+    assert len(roots) == 1, roots
+    waiting = {q.room for q in r.sim.requests.values() if not q.finished}
+    assert waiting and all(r.sim.requests[room].prefill_group == 1 for room in waiting)
+    assert roots[0].startswith("root: p0g1r0 crashed: crashed by fault crash:p0g1r0:at=2 "
+                               "at t=2 s [")
+    assert f" of {len(waiting)} room(s) wait on it]" in roots[0]
+
+
+def test_a_restarted_prefill_rank_is_one_root_for_its_lost_rooms_and_names_pr36049() -> None:
+    """A prefill rank that restarts empty loses the rooms it held: one root names the restart
+    (fault, when it died, when it came back) and the rooms behind it. Decode still counts its
+    old session as a WATERMARK subscriber, so the new session gets no snapshot and waits: the
+    hang half of sglang PR #36049, named on its root."""
+    r = _run(DEFAULT, faults=("restart:p0g0r0:at=1:down=0.5",),
+             params=SimParams(wedge_window_s=5.0))
+    assert r.exit_code == EXIT_WEDGE
+    roots = [line for line in r.diagnosis if line.startswith("root: ")]
+    assert len(roots) == 2, roots
+    assert any("p0g0r0 crashed by fault restart:p0g0r0:at=1:down=0.5 at t=1 s, restarted with "
+               "empty state at t=1.5 s: the rooms it held when it crashed are lost" in x
+               for x in roots)
+    assert any("stale WATERMARK subscriber, sglang PR #36049" in x for x in roots)

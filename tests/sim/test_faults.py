@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -125,3 +126,26 @@ def test_timed_faults() -> None:
                                       "abort:room=2:at=3")]
     inj = FaultInjector(specs, random.Random(0))
     assert [s.action for s in inj.timed()] == ["crash", "abort"]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("corrupt:*:field=room:value=1", "not '*'"),
+    ("corrupt:STAGING_REQ:value=1", "needs field=NAME and value=INTEGER"),
+    ("corrupt:STAGING_REQ:field=chunk_idx", "needs field=NAME and value=INTEGER"),
+    ("corrupt:STAGING_REQ:field=session_id:value=1", "no integer field 'session_id'"),
+    ("corrupt:WATERMARK:field=chunk_idx:value=1", "(its fields: round, tail)"),
+    ("corrupt:STAGING_REQ:field=chunk_idx:value=x", "bad value 'x'"),
+])
+def test_bad_corrupt_specs_are_rejected(spec: str, message: str) -> None:
+    with pytest.raises(FaultSpecError, match=re.escape(message)):
+        parse_fault(spec)
+
+
+def test_corrupt_rewrites_only_the_matching_frame() -> None:
+    inj = FaultInjector([parse_fault("corrupt:STAGING_REQ:nth=2:field=chunk_idx:value=-7")],
+                        random.Random(0))
+    msg = wire.StagingReq(room=3, chunk_idx=1, chunk_pages=4, session_id="d0")
+    first, second = inj.message("p0", "d0", msg), inj.message("p0", "d0", msg)
+    assert first.frame(msg) == msg and not first.applied
+    assert second.frame(msg) == wire.StagingReq(room=3, chunk_idx=-7, chunk_pages=4,
+                                                session_id="d0")

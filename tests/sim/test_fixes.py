@@ -87,3 +87,50 @@ def test_late_staging_req_wedges_the_ring_and_the_fix_drops_it(tmp_path: Path) -
                and "already scattered" in rec.event.reason]
     assert dropped
     assert replay_sim(read_trace(out)).status == "completed"
+
+
+def _malformed(value: int, *fixes: str) -> dict:
+    """The ``malformed-chunk-idx`` scenario with its fault's value replaced (a later spec's
+    rewrite of the same field on the same frame wins)."""
+    import json
+
+    args = ["sim", "--scenario", "malformed-chunk-idx", "--json", "--fault",
+            f"corrupt:STAGING_REQ:src=p0g0r0:nth=1:field=chunk_idx:value={value}"]
+    for f in fixes:
+        args += ["--fix", f]
+    r = invoke(*args)
+    return json.loads(r.output)
+
+
+def test_malformed_chunk_idx_grows_decode_memory_with_the_value_until_pr39792() -> None:
+    """Issue #39764: decode pads a room's chunk_staging_infos up to a STAGING_REQ's chunk_idx,
+    so its memory grows with the malformed value (peak_chunk_infos, per decode rank), and the
+    phantom chunk's allocation holds the room. ``bound-staging-req-chunk`` (PR #39792) drops
+    the frame: no growth, the run completes."""
+    peaks = {}
+    for value in (1_000, 100_000):
+        d = _malformed(value)
+        assert d["status"] == "wedged"
+        peaks[value] = d["peak_chunk_infos"]["d0g0r0"]
+        assert peaks[value] > value
+        fixed = _malformed(value, "bound-staging-req-chunk")
+        assert fixed["status"] == "completed"
+        assert max(fixed["peak_chunk_infos"].values()) <= 2
+    assert peaks[100_000] - peaks[1_000] == 99_000
+
+
+def test_a_negative_chunk_idx_is_dropped_with_the_fix() -> None:
+    assert _malformed(-5)["status"] == "wedged"
+    assert _malformed(-5, "bound-staging-req-chunk")["status"] == "completed"
+
+
+def test_a_negative_chunk_pages_corrupts_until_pr39792() -> None:
+    """A STAGING_REQ with chunk_pages -1 makes decode assign a negative region (SGLang's
+    ``StagingAllocator.assign`` moves its head back), so the real write overruns the next
+    allocations; PR #39792 rejects a non-positive page count."""
+    base = ["sim", "--prefill-args", "--tp-size 4", "--decode-args", "--tp-size 2",
+            "--workload", "poisson:n=20,rate=20", "--fault",
+            "corrupt:STAGING_REQ:src=p0g0r0:nth=1:field=chunk_pages:value=-1"]
+    r = invoke(*base)
+    assert r.exit_code == 4 and "overrun: d0g0r0 room 0" in r.output, r.output
+    assert invoke(*base, "--fix", "bound-staging-req-chunk").exit_code == EXIT_OK

@@ -35,7 +35,7 @@ from twin.core.defects import (
     RAISE_ON_UNALIGNED_PREFIX,
     Defects,
 )
-from twin.core.fixes import DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
+from twin.core.fixes import BOUND_STAGING_REQ_CHUNK, DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
 from twin.core.layout import num_tp_writers
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
@@ -92,7 +92,11 @@ class DecodeRoom:
     decode_prefix_len: int
     total_pages: int
     registered: bool
-    registered_at: float
+    # The waiting clock's start, SGLang's ``init_time``: set at the end of ``send_metadata``
+    # (cc ~2886), which in the twin is the same input as the registration (DecodeRoomInit
+    # is pop_preallocated: register, then send the metadata). It is checked only while the
+    # room waits for transfer status (KVPoll.WaitingForInput, cc ~2603-2611).
+    wait_start: float
     state: DecodeRoomState
     fail_reason: str
     success_at: float
@@ -111,13 +115,17 @@ class DecodeRoom:
     acks: set[int]
     held: bool
     release_at: float
+    # The length SGLang's ``receiver.chunk_staging_infos`` list has grown to: every
+    # STAGING_REQ that allocates pads it to ``chunk_idx + 1`` entries (sh ~847-848, ~859-860),
+    # so one malformed chunk_idx grows it by that much (issue #39764).
+    info_len: int
     # ``_chunk_events``: every submitted scatter whose allocation the poll has not freed yet,
     # in submission order (alloc_id -> chunk_idx); a held room's stay here until released.
     events: dict[int, int]
 
     def __init__(self, *, room: int, prefill_ranks: tuple[str, ...], prefill_attn_tp: int,
                  decode_prefix_len: int, total_pages: int, registered: bool,
-                 registered_at: float, group: tuple[str, ...] = (),
+                 wait_start: float, group: tuple[str, ...] = (),
                  peer_polls: dict[str, str] | None = None) -> None:
         self.room = room
         self.prefill_ranks = prefill_ranks
@@ -125,12 +133,13 @@ class DecodeRoom:
         self.decode_prefix_len = decode_prefix_len
         self.total_pages = total_pages
         self.registered = registered
-        self.registered_at = registered_at
+        self.wait_start = wait_start
         self.state = _S_WAITING
         self.fail_reason = ""
         self.success_at = 0.0
         self.success_ranks = set()
         self.chunks = {}
+        self.info_len = 0
         self.oversized = set()
         self.arrivals = {}
         self.scattering = {}
@@ -168,6 +177,9 @@ class DecodeRank:
         self._rooms: dict[int, DecodeRoom] = {}
         self._subscribers: dict[tuple[str, ...], str] = {}
         self._crashed: str | None = None
+        # ``decode_listener_thread`` ended (an exception it does not catch): frames are no
+        # longer handled, while the scheduler (timers, registration, polls) goes on.
+        self._listener_dead: str | None = None
         self.now = 0.0
         self._dirty: set[int] = set()
         self._deadlines: list[tuple[float, int]] = []
@@ -176,6 +188,11 @@ class DecodeRank:
         # Read on every chunk or poll (the config, defect and fix sets are frozen).
         self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         self._decode_tp = cfg.decode.attn_tp_size
+        self._bound_chunk = self.fixes.on(BOUND_STAGING_REQ_CHUNK)
+        # Memory accounting of structures keyed by wire fields: the entries of every live
+        # room's ``chunk_staging_infos`` (``DecodeRoom.info_len``), now and at their peak.
+        self.chunk_info_entries = 0
+        self.chunk_info_peak = 0
 
     @property
     def watermark(self) -> tuple[int, int]:
@@ -206,7 +223,7 @@ class DecodeRank:
             head=a.head, round=a.round, watermark=a.get_watermark(),
             live=tuple(AllocationView(alloc_id=i, offset=o, size=n, round=r)
                        for i, o, n, r in a.live()),
-            rooms=rooms, subscribers=dict(self._subscribers))
+            rooms=rooms, subscribers=dict(self._subscribers), listener_dead=self._listener_dead)
 
     # -- dispatch ----------------------------------------------------------------------------
     def handle(self, event: ev.Input, now: float) -> list[ev.Effect]:
@@ -215,6 +232,10 @@ class DecodeRank:
         self.now = now
         if self._crashed is not None:
             return [ev.Dropped(what=type(event).__name__, room=-1, reason="rank crashed")]
+        if self._listener_dead is not None and type(event) is ev.MessageArrived:
+            msg = event.msg
+            return [ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                               reason="decode listener thread ended")]
         out: list[ev.Effect] = []
         handler = _DECODE_HANDLERS.get(type(event))
         if handler is None:
@@ -256,7 +277,7 @@ class DecodeRank:
         room = DecodeRoom(
             room=e.room, prefill_ranks=e.prefill_ranks, prefill_attn_tp=e.prefill_attn_tp,
             decode_prefix_len=e.decode_prefix_len, total_pages=e.total_pages,
-            registered=not late, registered_at=self.now,
+            registered=not late, wait_start=self.now,
             group=tuple(g for g in e.group if g != self.session),
             peer_polls=self._early_polls.pop(e.room, {}),
         )
@@ -302,23 +323,40 @@ class DecodeRank:
         if room is None or not room.registered:
             out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason="room not registered"))
             return
-        info = room.chunks.get(msg.chunk_idx)
+        if self._bound_chunk and not (0 <= msg.chunk_idx < room.total_pages
+                                      and msg.chunk_pages > 0):
+            # PR #39792: a negative chunk_idx, a non-positive page count or an index at or
+            # past the room's recorded page count is rejected before anything is allocated.
+            out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
+                                  reason=f"chunk_idx {msg.chunk_idx} / chunk_pages "
+                                  f"{msg.chunk_pages} out of range (room of "
+                                  f"{room.total_pages} pages)"))
+            return
+        key = msg.chunk_idx
+        if key < 0:
+            # 0.5.23 indexes its chunk_staging_infos list with the wire's chunk_idx: a negative
+            # one is a Python index from the end (sh ~833-863).
+            key = room.info_len + msg.chunk_idx
+            if key < 0:
+                self._index_error(room, msg, out)
+                return
+        info = room.chunks.get(key)
         repeated = info is not None
         if info is not None:
             offset, rnd, end = info.offset, info.round, info.end
-        elif msg.chunk_idx in room.oversized:
+        elif key in room.oversized:
             offset, rnd, end = ALLOC_OVERSIZED, 0, -1
-        elif msg.chunk_idx in room.scattered and self.fixes.on(DROP_LATE_STAGING_REQ):
+        elif key in room.scattered and self.fixes.on(DROP_LATE_STAGING_REQ):
             out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
-                                  reason=f"chunk {msg.chunk_idx} was already scattered"))
+                                  reason=f"chunk {key} was already scattered"))
             return
         else:
             # A STAGING_REQ that arrives after its chunk was scattered (it travels on its own
             # socket, so another writer's CHUNK_READY can overtake it) gets a fresh allocation,
             # as in SGLang: nothing will ever scatter it, so it pins the watermark until the
             # waiting timeout fails the room.
-            offset, rnd, end = self._allocate(room, msg.chunk_idx, msg.chunk_pages, out,
-                                              late=msg.chunk_idx in room.scattered)
+            offset, rnd, end = self._allocate(room, key, msg.chunk_pages, out,
+                                              late=key in room.scattered)
         rsp = factories.new_staging_rsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
                               end=end, session_id=msg.session_id)
         for dst in room.prefill_ranks:
@@ -327,6 +365,25 @@ class DecodeRank:
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
             # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
             self._send_watermark(tuple(sorted(room.prefill_ranks)), msg.session_id, out)
+
+    def _index_error(self, room: DecodeRoom, msg: wire.StagingReq,
+                     out: list[ev.Effect]) -> None:
+        """A negative chunk_idx past the start of the room's chunk_staging_infos list: SGLang
+        allocates ring space, then ``infos[chunk_idx] = ...`` raises IndexError. The allocation
+        is recorded nowhere, so nothing ever frees it (it pins the watermark), and the exception
+        ends ``decode_listener_thread`` (nx ~1017-1040 catches nothing): from then on this rank
+        handles no frame, while its scheduler goes on."""
+        required = self.region_bytes(room, msg.chunk_pages)
+        got = self._allocator.assign(required)
+        if got is not None:
+            alloc_id, offset, rnd = got
+            out.append(factories.new_allocated(room=room.room, chunk_idx=msg.chunk_idx,
+                                               alloc_id=alloc_id, offset=offset, round=rnd,
+                                               size=required))
+        self._listener_dead = (f"STAGING_REQ room {msg.room} chunk_idx {msg.chunk_idx}: "
+                               f"IndexError on a chunk list of {room.info_len} entries ended "
+                               f"decode_listener_thread")
+        out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason=self._listener_dead))
 
     def region_bytes(self, room: DecodeRoom, chunk_pages: int) -> int:
         """Bytes of one staging region holding ``chunk_pages`` pages from every writer."""
@@ -343,6 +400,11 @@ class DecodeRank:
 
     def _allocate(self, room: DecodeRoom, chunk_idx: int, chunk_pages: int,
                   out: list[ev.Effect], late: bool = False) -> tuple[int, int, int]:
+        if chunk_idx >= room.info_len:  # ``while len(infos) <= chunk_idx: infos.append(...)``
+            self.chunk_info_entries += chunk_idx + 1 - room.info_len
+            room.info_len = chunk_idx + 1
+            if self.chunk_info_entries > self.chunk_info_peak:
+                self.chunk_info_peak = self.chunk_info_entries
         required = self.region_bytes(room, chunk_pages)
         got = self._allocator.assign(required)
         if got is None:
@@ -490,7 +552,8 @@ class DecodeRank:
                 # failure path below sends ABORT (with deferred release on).
                 self._fail(room, f"not complete {timeout:.0f}s after all-ranks Success (a "
                            f"scatter never arrived)", out)
-        elif room.state is _S_WAITING and self.now - room.registered_at > timeout:
+        elif room.state is _S_WAITING and self.now - room.wait_start >= timeout:
+            # ``_check_waiting_timeout`` (cc ~2888-2893): fails once elapsed >= the timeout
             self._fail(room, f"no transfer result within {timeout:.0f}s", out, initiated=True)
 
     def _poll_value(self, room: DecodeRoom) -> str:
@@ -604,6 +667,7 @@ class DecodeRank:
     def _unregister(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """``unregister_decode_req`` + ``release_room``: free what was never scattered."""
         del self._rooms[room.room]
+        self.chunk_info_entries -= room.info_len
         if not self.defects.on(NO_RELEASE_ROOM):
             for chunk_idx, info in sorted(room.chunks.items()):
                 self._free(info.alloc_id, room.room, chunk_idx, "released", out)

@@ -40,13 +40,13 @@ CATALOG: dict[str, DefectInfo] = {
             STALE_EMPTY_RING_WATERMARK, "decode allocator",
             "emptying the ring leaves the watermark at (round, head) and keeps head; a "
             "wrapping allocation then waits forever on `end <= stale head`",
-            "seed 002 (StagingAllocator.free resets an empty ring to (round+1, 0))",
+            "PR #37166, seed 002 (StagingAllocator.free resets an empty ring to (round+1, 0))",
         ),
         DefectInfo(
             NO_SUBSCRIBER_SNAPSHOT, "decode handler",
             "a new watermark subscriber is not sent the current watermark; its prefill "
             "session waits from (0, 0) for a broadcast only a future free sends",
-            "seed 002 (register_wm_subscriber sends the current watermark)",
+            "PR #37166, seed 002 (register_wm_subscriber sends the current watermark)",
         ),
         DefectInfo(
             LATE_DECODE_REGISTRATION, "decode handler",

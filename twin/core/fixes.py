@@ -17,6 +17,9 @@ MULTI_TARGET_RETRY_RESUME = "multi-target-retry-resume"
 LOST_CONTROL_RECOVERY = "lost-control-recovery"
 DROP_LATE_STAGING_REQ = "drop-late-staging-req"
 STALE_WATERMARK_SUBSCRIBERS = "stale-watermark-subscribers"
+COUNT_ERRORED_TRANSFERS = "count-errored-transfers"
+KEEP_ERRORED_OUTSTANDING = "keep-errored-outstanding"
+BOUND_STAGING_REQ_CHUNK = "bound-staging-req-chunk"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +42,8 @@ CATALOG: dict[str, FixInfo] = {
             "scattered and reused, and a session that is not ready no longer blocks the others "
             "(which can deadlock when two prefill senders' allocations are ordered differently "
             "on two decode rings)",
-            "the twin's finding (docs/defects.md, 'Multi-target retry rewrites a reallocated "
-            "region')",
+            "sglang PR #38100 (issue #38099), also the twin's finding (docs/defects.md, "
+            "'Multi-target retry rewrites a reallocated region'); not merged in 0.5.23",
         ),
         FixInfo(
             LOST_CONTROL_RECOVERY, "both",
@@ -72,6 +75,31 @@ CATALOG: dict[str, FixInfo] = {
             "scheduler for SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT (1 s), stalling decode for "
             "every healthy prefill group too",
             "sglang PR #36049 (not merged in 0.5.23; issue #34737)",
+        ),
+        FixInfo(
+            COUNT_ERRORED_TRANSFERS, "prefill worker",
+            "an errored WRITE whose handles did not settle stays counted in the room's "
+            "outstanding chunks instead of poisoning the room: the ABORT_ACK waits for the "
+            "count, not forever. Upstream's design after 0.5.23 as PR #36707 describes it "
+            "(commit 30a50a2); on its own it opens the incident #36707 fixes: a later chunk of "
+            "the Failed room is skipped with the whole count dropped, and ABORT_ACK goes out "
+            "while the errored write may still land in decode's released pages",
+            "upstream after 0.5.23 (commit 30a50a2, per sglang PR #36707's description)",
+        ),
+        FixInfo(
+            KEEP_ERRORED_OUTSTANDING, "prefill worker",
+            "skipping a chunk of a Failed room uncounts only that chunk (it was counted at "
+            "dequeue) instead of dropping the room's whole outstanding count, so a count kept "
+            "for an unresolved errored transfer survives and ABORT_ACK waits for it",
+            "sglang PR #36707 (not merged in 0.5.23)",
+        ),
+        FixInfo(
+            BOUND_STAGING_REQ_CHUNK, "decode",
+            "decode drops a STAGING_REQ whose chunk_idx is negative or at or past the room's "
+            "recorded page count, or whose chunk_pages is not positive, instead of allocating "
+            "ring space for it and padding its per-room chunk_staging_infos list up to that "
+            "index (issue #39764: one malformed chunk_idx grows decode's memory without bound)",
+            "sglang PR #39792 for issue #39764 (not merged in 0.5.23)",
         ),
     )
 }

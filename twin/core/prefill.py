@@ -31,7 +31,12 @@ from twin.core.defects import (
     TEARDOWN_DROPS_DEFERRED,
     Defects,
 )
-from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
+from twin.core.fixes import (
+    COUNT_ERRORED_TRANSFERS,
+    KEEP_ERRORED_OUTSTANDING,
+    LOST_CONTROL_RECOVERY,
+    MULTI_TARGET_RETRY_RESUME,
+)
 from twin.core.grid import (
     chunk_index,
     compute_grid_segments,
@@ -174,6 +179,8 @@ class PrefillRank:
         self._aligned = not self.defects.on(NO_GRID_ALIGNMENT)
         self._resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
         self._recovery = self.fixes.on(LOST_CONTROL_RECOVERY)
+        self._count_errored = self.fixes.on(COUNT_ERRORED_TRANSFERS)
+        self._keep_outstanding = self.fixes.on(KEEP_ERRORED_OUTSTANDING)
         self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         # ``needs_staging`` false (equal attention TP): pages go straight to decode's pool
         self._direct = not cfg.stages
@@ -400,10 +407,16 @@ class PrefillRank:
                 room.outstanding += 1
                 chunk.counted = True
             if room.state is _S_FAILED:
-                room.outstanding = 0
+                if self._keep_outstanding:
+                    # PR #36707: uncount only this chunk; a count kept for an errored
+                    # transfer that did not settle survives (and holds the room's state).
+                    chunk.counted = False
+                    room.outstanding -= 1
+                else:
+                    room.outstanding = 0  # _staging_outstanding.pop(room) (nx ~1635)
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
                                            reason="room failed"))
-                if not self._queued(room.room):
+                if not self._queued(room.room) and room.outstanding <= 0:
                     self._tear_down(room, out)
                 self._maybe_ack(room.room, out)
                 continue
@@ -555,7 +568,13 @@ class PrefillRank:
             self._run_worker(e.worker, out)
             return
         if not e.ok:
-            if not e.settled:
+            if not e.settled and self._count_errored:
+                # Upstream after 0.5.23: the unsettled chunk stays counted (never uncounted
+                # here), so no ABORT_ACK while it is; no poison.
+                chunk.counted = False
+                self._fail_chunk(room, chunk, f"NIXL transfer not settled: {e.error}", out,
+                                 notify=False)
+            elif not e.settled:
                 # A handle may still be writing: fail the room here without telling decode
                 # (its waiting timeout will), and never acknowledge its abort.
                 self._poisoned.add(room.room)

@@ -126,6 +126,8 @@ class DecodeSnapshot:
     live: tuple[AllocationView, ...]
     rooms: dict[int, DecodeRoomView]
     subscribers: dict[tuple[str, ...], str]
+    # Why the rank's listener thread ended (it then handles no frame), or None.
+    listener_dead: str | None = None
 
 
 RankSnapshot = PrefillSnapshot | DecodeSnapshot

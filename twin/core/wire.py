@@ -89,7 +89,9 @@ class TransferStatus:
 class Abort:
     """Decode's abort notification (``AbortNotification``): ``decode_ip``/``decode_port`` name
     where the acknowledgement goes, ``generation`` the armed deferred-release generation (None
-    when deferred release is off: no acknowledgement is awaited)."""
+    when deferred release is off: no acknowledgement is awaited). A legacy ``[ABORT, room]``
+    frame carries no return address: ``decode_ip`` is then ``NO_RETURN_ADDRESS`` (SGLang's
+    ``None``) and no acknowledgement can be sent."""
 
     room: int
     decode_ip: str
@@ -126,6 +128,8 @@ def tag_of(msg: Message) -> bytes:
     """The first frame of ``msg`` (``b"STAGING_REQ"``, ...)."""
     return TAGS[type(msg)]
 _STR_FIELDS = {"session_id", "writer_id", "decode_ip"}
+NO_RETURN_ADDRESS = ""
+"""``Abort.decode_ip`` of a frame without a return address (SGLang: ``decode_ip=None``)."""
 
 PREFETCH_SOCKET = "prefetch"
 CONTROL_SOCKET = "control"
@@ -149,6 +153,8 @@ def encode(msg: Message) -> list[bytes]:
     if isinstance(msg, TransferStatus):
         return [TAGS[TransferStatus], _enc(msg.room), _enc(msg.status), _enc(msg.prefill_rank),
                 msg.failure_reason.encode("utf-8")]
+    if isinstance(msg, Abort) and msg.decode_ip == NO_RETURN_ADDRESS:
+        return [TAGS[Abort], _enc(msg.room)]  # AbortNotification.to_zmq: no address, no more
     parts = [tag_of(msg)]
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
@@ -174,6 +180,8 @@ def decode(frames: list[bytes]) -> Message:
     if cls is None:
         raise ValueError(f"unknown message kind {tag[:32]!r}")
     kind = tag.decode("ascii")
+    if cls is Abort:
+        return _decode_abort(frames)
     names = _field_names(cls)
     required = [n for n in names if n not in _OPTIONAL]
     body = frames[1:]
@@ -192,6 +200,32 @@ def decode(frames: list[bytes]) -> Message:
             raise ValueError(f"{kind}: field 'status': unknown status {values['status']}") from None
     msg: Message = cls(**values)
     return msg
+
+
+def _decode_abort(frames: list[bytes]) -> Abort:
+    """``AbortNotification.from_zmq`` (sglang 0.5.23 common/conn.py ~187-220): the room is
+    required; with fewer than four frames, or a return address that does not parse, the
+    notification has no return address (a legacy ``[ABORT, room]``); a generation that does
+    not parse is None; frames past the fifth are ignored."""
+    if len(frames) < 2:
+        raise ValueError("ABORT: missing field 'room' (0 of 1 fields)")
+    room = _decode_field("ABORT", "room", bytes(frames[1]))
+    assert isinstance(room, int)
+    legacy = Abort(room=room, decode_ip=NO_RETURN_ADDRESS, decode_port=0)
+    if len(frames) < 4:
+        return legacy
+    try:
+        ip = bytes(frames[2]).decode("ascii")
+        port = int(bytes(frames[3]).decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return legacy
+    generation: int | None = None
+    if len(frames) >= 5:
+        try:
+            generation = int(bytes(frames[4]).decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            generation = None
+    return Abort(room=room, decode_ip=ip, decode_port=port, generation=generation)
 
 
 def _decode_field(kind: str, name: str, raw: bytes) -> object:

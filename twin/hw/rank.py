@@ -388,6 +388,7 @@ class RankProcess:
                 self.feed(ev.SendFailed(dst=dst, msg=msg))
                 return
             copies, extra, hold = fate.copies, fate.extra_s, fate.hold_s
+            msg = fate.frame(msg)  # a corrupt fault rewrites fields before the frame leaves
         at = now = self.now()
         if hold or self._held:  # a stalled socket holds this frame too
             link = (dst, wire.socket_of(msg))

@@ -25,7 +25,7 @@ from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
 from twin.replay import feeding
-from twin.runtime.diagnosis import diagnose, note_fault_record
+from twin.runtime.diagnosis import crash_reason, diagnose, note_fault_record, restart_reason
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
@@ -147,16 +147,20 @@ class Replayer:
         self._observers = frozenset({ev.StartTransfer, ev.StartScatter, ev.RoomConcluded,
                                      ev.RankCrashed, ev.Dropped})
         self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
+        self.nodes_of: dict[int, tuple[str, ...]] = {}  # room -> the ranks it was placed on
+        self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
 
     def _sys(self, rtype: str, d: dict[str, Any]) -> None:
         """Note what the replay follows of a driver record (rooms, crashes and faults)."""
         if rtype == "RequestArrived":
             total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
             self.rooms[d["room"]] = (len(d["decode_node"]), total)
+            self.nodes_of[d["room"]] = (*d["prefill_node"], *d["decode_node"])
         elif rtype == "FaultInjected":
-            if d["fault"].startswith(("crash:", "restart:")):
-                node = d["fault"].split(":")[1]
-                self.crashed[node] = f"crashed by fault {d['fault']}"
+            if d["fault"].startswith("crash:"):
+                self.crashed[d["fault"].split(":")[1]] = crash_reason(d["fault"])
+            elif d["fault"].startswith("restart:"):  # as the simulator: back, empty
+                self.restarted[d["fault"].split(":")[1]] = restart_reason(d["fault"])
             note_fault_record(self.fault_notes, d)  # named on its room's wedge root
 
     def run(self) -> ReplayResult:
@@ -307,7 +311,8 @@ class Replayer:
         else:
             snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
             diagnosis = (diagnose(snapshots, self.crashed, unfinished, self.dropped,
-                                  self.fault_notes).lines() if unfinished else [])
+                                  self.fault_notes, self.nodes_of, self.restarted).lines()
+                         if unfinished else [])
         return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
                             diagnosis, corruption, self.trace.outcome, version=self.version,
                             ended_early=ended_early)

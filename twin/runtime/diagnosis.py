@@ -27,6 +27,7 @@ from twin.core.snapshot import (
     TargetView,
 )
 from twin.core.states import DecodeRoomState
+from twin.runtime.faults import parse_fault
 
 RootKey = tuple[object, ...]
 
@@ -56,7 +57,11 @@ class _Root:
 
 class _Graph:
     def __init__(self, snapshots: Mapping[str, RankSnapshot], dropped: Mapping[int, list[str]],
-                 faults: Mapping[int, list[str]]) -> None:
+                 faults: Mapping[int, list[str]], crashed: Mapping[str, str],
+                 restarted: Mapping[str, str]) -> None:
+        self.crashed = crashed
+        self.restarted = restarted
+        self.nodes_of: Mapping[int, tuple[str, ...]] = {}
         self.prefills = {n: s for n, s in snapshots.items() if isinstance(s, PrefillSnapshot)}
         self.decodes = {n: s for n, s in snapshots.items() if isinstance(s, DecodeSnapshot)}
         self.dropped = dropped
@@ -76,6 +81,22 @@ class _Graph:
         if subject:
             r.subjects.add(subject)
         return key
+
+    def crash_root(self, node: str) -> RootKey:
+        """The one root of every piece of work that waits on crashed rank ``node``."""
+        return self.root(("crash", node), f"{node} crashed: {self.crashed[node]}")
+
+    def listener_root(self, dec: DecodeSnapshot) -> RootKey:
+        """The one root of every piece of work that waits on a decode rank whose listener
+        thread ended (it handles no frame; its rooms fail at their waiting timeout)."""
+        return self.root(("listener", dec.node),
+                         f"{dec.node}: {dec.listener_dead}: the rank handles no frame any more "
+                         f"(STAGING_REQ, CHUNK_READY, KV_STATUS, ABORT_ACK); each of its rooms "
+                         f"fails at its waiting timeout")
+
+    def crashed_of(self, nodes: list[str] | tuple[str, ...]) -> str | None:
+        """The first of ``nodes`` that crashed, or None."""
+        return next((n for n in nodes if n in self.crashed), None)
 
     def charge(self, key: RootKey, room: int) -> None:
         r = self.roots[key]
@@ -110,6 +131,8 @@ class _Graph:
                     seen: frozenset[tuple[int, int, str]]) -> RootKey:
         found = self.chunks.get((room, chunk, session))
         dec = self.decodes.get(session)
+        if dec is not None and dec.listener_dead:
+            return self.listener_root(dec)
         droom = dec.rooms.get(room) if dec is not None else None
         if found is None and droom is not None and (alloc := droom.chunks.get(chunk)) is not None \
                 and alloc.late:
@@ -120,6 +143,8 @@ class _Graph:
                              f"{session} (never queued, or its room was torn down)",
                              fault_room=room)
         node, info, busy = found
+        if (dead := self.crashed_of((node, session))) is not None:
+            return self.crash_root(dead)
         if busy:
             return self.root(("in-flight", node, room, chunk),
                              f"{node}: the WRITE of room {room} chunk {chunk} to {session} "
@@ -144,10 +169,13 @@ class _Graph:
                              f"{node} waits for a watermark from {session}, which is not in this "
                              f"run's snapshots")
         if is_watermark_ready(dec.watermark, info.round, info.end):
+            stale = (f"; {node} restarted and decode still counts it as subscribed, so it "
+                     f"sent the new session no snapshot (a stale WATERMARK subscriber, sglang "
+                     f"PR #36049)" if node in self.restarted else "")
             return self.root(("never-sent", node),
                              f"decode's watermark would admit the waiting chunks of {node} "
                              f"(it knows {wm}) but was never sent to this session "
-                             f"(from {{subjects}})", subject=f"{session} at {dec.watermark}")
+                             f"(from {{subjects}}){stale}", subject=f"{session} at {dec.watermark}")
         return self.pin_root(dec, seen)
 
     def pin_root(self, dec: DecodeSnapshot, seen: frozenset[tuple[int, int, str]]) -> RootKey:
@@ -203,6 +231,21 @@ def _pinning(dec: DecodeSnapshot) -> str:
             f"[{a.offset}, {a.offset + a.size}) round {a.round}: {owner}")
 
 
+def crash_reason(fault: str) -> str:
+    """Why a rank stopped, for a ``crash:`` or ``restart:`` fault spec ``fault``: the fault and
+    when it fired (its ``at=``), as the simulator and a replay both name it."""
+    at = parse_fault(fault).at
+    return f"crashed by fault {fault} at t={at:g} s" if at is not None else \
+        f"crashed by fault {fault}"
+
+
+def restart_reason(fault: str) -> str:
+    """``crash_reason`` of a ``restart:`` fault, and when the rank came back empty."""
+    spec = parse_fault(fault)
+    back = (spec.at or 0.0) + (spec.down or 0.0)
+    return f"{crash_reason(fault)}, restarted with empty state at t={back:g} s"
+
+
 def _note_fault(notes: dict[int, list[str]], room: int, fault: str, detail: str) -> None:
     """Add fault ``fault`` that fired on ``detail`` to ``notes`` of ``room`` (the ``faults``
     of ``diagnose``): each distinct note once, at most eight per room, none for room -1."""
@@ -235,16 +278,23 @@ def note_fault_record(notes: dict[int, list[str]], d: Mapping[str, Any]) -> None
 
 def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
              unfinished: set[int], dropped: Mapping[int, list[str]] | None = None,
-             faults: Mapping[int, list[str]] | None = None) -> Diagnosis:
+             faults: Mapping[int, list[str]] | None = None,
+             nodes_of: Mapping[int, tuple[str, ...]] | None = None,
+             restarted: Mapping[str, str] | None = None) -> Diagnosis:
     """Why ``unfinished`` rooms cannot progress: roots first, then every blocked item.
 
     ``dropped`` holds the ranks' notes of dropped inputs per room; ``faults`` the injected
-    faults that touched each room (named on the root they lie on).
+    faults that touched each room (named on the root they lie on); ``nodes_of`` the ranks
+    each room was placed on, when the driver knows it: an unfinished room no rank holds
+    (it arrived at a crashed rank, which handles nothing) is charged to a crashed one;
+    ``restarted`` the ranks that crashed and came back empty: a room waiting for the status of
+    one that no longer knows the room was lost in that restart (one root per restart).
     """
-    g = _Graph(snapshots, dropped or {}, faults or {})
+    g = _Graph(snapshots, dropped or {}, faults or {}, crashed, restarted or {})
+    g.nodes_of = nodes_of or {}
     details: list[str] = [f"{node} crashed: {why}" for node, why in sorted(crashed.items())]
-    for node, why in sorted(crashed.items()):
-        g.charge(g.root(("crash", node), f"{node} crashed: {why}"), -1)
+    for node in sorted(crashed):
+        g.charge(g.crash_root(node), -1)
     for node, snap in g.prefills.items():
         for w in snap.workers:
             for c in ([w.busy] if w.busy else []) + list(w.queue):
@@ -274,7 +324,14 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
         for droom in sorted(dec.rooms.values(), key=lambda r: r.room):
             if droom.room not in unfinished:
                 continue
-            if not droom.registered:
+            if node in crashed:
+                details.append(f"{node}: room {droom.room} sits on a crashed rank")
+                key = g.crash_root(node)
+            elif dec.listener_dead:
+                details.append(f"{node}: room {droom.room} sits on a rank whose listener "
+                               f"thread ended")
+                key = g.listener_root(dec)
+            elif not droom.registered:
                 details.append(f"{node}: room {droom.room} is not registered yet")
                 key = g.root(("unregistered", node, droom.room),
                              f"{node}: room {droom.room} was never registered")
@@ -298,7 +355,23 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
             else:
                 continue
             g.charge(key, droom.room)
-    return Diagnosis(roots=_root_lines(g), details=details)
+    held = {r for snap in snapshots.values() for r in snap.rooms}
+    unheld: list[int] = []
+    for rid in sorted(unfinished - held):
+        dead = g.crashed_of((nodes_of or {}).get(rid, ()))
+        if dead is None:
+            unheld.append(rid)
+        else:
+            details.append(f"room {rid} was placed on crashed rank {dead}")
+            g.charge(g.crash_root(dead), rid)
+    roots = _root_lines(g)
+    if unheld:
+        # Not a root of their own: the driver holds them back (no KV pool pages or no
+        # concurrency slot) while the rooms above hold theirs.
+        roots.append(f"root: {len(unheld)} unfinished room(s) are held by no rank (rooms "
+                     f"{', '.join(str(r) for r in unheld[:8])}{', ...' if len(unheld) > 8 else ''}"
+                     f"): not admitted yet, they wait for what the rooms above hold")
+    return Diagnosis(roots=roots, details=details)
 
 
 def _chunk_line(g: _Graph, node: str, wi: int, chunk_idx: int, room: int,
@@ -336,7 +409,18 @@ def _chunk_line(g: _Graph, node: str, wi: int, chunk_idx: int, room: int,
 
 def _status_root(g: _Graph, node: str, room: int, missing: list[str]) -> RootKey:
     """A decode room waiting for transfer status waits on the first blocked chunk of a missing
-    prefill rank, or, if none holds one, on the rank that never wrote."""
+    prefill rank, or, if none holds one, on the rank that never wrote; on a crashed one first
+    (a crashed rank is the one root of every room that waits on it, not one root per room)."""
+    if (dead := g.crashed_of(missing)) is not None:
+        return g.crash_root(dead)
+    # A restarted rank that lost the room: a writer of this rank's, or any prefill rank of the
+    # room's group (the group's forward and bootstrap wait for every rank).
+    for p in (*missing, *g.nodes_of.get(room, ())):
+        snap = g.prefills.get(p)
+        if p in g.restarted and snap is not None and room not in snap.rooms:
+            return g.root(("restart", p), f"{p} {g.restarted[p]}: the rooms it held when it "
+                          f"crashed are lost (no transfer status will come; decode fails each "
+                          f"at its waiting timeout)")
     for (r, chunk, session), (pnode, _, _) in sorted(g.chunks.items()):
         if r == room and pnode in missing and session == node:
             return g.chunk_root(r, chunk, session)
@@ -364,8 +448,8 @@ def _root_lines(g: _Graph) -> list[str]:
         if r.items == 0:
             continue
         rooms = sorted(x for x in r.rooms if x >= 0)
-        behind = (f"{r.items} blocked item(s) of {len(rooms)} room(s) wait on it"
-                  if rooms else "")
+        behind = (f"{r.items - (-1 in r.rooms)} blocked item(s) of {len(rooms)} room(s) wait "
+                  f"on it" if rooms else "")
         line = f"root: {r.text()}" + (f" [{behind}]" if behind else "")
         fired: dict[str, int] = {}
         for room in sorted(r.fault_rooms):

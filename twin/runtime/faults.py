@@ -12,6 +12,10 @@ A spec is ``ACTION:TARGET[:key=value]...``::
     crash:d0g0r0:at=2.5           the rank stops handling anything at t=2.5 s
     restart:d0g0r0:at=2.5:down=1  ... and comes back empty after 1 s
     abort:room=3:at=1.5           the request is aborted everywhere at t=1.5 s
+    corrupt:STAGING_REQ:field=chunk_idx:value=100000
+                                  the frame leaves with that field rewritten (a malformed
+                                  or hostile peer): chunk_idx, offsets, sizes, room ids; any
+                                  integer, negative or out of range
 
 Message kinds are the frame tags (STAGING_REQ, STAGING_RSP, WATERMARK, CHUNK_READY, KV_STATUS)
 or ``*``; ``src=``/``dst=`` restrict to a node, ``room=``/``chunk=`` to one room or chunk
@@ -25,6 +29,7 @@ kind. ``FaultInjector.fired`` counts how often each spec fired; ``fault_report``
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import random
@@ -37,17 +42,18 @@ from twin.core import wire
 if TYPE_CHECKING:
     from twin.core.config import TwinConfig
 
-MESSAGE_ACTIONS = ("drop", "delay", "dup", "reorder", "fail-send")
+MESSAGE_ACTIONS = ("drop", "delay", "dup", "reorder", "fail-send", "corrupt")
 ACTIONS = (*MESSAGE_ACTIONS, "fail-transfer", "crash", "restart", "abort")
 KINDS = tuple(t.decode() for t in wire.MESSAGE_TYPES) + ("*",)
 _FLOAT_KEYS = {"p", "ms", "at", "down"}
-_INT_KEYS = {"nth", "room", "chunk"}
-_STR_KEYS = {"src", "dst", "node"}
+_INT_KEYS = {"nth", "room", "chunk", "value"}
+_STR_KEYS = {"src", "dst", "node", "field"}
 #: The keys each action reads (any other key would be silently ignored, so it is rejected).
 KEYS = {
     "drop": {"p", "nth", "room", "chunk", "src", "dst"},
     "dup": {"p", "nth", "room", "chunk", "src", "dst"},
     "fail-send": {"p", "nth", "room", "chunk", "src", "dst"},
+    "corrupt": {"p", "nth", "room", "chunk", "src", "dst", "field", "value"},
     "delay": {"p", "nth", "ms", "room", "chunk", "src", "dst"},
     "reorder": {"p", "nth", "ms", "room", "chunk", "src", "dst"},
     "fail-transfer": {"p", "nth", "node"},
@@ -80,6 +86,8 @@ class FaultSpec:
     src: str | None = None
     dst: str | None = None
     node: str | None = None
+    field: str | None = None
+    value: int | None = None
     text: str = ""
 
     def __str__(self) -> str:
@@ -146,6 +154,8 @@ def parse_fault(text: str) -> FaultSpec:
         raise FaultSpecError(f"fault {text!r}: key 'at': must not be negative")
     if spec.down is not None and spec.down <= 0:
         raise FaultSpecError(f"fault {text!r}: key 'down': must be positive")
+    if action == "corrupt":
+        _check_corrupt(spec)
     for key in ("room", "chunk"):
         if getattr(spec, key) is not None and getattr(spec, key) < 0:
             raise FaultSpecError(f"fault {text!r}: key {key!r}: must not be negative")
@@ -164,6 +174,27 @@ def parse_fault(text: str) -> FaultSpec:
             raise FaultSpecError(f"fault {text!r}: {target} frames carry no chunk; chunk= "
                                  f"would never match")
     return spec
+
+
+def corruptible_fields(kind: str) -> list[str]:
+    """The integer fields of frame kind ``kind`` that ``corrupt`` can rewrite."""
+    cls = wire.MESSAGE_TYPES[kind.encode()]
+    return [f.name for f in dataclasses.fields(cls)
+            if f.name not in wire._STR_FIELDS and f.name not in ("status", "failure_reason")]
+
+
+def _check_corrupt(spec: FaultSpec) -> None:
+    text = spec.text
+    if spec.target == "*":
+        raise FaultSpecError(f"fault {text!r}: corrupt needs one message kind (its fields "
+                             f"differ), not '*'")
+    fields = corruptible_fields(spec.target)
+    if spec.field is None or spec.value is None:
+        raise FaultSpecError(f"fault {text!r}: corrupt needs field=NAME and value=INTEGER "
+                             f"(fields of {spec.target}: {', '.join(fields)})")
+    if spec.field not in fields:
+        raise FaultSpecError(f"fault {text!r}: {spec.target} has no integer field "
+                             f"{spec.field!r} (its fields: {', '.join(fields)})")
 
 
 def check_faults(specs: Iterable[FaultSpec], cfg: TwinConfig, input_lens: list[int]) -> None:
@@ -243,6 +274,15 @@ class MessageFate:
     hold_s: float = 0.0
     send_failed: bool = False
     applied: tuple[str, ...] = ()
+    rewrite: tuple[tuple[str, int], ...] = ()
+
+    def frame(self, msg: wire.Message) -> wire.Message:
+        """``msg`` as it leaves the sender: with the ``corrupt`` faults' fields rewritten."""
+        if not self.rewrite:
+            return msg
+        changes: dict[str, Any] = dict(self.rewrite)
+        out: wire.Message = dataclasses.replace(msg, **changes)
+        return out
 
 
 class FaultInjector:
@@ -292,6 +332,9 @@ class FaultInjector:
             elif spec.action == "fail-send":
                 fate.send_failed = True
                 fate.copies = 0
+            elif spec.action == "corrupt":
+                assert spec.field is not None and spec.value is not None
+                fate.rewrite += ((spec.field, spec.value),)
         fate.applied = tuple(applied)
         return fate
 

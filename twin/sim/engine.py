@@ -30,7 +30,7 @@ from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
 from twin.runtime.collector import paced_collector
-from twin.runtime.diagnosis import fault_record
+from twin.runtime.diagnosis import crash_reason, fault_record, restart_reason
 from twin.runtime.faults import FaultInjector, FaultSpec
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
@@ -371,6 +371,7 @@ class Simulation:
         self.stream_free: dict[str, float] = {}
         self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
         self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
+        self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
         self.unfinished = len(workload.requests)
         self.arrived = 0
         self.done = self.env.event()
@@ -490,6 +491,7 @@ class Simulation:
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
         link = (src, dst, wire.socket_of(msg))  # FIFO per sending socket, not per peer
+        msg = fate.frame(msg)  # a corrupt fault rewrites fields before the frame leaves
         copies, extra = fate.copies, fate.extra_s
         if fate.hold_s:
             # A delay stalls the socket: this frame and every later one on it wait.
@@ -752,9 +754,10 @@ class Simulation:
         node = spec.target
         if node not in self.ranks:
             return
-        self.runtime.crashed[node] = f"crashed by fault {spec.text}"
+        self.runtime.crashed[node] = crash_reason(spec.text)
         self._dead_peers = True
         if spec.action == "restart":
+            self.restarted[node] = restart_reason(spec.text)
             self.at(spec.down or 0.0, self._restart, node)
 
     def _restart(self, node: str) -> None:

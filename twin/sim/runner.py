@@ -98,6 +98,10 @@ class SimResult:
             "fault_report": fault_report(sim.injector.specs, _fired(sim)),
             "failures": _failure_reasons(sim),
             **sim.metrics.summary(),
+            # Entries of decode's per-room chunk_staging_infos at their peak, per decode rank
+            # (each a 5-tuple in SGLang): a malformed STAGING_REQ chunk_idx grows them (#39764).
+            "peak_chunk_infos": {n: r.chunk_info_peak for n, r in sorted(sim.ranks.items())
+                                 if hasattr(r, "chunk_info_peak")},
             "nic_utilisation": sim.metrics.nic_utilisation(sim.env.now),
         }
 
@@ -197,8 +201,12 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     if result.wedged:
         unfinished = {r.room for r in sim.requests.values() if not r.finished}
         snapshots = {n: r.snapshot() for n, r in sim.ranks.items()}
+        topo = sim.topo
+        nodes_of = {r.room: tuple(n.id for n in (*topo.prefill_groups[r.prefill_group].nodes,
+                                                *topo.decode_groups[r.decode_group].nodes))
+                    for r in sim.requests.values() if not r.finished}
         result.diagnosis = diagnose(snapshots, sim.crashed, unfinished, sim.last_dropped,
-                                    sim.fault_notes).lines()
+                                    sim.fault_notes, nodes_of, sim.restarted).lines()
         waiting = sorted(unfinished)
         head = (f"wedge: {len(waiting)} request(s) unfinished with no progress for "
                 f"{sim.params.wedge_window_s:g} s" if reason == "wedge" else

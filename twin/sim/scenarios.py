@@ -29,7 +29,11 @@ from twin.core.defects import (
     SWALLOWED_CHUNK_READY_ERROR,
     TEARDOWN_DROPS_DEFERRED,
 )
-from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME
+from twin.core.fixes import (
+    BOUND_STAGING_REQ_CHUNK,
+    LOST_CONTROL_RECOVERY,
+    MULTI_TARGET_RETRY_RESUME,
+)
 from twin.models.catalog import DEMO_SHAPE
 from twin.runtime.faults import FaultSpec, parse_fault
 from twin.runtime.params import SimParams
@@ -206,6 +210,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         _cfg(**TP4_TP2, staging_pool_size_bytes=MiB), _serial(3, 256, 0.2), symptom="wedge",
         faults=("drop:WATERMARK:src=d0g0r0:dst=p0g0r0:nth=2",),
         params=QUIET, finding=True, fixes=(LOST_CONTROL_RECOVERY,),
+    ),
+    Scenario(
+        "malformed-chunk-idx", "a malformed STAGING_REQ (issue #39764): prefill TP4 -> decode "
+        "TP2, serial one-chunk requests; p0g0r0's first STAGING_REQ leaves with chunk_idx "
+        "100000. Decode allocates ring space for that chunk, which nothing will scatter, and "
+        "pads the room's chunk list to 100001 entries (peak_chunk_infos); the room waits for "
+        "the phantom chunk until the completion timeout. Fixed by bound-staging-req-chunk "
+        "(PR #39792: decode drops an out-of-range chunk_idx)",
+        _cfg(**TP4_TP2), _serial(3, 256, 0.2), symptom="wedge",
+        faults=("corrupt:STAGING_REQ:src=p0g0r0:nth=1:field=chunk_idx:value=100000",),
+        params=QUIET, finding=True, fixes=(BOUND_STAGING_REQ_CHUNK,),
     ),
 )}
 
