@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 
 from twin.cli import cli
 from twin.core.config import TwinConfig
+from twin.core.fixes import ALL_FIXES
 from twin.trace.format import read_trace
 
 TWIN = Path(sys.executable).parent / "twin"
@@ -222,7 +223,7 @@ def test_scenarios_list_and_defects() -> None:
     assert {row["name"] for row in rows} >= {"default", "warmup-stall", "radix-grid"}
     r = invoke("defects", "--json")
     kinds = [row["kind"] for row in json.loads(r.stdout)]
-    assert kinds.count("defect") == 10 and kinds.count("fix") == 4
+    assert kinds.count("defect") == 10 and kinds.count("fix") == len(ALL_FIXES)
     listing = invoke("defects").output
     assert "drop-late-staging-req" in listing
     assert "stale-watermark-subscribers" in listing and "#36049" in listing

@@ -368,7 +368,7 @@ def diagnose(snapshots: Mapping[str, RankSnapshot], crashed: Mapping[str, str],
     if unheld:
         # Not a root of their own: the driver holds them back (no KV pool pages or no
         # concurrency slot) while the rooms above hold theirs.
-        roots.append(f"root: {len(unheld)} unfinished room(s) are held by no rank (rooms "
+        roots.append(f"queued: {len(unheld)} unfinished room(s) are held by no rank (rooms "
                      f"{', '.join(str(r) for r in unheld[:8])}{', ...' if len(unheld) > 8 else ''}"
                      f"): not admitted yet, they wait for what the rooms above hold")
     return Diagnosis(roots=roots, details=details)
