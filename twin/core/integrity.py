@@ -181,8 +181,7 @@ class IntegrityModel:
             pos = b
             hits = ring.overlapping(a, b)
             want = (s.room, s.page_start, s.num_pages, w)
-            good = (len(hits) == 1 and ring.spans[hits[0]][2] == want
-                    and ring.spans[hits[0]][0] <= a and ring.spans[hits[0]][1] >= b)
+            good = _covers(ring, hits, a, b, want)
             if not good:
                 ok = False
                 found = sorted({(ring.spans[i][2][0], ring.spans[i][2][1]) for i in hits})
@@ -214,6 +213,26 @@ class IntegrityModel:
             self._flag("incomplete", node, room,
                        f"completed with {missing} of {total_pages} pages not landed "
                        f"(first: page {first})")
+
+
+def _covers(ring: Ring, hits: list[int], a: int, b: int, want: Tag) -> bool:
+    """Whether the spans ``hits`` of ``ring`` cover ``[a, b)`` without a gap, all tagged
+    ``want`` (one span per writer; several when each PP stage wrote its own layers)."""
+    if not hits:
+        return False
+    spans = ring.spans
+    first = spans[hits[0]]
+    if len(hits) == 1:
+        return first[2] == want and first[0] <= a and first[1] >= b
+    if first[0] > a:
+        return False
+    pos = first[0]
+    for i in hits:
+        s, e, tag, _ = spans[i]
+        if tag != want or s != pos:
+            return False
+        pos = e
+    return pos >= b
 
 
 def _uncovered(ranges: list[tuple[int, int, bool]], total: int) -> tuple[int, int]:
