@@ -195,6 +195,9 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         click.echo(f"deployment  {describe(run.cfg)}")
         click.echo(f"workload    {run.workload_line()}")
         click.echo(f"kv pool     {plan.describe()}")
+        from twin.hw.netutil import choose_ucx_modules
+
+        click.echo(f"ucx         {choose_ucx_modules()}")
         for note in run.notes:
             click.echo(f"note        {note}")
     try:

@@ -312,7 +312,7 @@ class Simulation:
         self.rng_data = random.Random(f"{seed}:data")
         self.injector = FaultInjector(list(faults or []), random.Random(f"{seed}:faults"))
         self._faulty = bool(self.injector.specs)  # read on every frame
-        self.integrity = IntegrityModel(cfg.ring_bytes)
+        self.integrity = IntegrityModel(cfg.ring_bytes, cfg.prefill.pp_size)
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, RequestState] = {}
         self.schedulers = [PrefillScheduler(self, i, self.deployment.prefill)
