@@ -154,6 +154,7 @@ class PrefillRank:
         # Mooncake names the requesting PP rank on every STAGING_REQ (mooncake/conn.py ~685,
         # ``requester_pp_rank=self.pp_rank``); NIXL's requests carry none.
         self._req_pp_rank: int | None = pp_rank if cfg.is_mooncake else None
+        self._mooncake = cfg.is_mooncake
         # This PP stage's layers [start, end): it writes only their slots of each region.
         m0 = cfg.model
         self._layers = pp_layer_range(m0.num_layers, pp_rank, cfg.prefill.pp_size)
@@ -539,7 +540,14 @@ class PrefillRank:
             self._run_worker(e.worker, out)
             return
         if not e.ok:
-            if not e.settled:
+            if self._mooncake:
+                # batch_transfer_sync returned non-zero (its timeout leaves the batch possibly
+                # in flight): Mooncake poisons the room's drain ACK and concludes Failed,
+                # telling decode (mooncake/conn.py ~2739-2752, _poison_unsettled_send ~2478).
+                self._poisoned.add(room.room)
+                self._ack_targets.pop(room.room, None)
+                self._fail_chunk(room, chunk, f"Mooncake transfer failed: {e.error}", out)
+            elif not e.settled:
                 # A handle may still be writing: fail the room here without telling decode
                 # (its waiting timeout will), and never acknowledge its abort.
                 self._poisoned.add(room.room)
