@@ -3,9 +3,8 @@ wedge detection and exit codes. Every run here is a real simulation (no stand-in
 
 from __future__ import annotations
 
-import dataclasses
-
 import csv
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
