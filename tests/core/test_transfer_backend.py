@@ -169,7 +169,7 @@ def test_sim_runs_mooncake_pp_writers_clean_and_rejects_them_on_nixl(tmp_path) -
             "--workload", "poisson:n=20,rate=20", "--trace-out", str(trace)]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output  # completed: no wedge, no integrity violation
-    assert "PP2" in r.output and "over mooncake" in r.output
+    assert "PP2" in r.output and "backend mooncake" in r.output
     t = read_trace(trace)
     assert t.config.disaggregation_transfer_backend == "mooncake"
     assert {n for n in t.nodes if n.startswith("p")} == {

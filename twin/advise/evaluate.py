@@ -80,7 +80,7 @@ def describe_layout(cfg: TwinConfig) -> str:
         pp = f"PP{x.pp_size}" if x.pp_size > 1 else ""
         return f"TP{x.tp_size}{pp}{dp}{inst}"
 
-    return f"{side(cfg.prefill)}->{side(cfg.decode)} ({cfg.disaggregation_transfer_backend})"
+    return f"{side(cfg.prefill)}->{side(cfg.decode)}"
 
 
 def chunk_region_bytes(cfg: TwinConfig) -> int:

@@ -193,11 +193,10 @@ def describe(cfg: TwinConfig) -> str:
 
     m = cfg.model
     ring = cfg.ring_bytes / (1 << 20)
-    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)} over "
-            f"{cfg.disaggregation_transfer_backend}, ring {ring:g} MiB per "
+    return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, ring {ring:g} MiB per "
             f"decode rank, chunked_prefill_size {cfg.chunked_prefill_size}, page "
             f"{cfg.page_size}, model {m.num_layers} layers x {m.num_kv_heads} KV heads x "
-            f"{m.head_dim}")
+            f"{m.head_dim}, backend {cfg.disaggregation_transfer_backend}")
 
 
 # -- the resolver -----------------------------------------------------------------------------
