@@ -161,3 +161,20 @@ def test_num_writers_for_counts_tp_writers_times_pp_stages() -> None:
         cfg = TwinConfig(prefill=ServerSide(tp_size=p_tp, pp_size=pp),
                          decode=ServerSide(tp_size=d_tp))
         assert h.num_writers_for(receiver) == cfg.num_writers, (p_tp, d_tp, pp)
+
+
+def test_staging_response_targets_the_requesting_pp_rank() -> None:
+    """SGLang's wire test ``TestMooncakePPStaging.test_staging_response_targets_requesting_pp_rank``
+    as a fact about the twin: a room whose writers sit in PP stages 2 and 3, a STAGING_REQ
+    naming PP rank 3 (prefill attention TP 1 -> decode TP 16 in the original; 1 -> 2 here):
+    exactly one STAGING_RSP, to stage 3's writer."""
+    cfg = TwinConfig(prefill=ServerSide(tp_size=1, pp_size=4), decode=ServerSide(tp_size=2),
+                     model=MODEL, chunked_prefill_size=64, page_size=16,
+                     staging_pool_size_bytes=1 << 20)
+    d = DecodeRank(cfg, "d0g0r0", 0)
+    d.handle(ev.DecodeRoomInit(room=7, prefill_ranks=("p0g0s2r0", "p0g0s3r0"),
+                               prefill_attn_tp=1, decode_prefix_len=0, total_pages=1), 0.0)
+    out = d.handle(ev.MessageArrived(src="p0g0s3r0", msg=wire.decode(
+        [b"STAGING_REQ", b"7", b"0", b"1", b"d0g0r0", b"3"])), 0.0)
+    rsps = [e for e in out if isinstance(e, ev.Send) and isinstance(e.msg, wire.StagingRsp)]
+    assert [e.dst for e in rsps] == ["p0g0s3r0"]
