@@ -1,4 +1,4 @@
-"""A staged chunk end to end versus a raw NIXL WRITE of the same bytes, between two processes.
+"""A staged chunk end to end versus a raw WRITE of the same bytes, between two processes.
 
 Staged = what a prefill transfer worker does for one chunk in the hardware mode: gather the
 writer's head slice of every layer's K and V from scattered KV pages into its staging buffer
@@ -8,8 +8,11 @@ between two processes in the same run. The decode-side scatter is timed separate
 against a plain copy of the same bytes; on CUDA both are timed with CUDA events around the
 kernels (after a synchronize), so the numbers are kernel time, not launch time.
 
+``--backend mooncake`` does both WRITEs with the Mooncake transfer engine (TCP, blocking
+``batch_transfer_sync_write``) instead of NIXL.
+
 Run: ``python benchmarks/bench_staged.py [--sizes-mib 4 16 64] [--repeat 10] [--device cpu]
-[--kernels auto|torch|triton] [--json out.json]``.
+[--kernels auto|torch|triton] [--backend nixl|mooncake] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -29,11 +32,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from bench_transfer import _bench_target, _settle, measure_raw_write
+from bench_transfer import _bench_target, _endpoint, _settle, measure_raw_write
 
 from twin.hw.control import BootstrapInfo, ControlSocket, exchange_bootstrap
 from twin.hw.kernels import get_kernels
-from twin.hw.nixl_transport import NixlEndpoint
 from twin.hw.pools import KVPool
 
 MIB = 1 << 20
@@ -67,7 +69,7 @@ def _timed(fn: Callable[[], object], dev: torch.device) -> float:
 
 
 def measure_staged(sizes: Sequence[int], repeat: int, device: str = "cpu",
-                   warmup: int = 2, kernels_name: str | None = None
+                   warmup: int = 2, kernels_name: str | None = None, mode: str = "shm"
                    ) -> dict[int, dict[str, float]]:
     """Gather + WRITE + wait per chunk of each size; seconds and GB/s (median)."""
     dev = torch.device(device)
@@ -76,12 +78,12 @@ def measure_staged(sizes: Sequence[int], repeat: int, device: str = "cpu",
     tag = f"staged-{os.getpid()}-{time.monotonic_ns()}"
     ctx = mp.get_context("spawn")
     out: dict[int, dict[str, float]] = {}
-    with ControlSocket() as cs, NixlEndpoint(f"{tag}-init") as ep:
+    with ControlSocket() as cs, _endpoint(f"{tag}-init", mode) as ep:
         staging = torch.zeros(max_bytes, dtype=torch.uint8, device=dev)
         _settle(staging)
         ep.register(staging)
         proc = ctx.Process(target=_bench_target,
-                           args=(cs.endpoint, f"{tag}-ring", True, device, max_bytes),
+                           args=(cs.endpoint, f"{tag}-ring", mode, device, max_bytes),
                            daemon=True)
         proc.start()
         try:
@@ -89,7 +91,8 @@ def measure_staged(sizes: Sequence[int], repeat: int, device: str = "cpu",
             peer_info = exchange_bootstrap(cs, None, me, timeout_s=60)
             peer = ep.add_peer(peer_info.metadata)
             ring = peer_info.regions[0]
-            ep.connect(peer)
+            if mode != "mooncake":
+                ep.connect(peer)
             for n in sizes:
                 pool, pages = _pool(n // BYTES_PER_TOKEN, dev)
                 _settle(staging)
@@ -152,13 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    ap.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    mode = "mooncake" if args.backend == "mooncake" else "shm"
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     sizes = [m * MIB for m in args.sizes_mib]
-    raw = measure_raw_write(sizes, args.repeat, device=args.device)
-    staged = measure_staged(sizes, args.repeat, args.device, kernels_name=args.kernels)
+    raw = measure_raw_write(sizes, args.repeat, device=args.device, mode=mode)
+    staged = measure_staged(sizes, args.repeat, args.device, kernels_name=args.kernels,
+                            mode=mode)
     scat = measure_scatter(sizes, args.repeat, args.device, kernels_name=args.kernels)
     print(f"{'MiB':>5} | {'raw WRITE GB/s':>14} | {'staged GB/s':>11} | {'ratio':>5} | "
           f"{'scatter GB/s':>12} | {'copy GB/s':>9} | {'ratio':>5}")
@@ -170,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{n // MIB:5d} | {r:14.2f} | {s:11.2f} | {s / r:5.2f} | "
               f"{c['scatter_gbps']:12.2f} | {c['copy_gbps']:9.2f} | "
               f"{c['scatter_gbps'] / c['copy_gbps']:5.2f}")
-    print(f"kernels: {get_kernels(args.device, args.kernels).name}")
+    print(f"kernels: {get_kernels(args.device, args.kernels).name}; WRITEs: {args.backend}")
     print("targets: staged/raw >= 0.8 for 4 MiB and up; scatter/copy >= 0.5 on CPU")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

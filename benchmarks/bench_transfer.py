@@ -1,10 +1,12 @@
-"""Raw NIXL WRITE throughput between two processes versus an in-process memcpy.
+"""Raw NIXL and Mooncake WRITE throughput between two processes versus an in-process memcpy.
 
 Run: ``python benchmarks/bench_transfer.py [--sizes-mib 1 4 16 64] [--repeat 20]
-[--modes shm noshm] [--json out.json]``.
+[--modes shm noshm mooncake] [--json out.json]``.
 
 Modes: ``shm`` is ``NixlEndpoint(shm=True)`` (UCX error handling ``none``), ``noshm`` is
-``shm=False`` (UCX default ``peer``). On one host both move bulk data with CMA; set
+``shm=False`` (UCX default ``peer``), ``mooncake`` is a ``MooncakeEndpoint`` (the Mooncake
+transfer engine, TCP, one blocking ``batch_transfer_sync_write`` per WRITE; needs the
+``mooncake`` extra and the system's libibverbs). On one host both move bulk data with CMA; set
 ``UCX_TLS=tcp`` in the environment to measure a TCP-only path instead (on a host with NVIDIA GPUs
 NIXL rejects a ``UCX_TLS`` without CUDA support: use ``UCX_TLS=tcp,cuda_copy``).
 
@@ -40,6 +42,15 @@ import torch
 from twin.hw.control import BootstrapInfo, ControlSocket, exchange_bootstrap
 from twin.hw.nixl_transport import NixlEndpoint
 
+
+def _endpoint(name: str, mode: str) -> Any:
+    """The endpoint of ``mode``: NIXL with or without shm, or the Mooncake engine."""
+    if mode == "mooncake":
+        from twin.hw.mooncake_transport import MooncakeEndpoint
+
+        return MooncakeEndpoint(name, workers=1)
+    return NixlEndpoint(name, shm=mode == "shm")
+
 MIB = 1 << 20
 DEFAULT_SIZES = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 
@@ -61,11 +72,11 @@ def _settle(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
-def _bench_target(parent_ep: str, name: str, shm: bool, device: str, nbytes: int) -> None:
+def _bench_target(parent_ep: str, name: str, mode: str, device: str, nbytes: int) -> None:
     """Target rank: expose one buffer, answer CHECK (value fill test) until STOP."""
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     _settle(buf)  # zero before the initiator learns where to write
-    with ControlSocket() as cs, NixlEndpoint(name, shm=shm) as ep:
+    with ControlSocket() as cs, _endpoint(name, mode) as ep:
         region = ep.register(buf)
         info = BootstrapInfo(name, cs.endpoint, ep.metadata(), (region,))
         peer = exchange_bootstrap(cs, parent_ep, info, timeout_s=60)
@@ -88,8 +99,10 @@ def measure_raw_write(
     shm: bool = True,
     device: str = "cpu",
     warmup: int = 3,
+    mode: str | None = None,
 ) -> dict[int, dict[str, float]]:
-    """Time single NIXL WRITEs of each size into a spawned target process.
+    """Time single WRITEs of each size into a spawned target process (``mode``: ``shm``,
+    ``noshm`` or ``mooncake``; default from ``shm``).
 
     Returns ``{nbytes: {"seconds_median", "seconds_best", "gbps_median", "gbps_best"}}``
     (GB/s = 1e9 bytes/s). Each size gets ``warmup`` untimed writes, then ``repeat`` timed
@@ -99,15 +112,16 @@ def measure_raw_write(
     if not sizes or repeat < 1:
         raise ValueError("need at least one size and repeat >= 1")
     max_bytes = max(sizes)
-    tag = f"{'shm' if shm else 'noshm'}-{os.getpid()}-{time.monotonic_ns()}"
+    mode = mode or ("shm" if shm else "noshm")
+    tag = f"{mode}-{os.getpid()}-{time.monotonic_ns()}"
     ctx = mp.get_context("spawn")
     results: dict[int, dict[str, float]] = {}
-    with ControlSocket() as cs, NixlEndpoint(f"bench-init-{tag}", shm=shm) as ep:
+    with ControlSocket() as cs, _endpoint(f"bench-init-{tag}", mode) as ep:
         src = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
         ep.register(src)
         proc = ctx.Process(
             target=_bench_target,
-            args=(cs.endpoint, f"bench-target-{tag}", shm, device, max_bytes),
+            args=(cs.endpoint, f"bench-target-{tag}", mode, device, max_bytes),
             daemon=True,
         )
         proc.start()
@@ -116,7 +130,8 @@ def measure_raw_write(
             peer_info = exchange_bootstrap(cs, None, me, timeout_s=60)
             peer = ep.add_peer(peer_info.metadata)
             region = peer_info.regions[0]
-            ep.connect(peer)
+            if mode != "mooncake":
+                ep.connect(peer)
             for i, n in enumerate(sizes):
                 value = 1 + i % 250
                 src[:n].fill_(value)
@@ -194,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--modes", nargs="+", choices=["shm", "noshm"], default=["shm", "noshm"])
+    ap.add_argument("--modes", nargs="+", choices=["shm", "noshm", "mooncake"],
+                    default=["shm", "noshm"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--copy-threads", type=int, default=1, help="torch threads for memcpy")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
@@ -209,23 +225,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"copy_threads={args.copy_threads}"
     )
     header = (
-        f"{'mode':<5} {'size':>8} | {'nixl med':>8} {'best':>6} | {'memcpy med':>10} {'best':>6}"
+        f"{'mode':<8} {'size':>8} | {'write med':>9} {'best':>6} | {'memcpy med':>10} {'best':>6}"
         f" | {'ratio med':>9} {'best':>6}"
     )
     print(header)
     print("-" * len(header))
     for mode in args.modes:
-        raw = measure_raw_write(sizes, args.repeat, shm=mode == "shm", device=args.device)
+        raw = measure_raw_write(sizes, args.repeat, mode=mode, device=args.device)
         report[mode] = raw
         for n in sizes:
             r, c = raw[n], copy[n]
             print(
-                f"{mode:<5} {n / MIB:>5.0f}MiB | {r['gbps_median']:>8.2f} {r['gbps_best']:>6.2f} | "
+                f"{mode:<8} {n / MIB:>5.0f}MiB | {r['gbps_median']:>9.2f} {r['gbps_best']:>6.2f} | "
                 f"{c['gbps_median']:>10.2f} {c['gbps_best']:>6.2f} | "
                 f"{r['gbps_median'] / c['gbps_median']:>9.2f} "
                 f"{r['gbps_best'] / c['gbps_best']:>6.2f}"
             )
-    print("GB/s = 1e9 B/s; ratio = nixl / memcpy")
+    print("GB/s = 1e9 B/s; ratio = write / memcpy (shm, noshm: NIXL; mooncake: Mooncake TCP)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -219,7 +219,8 @@ def test_a_ring_too_small_for_some_requests_runs_and_says_so() -> None:
 
 # -- verdicts ---------------------------------------------------------------------------------
 def test_every_request_failing_exits_5_and_says_failed() -> None:
-    r = invoke("sim", "--fault", "fail-transfer:p=1")
+    r = invoke("sim", "--fault", "fail-transfer:p=1", "--prefill-args",
+               "--disaggregation-transfer-backend nixl")
     assert r.exit_code == 5
     assert "status      failed" in r.output and "0 completed, 128 failed" in r.output
     assert "fault       fail-transfer:p=1: fired" in r.output

@@ -14,7 +14,8 @@ pages), each server's memory and scheduling knobs (``--max-total-tokens``,
 ``--mem-fraction-static``, ``--max-running-requests``, ``--max-prefill-tokens``,
 ``--num-reserved-decode-tokens``, ``--disaggregation-decode-polling-interval``,
 ``--kv-cache-dtype``; kept in the config's ``[serving.prefill]`` / ``[serving.decode]``
-tables) and ``--model-path`` (a catalogue name, or a directory or file holding a Hugging Face
+tables), ``--disaggregation-transfer-backend`` (``mooncake``, SGLang's default, or ``nixl``;
+the same on both lines; ``mooncake_tcp`` is Mooncake) and ``--model-path`` (a catalogue name, or a directory or file holding a Hugging Face
 ``config.json``). Each value is checked here, naming the option. Other SGLang arguments
 (``--host``, ...) are ignored, but one that looks like a misspelt argument the twin reads
 (``--tp-szie``) is rejected with a suggestion. Environment keys the twin does not model are
@@ -32,7 +33,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from twin.core.config import ConfigError, TwinConfig
+from twin.core.config import SGLANG_TRANSFER_BACKEND_CHOICES, ConfigError, TwinConfig
 
 #: Environment variable -> (``TwinConfig`` field, type).
 ENV_FIELDS = {
@@ -57,11 +58,12 @@ KNOWN_ARGS = ("--tp-size", "--tp", "--dp-size", "--dp", "--pp-size", "--pp",
               "--enable-prefill-context-parallel", "--disaggregation-mode", "--model-path",
               "--model", "--max-total-tokens", "--mem-fraction-static",
               "--max-running-requests", "--max-prefill-tokens", "--num-reserved-decode-tokens",
-              "--disaggregation-decode-polling-interval", "--kv-cache-dtype")
+              "--disaggregation-decode-polling-interval", "--kv-cache-dtype",
+              "--disaggregation-transfer-backend")
 #: SGLang server options close in spelling to ones the twin reads, which are not typos.
 _OTHER_SGLANG_ARGS = frozenset({
     "--ep-size", "--ep", "--moe-dense-tp-size", "--enable-dp-lm-head", "--attn-cp-size",
-    "--moe-a2a-backend", "--disaggregation-ib-device", "--disaggregation-transfer-backend",
+    "--moe-a2a-backend", "--disaggregation-ib-device",
     "--disaggregation-bootstrap-port", "--disaggregation-decode-tp",
     "--disaggregation-decode-dp", "--disaggregation-prefill-pp", "--enable-two-batch-overlap",
     "--enable-mixed-chunk", "--chunked-prefill-size-per-dp", "--max-queued-requests",
@@ -85,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--kv-cache-dtype")
+    p.add_argument("--disaggregation-transfer-backend", choices=SGLANG_TRANSFER_BACKEND_CHOICES)
     return p
 
 
@@ -177,6 +180,15 @@ def parse_server_args(line: str, role: str) -> tuple[dict[str, Any], dict[str, A
     knobs = serving_args(given, where)
     if knobs:
         shared["serving"] = knobs
+    if "disaggregation_transfer_backend" in given:
+        backend = given["disaggregation_transfer_backend"]
+        if backend == "mooncake_tcp":  # SGLang: Mooncake with MC_FORCE_TCP=1
+            backend = "mooncake"
+        if backend == "fake" and role == "prefill":
+            # SGLang 0.5.23 arg_groups/pd_disaggregation_hook.py ~146
+            fail("field '--disaggregation-transfer-backend': Prefill server does not support "
+                 "'fake' as the transfer backend")
+        shared["disaggregation_transfer_backend"] = backend
     if "model_path" in given:
         if not given["model_path"]:
             raise ConfigError(f"{where}: field '--model-path': expected a model name or path")
@@ -244,6 +256,12 @@ def layer_launch(base: TwinConfig, prefill: str | None, decode: str | None,
     d_page = shared.get("decode", {}).get("page_size")
     if p_page is not None and d_page is not None and p_page != d_page:
         raise ConfigError(f"field '--page-size': prefill {p_page} and decode {d_page} differ")
+    p_backend = shared.get("prefill", {}).get("disaggregation_transfer_backend")
+    d_backend = shared.get("decode", {}).get("disaggregation_transfer_backend")
+    if p_backend is not None and d_backend is not None and p_backend != d_backend:
+        raise ConfigError(f"field '--disaggregation-transfer-backend': prefill {p_backend!r} and "
+                          f"decode {d_backend!r} differ (both servers must use the same "
+                          f"transfer backend)")
     serving = {**base.extra.get("serving", {})}
     models: dict[str, str] = {}
     for role in ("prefill", "decode"):

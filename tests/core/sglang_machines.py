@@ -384,12 +384,15 @@ class SglangDecodeRank:
 
     # -- inputs -------------------------------------------------------------------------------
     def on_room(self, room: int, prefill_ranks: list[str], prefill_ranks_ids: list[int],
-                prefill_tp: int, prefix: int) -> None:
+                prefill_tp: int, prefix: int, pp_ranks: list[int] | None = None,
+                pp_size: int = 1) -> None:
+        """``pp_ranks``: each prefill rank's PP stage (its bootstrap info's ``pp_rank``)."""
         mgr, m = self.mgr, self.m
-        info = types.SimpleNamespace(attn_tp_size=prefill_tp, pp_size=1)
-        receiver = _Receiver(room, [{"rank_ip": p, "rank_port": i, "pp_rank": 0}
-                                    for p, i in zip(prefill_ranks, prefill_ranks_ids,
-                                                    strict=True)],
+        info = types.SimpleNamespace(attn_tp_size=prefill_tp, pp_size=pp_size)
+        stages = pp_ranks or [0] * len(prefill_ranks)
+        receiver = _Receiver(room, [{"rank_ip": p, "rank_port": i, "pp_rank": s}
+                                    for p, i, s in zip(prefill_ranks, prefill_ranks_ids,
+                                                       stages, strict=True)],
                              info, mgr, self.sent, m.clock.now)  # glue: send_metadata ends
         req = types.SimpleNamespace(bootstrap_room=room, kv=types.SimpleNamespace(
             cache_protected_len=prefix, req_pool_idx=0))

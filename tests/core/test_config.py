@@ -98,9 +98,13 @@ REJECTED = [
     pytest.param("chunked_prefill_size = -16\n", "chunked_prefill_size", "positive",
                  id="cps-negative"),
     pytest.param("page_size = 0\n", "page_size", "positive", id="page-size-zero"),
-    pytest.param("[prefill]\npp_size = 2\n", "prefill.pp_size", "pp_size > 1",
-                 id="prefill-pp"),
+    pytest.param('disaggregation_transfer_backend = "nixl"\n[prefill]\npp_size = 2\n',
+                 "prefill.pp_size", "SGLANG_DISAGG_STAGING_BUFFER with pp_size > 1 is only "
+                 "supported by Mooncake.", id="prefill-pp-nixl"),
     pytest.param("[decode]\npp_size = 4\n", "decode.pp_size", "pp_size > 1", id="decode-pp"),
+    pytest.param('disaggregation_transfer_backend = "mori"\n', "disaggregation_transfer_backend",
+                 "SGLANG_DISAGG_STAGING_BUFFER requires disaggregation_transfer_backend="
+                 "'mooncake' or 'nixl', got 'mori'.", id="backend-mori"),
     pytest.param("[model]\nis_mla = true\n", "model.is_mla", "MLA", id="mla"),
     pytest.param("enable_prefill_context_parallel = true\n", "enable_prefill_context_parallel",
                  "context parallelism", id="prefill-cp"),
@@ -193,8 +197,8 @@ def test_head_split_matches_hardware_mode():
 
 
 def test_direct_construction_validates():
-    with pytest.raises(ConfigError, match="pp_size"):
-        TwinConfig(prefill=ServerSide(tp_size=2, pp_size=2))
+    with pytest.raises(ConfigError, match="only supported by Mooncake"):
+        TwinConfig(prefill=ServerSide(tp_size=2, pp_size=2), disaggregation_transfer_backend="nixl")
     with pytest.raises(ConfigError, match="chunked_prefill_size"):
         TwinConfig().replace(chunked_prefill_size=8200)
 
@@ -313,3 +317,21 @@ def test_bytes_per_head_token():
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         TwinConfig().page_size = 32  # type: ignore[misc]
+
+
+# --- the transfer backend ---------------------------------------------------------------------
+
+def test_transfer_backend_defaults_to_mooncake_as_in_sglang():
+    assert TwinConfig().disaggregation_transfer_backend == "mooncake"
+    cfg = TwinConfig(prefill=ServerSide(tp_size=2, pp_size=2))  # Mooncake stages with PP > 1
+    assert cfg.num_writers == 2  # 1 TP writer (TP2 -> TP2) x 2 PP stages
+    assert TwinConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_pp_layer_ranges_match_sglang_get_pp_indices():
+    from twin.core.config import pp_layer_range
+
+    # SGLang: an even split, the last ``remainder`` stages one layer more.
+    assert [pp_layer_range(32, s, 2) for s in range(2)] == [(0, 16), (16, 32)]
+    assert [pp_layer_range(32, s, 3) for s in range(3)] == [(0, 10), (10, 21), (21, 32)]
+    assert [pp_layer_range(33, s, 2) for s in range(2)] == [(0, 16), (16, 33)]

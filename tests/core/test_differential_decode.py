@@ -69,22 +69,34 @@ class DecodeDifferential(RuleBasedStateMachine):
 
     @initialize(prefill_tp=st.sampled_from([1, 2, 4]), decode_tp=st.sampled_from([1, 2]),
                 page=st.sampled_from([1, 16]), cps=st.sampled_from([32, 64]),
-                ring_regions=st.sampled_from([0.5, 1, 2, 3]), data=st.data())
-    def setup(self, prefill_tp, decode_tp, page, cps, ring_regions, data) -> None:
+                ring_regions=st.sampled_from([0.5, 1, 2, 3]), pp=st.sampled_from([1, 1, 2]),
+                backend=st.sampled_from(["mooncake", "nixl"]), data=st.data())
+    def setup(self, prefill_tp, decode_tp, page, cps, ring_regions, pp, backend, data) -> None:
         from sglang_machines import SglangDecodeRank
 
         rank = data.draw(st.integers(0, decode_tp - 1), label="decode_rank")
-        base = TwinConfig(prefill=ServerSide(tp_size=prefill_tp),
+        if pp > 1:
+            backend = "mooncake"  # staging with PP > 1 runs only on Mooncake
+        base = TwinConfig(prefill=ServerSide(tp_size=prefill_tp, pp_size=pp),
                           decode=ServerSide(tp_size=decode_tp), model=MODEL,
                           chunked_prefill_size=cps, page_size=page,
                           waiting_timeout_s=TIMEOUT_S, deferred_decode_kv_release=False,
+                          disaggregation_transfer_backend=backend,
                           # the harness registers every room with the staging handler, as
                           # SGLang does for a receiver that require_staging
                           stage_equal_tp=True)
         region = base.region_layout(rank, base.full_chunk_pages)[2]
         self.cfg = base.replace(staging_pool_size_bytes=max(1, int(ring_regions * region)))
-        self.writers = [f"p{p}" for p in range(prefill_tp)
-                        if rank in target_decode_ranks(prefill_tp, decode_tp, p)]
+        # Every PP stage's rank of a writing TP rank is a writer (Mooncake's PP staging); node
+        # ids name the stage when there are several, as the topology does.
+        self.ids: dict[str, int] = {}
+        self.stage: dict[str, int] = {}
+        for s in range(pp):
+            for p in range(prefill_tp):
+                if rank in target_decode_ranks(prefill_tp, decode_tp, p):
+                    name = f"p{p}" if pp == 1 else f"p0g0s{s}r{p}"
+                    self.ids[name], self.stage[name] = s * prefill_tp + p, s
+        self.writers = list(self.ids)
         self.session = f"d0g0r{rank}"
         self.twin = DecodeRank(self.cfg, self.session, rank, port=4242)
         self.sgl = SglangDecodeRank(
@@ -149,8 +161,10 @@ class DecodeDifferential(RuleBasedStateMachine):
             room=room, prefill_ranks=tuple(self.writers),
             prefill_attn_tp=self.cfg.prefill.attn_tp_size, decode_prefix_len=prefix,
             total_pages=pages))
-        self.sgl.on_room(room, self.writers, [int(w[1:]) for w in self.writers],
-                         self.cfg.prefill.attn_tp_size, prefix)
+        self.sgl.on_room(room, self.writers, [self.ids[w] for w in self.writers],
+                         self.cfg.prefill.attn_tp_size, prefix,
+                         pp_ranks=[self.stage[w] for w in self.writers],
+                         pp_size=self.cfg.prefill.pp_size)
         self._compare(out, f"room {room}")
 
     def _chunks(self, room: int) -> list[tuple[int, int]]:
@@ -164,8 +178,10 @@ class DecodeDifferential(RuleBasedStateMachine):
         chunks = prefetch_chunks(pages, self.cfg.full_chunk_pages)
         chunk, chunk_pages = data.draw(st.sampled_from(chunks), label="chunk")
         src = data.draw(st.sampled_from(self.writers), label="writer")
+        # Mooncake names the requesting PP rank on every request (stage 0 too); NIXL none.
         msg = wire.StagingReq(room=room, chunk_idx=chunk, chunk_pages=chunk_pages,
-                              session_id=self.session)
+                              session_id=self.session,
+                              pp_rank=self.stage[src] if self.cfg.is_mooncake else None)
         out = self._twin(ev.MessageArrived(src=src, msg=msg))
         self.sgl.on_staging_req(wire.encode(msg))
         self._compare(out, f"STAGING_REQ {msg}")
@@ -181,7 +197,7 @@ class DecodeDifferential(RuleBasedStateMachine):
         msg = wire.ChunkReady(room=room, chunk_idx=chunk,
                               page_start=chunk * self.cfg.full_chunk_pages,
                               num_pages=chunk_pages, writer_id=self.session,
-                              prefill_rank=int(src[1:]))
+                              prefill_rank=self.ids[src])
         out = self._twin(ev.MessageArrived(src=src, msg=msg))
         self.sgl.on_chunk_ready(wire.encode(msg))
         self._compare(out, f"CHUNK_READY {msg}")
@@ -192,9 +208,9 @@ class DecodeDifferential(RuleBasedStateMachine):
         room = data.draw(st.integers(0, self.next_room - 1), label="room")
         src = data.draw(st.sampled_from(self.writers), label="writer")
         poll = wire.KVPoll.Success if ok or often_ok else wire.KVPoll.Failed
-        msg = wire.TransferStatus(room=room, status=poll, prefill_rank=int(src[1:]))
+        msg = wire.TransferStatus(room=room, status=poll, prefill_rank=self.ids[src])
         out = self._twin(ev.MessageArrived(src=src, msg=msg))
-        self.sgl.on_status(room, int(poll), int(src[1:]))
+        self.sgl.on_status(room, int(poll), self.ids[src])
         self._compare(out, f"KV_STATUS {msg}")
 
     @precondition(lambda self: self.sgl is not None and self.scattering)

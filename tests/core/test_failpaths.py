@@ -83,15 +83,30 @@ def test_abort_without_generation_or_with_the_setting_off_is_not_acknowledged():
 
 
 def test_a_poisoned_room_never_acknowledges():
-    """A write that could not be proven to have stopped fails the room silently (decode finds
-    out at its waiting timeout) and poisons its acknowledgement: decode releases only at the
-    deadline."""
-    p = prefill()
+    """NIXL: a write that could not be proven to have stopped fails the room silently (decode
+    finds out at its waiting timeout) and poisons its acknowledgement: decode releases only at
+    the deadline."""
+    p = prefill(CFG.replace(disaggregation_transfer_backend="nixl"))
     xfer = one_chunk_in_flight(p)
     out = p.handle(ev.TransferDone(worker=xfer.worker, ok=False, error="post rejected",
                                    settled=False), 0.001)
     assert of(out, ev.RoomConcluded)[0].status == "Failed"
     assert not sent(out, wire.TransferStatus)
+    assert not sent(abort(p, now=0.002), wire.AbortAck)
+
+
+def test_a_failed_mooncake_write_poisons_the_room_and_tells_decode():
+    """Mooncake: batch_transfer_sync returned non-zero (on its timeout the batch may still be
+    running): the room's drain ACK is poisoned and the room concludes Failed with KV_STATUS to
+    decode (mooncake/conn.py ``_poison_unsettled_send``, then ``conclude_failure``)."""
+    p = prefill(CFG.replace(disaggregation_transfer_backend="mooncake"))
+    xfer = one_chunk_in_flight(p)
+    out = p.handle(ev.TransferDone(worker=xfer.worker, ok=False, error="returned -1",
+                                   settled=True), 0.001)
+    assert of(out, ev.RoomConcluded)[0].status == "Failed"
+    (st,) = sent(out, wire.TransferStatus)
+    assert st.msg.status is wire.KVPoll.Failed and "Mooncake transfer failed" in \
+        st.msg.failure_reason
     assert not sent(abort(p, now=0.002), wire.AbortAck)
 
 

@@ -4,6 +4,7 @@ wedge detection and exit codes. Every run here is a real simulation (no stand-in
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -146,8 +147,13 @@ def test_dup_chunk_ready_triggers_an_early_scatter() -> None:
     assert any("never-written bytes" in v for v in r.corruption), r.corruption[:3]
 
 
+NIXL_DEFAULT = dataclasses.replace(
+    DEFAULT, config=DEFAULT.config.replace(disaggregation_transfer_backend="nixl"))
+
+
 def test_fail_transfer_fails_exactly_that_room() -> None:
-    r = _run(DEFAULT, faults=("fail-transfer:nth=1",))
+    """NIXL: a WRITE that ended in ERR is settled; the room fails and acknowledges at once."""
+    r = _run(NIXL_DEFAULT, faults=("fail-transfer:nth=1",))
     s = r.summary()
     assert s["failed"] == 1 and s["completed"] == 127 and s["unfinished"] == 0
     failed = [q for q in r.sim.metrics.done if q.status == "Failed"]
@@ -317,8 +323,24 @@ def test_exit_code_constants() -> None:
         (0, 2, 3, 4, 5)
 
 
+def test_a_failed_mooncake_write_pins_the_ring_until_the_release_deadline() -> None:
+    """Mooncake: any failed batch_transfer_sync poisons the room's drain ACK (the batch may
+    still be writing), so decode holds the failed room's staging until the deferred-release
+    deadline (30 s): the ring is pinned that long, and the run only drains after it."""
+    quiet = dataclasses.replace(DEFAULT.params, wedge_window_s=20.0)
+    r = _run(DEFAULT, faults=("fail-transfer:nth=1",), params=quiet)
+    assert r.status == "wedged"  # nothing moves for 20 s: the failed room pins the ring
+    assert any("holds its staging until every prefill rank acknowledged" in d
+               for d in r.diagnosis), r.diagnosis[:3]
+    r = _run(DEFAULT, faults=("fail-transfer:nth=1",),
+             params=dataclasses.replace(DEFAULT.params, wedge_window_s=40.0))
+    s = r.summary()
+    assert s["failed"] == 1 and s["completed"] == 127 and r.status == "failed"
+    assert r.sim.time() > 30.0  # the others waited for the release deadline
+
+
 def test_every_request_failing_is_never_a_clean_exit() -> None:
-    r = _run(DEFAULT, faults=("fail-transfer:p=1",))
+    r = _run(NIXL_DEFAULT, faults=("fail-transfer:p=1",))
     s = r.summary()
     assert s["completed"] == 0 and s["failed"] == s["requests"]
     assert r.status == "failed" and r.exit_code == EXIT_FAILED

@@ -77,7 +77,8 @@ def describe_layout(cfg: TwinConfig) -> str:
     def side(x: Any) -> str:
         dp = f"DP{x.dp_size}" if x.enable_dp_attention else ""
         inst = f"x{x.instances}" if x.instances > 1 else ""
-        return f"TP{x.tp_size}{dp}{inst}"
+        pp = f"PP{x.pp_size}" if x.pp_size > 1 else ""
+        return f"TP{x.tp_size}{pp}{dp}{inst}"
 
     return f"{side(cfg.prefill)}->{side(cfg.decode)}"
 

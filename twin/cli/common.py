@@ -234,7 +234,8 @@ def describe(cfg: TwinConfig) -> str:
     def side(x) -> str:  # type: ignore[no-untyped-def]
         dp = f" DP{x.dp_size} (DP attention)" if x.enable_dp_attention else ""
         inst = f" x{x.instances}" if x.instances > 1 else ""
-        return f"TP{x.tp_size}{dp}{inst}"
+        pp = f" PP{x.pp_size}" if x.pp_size > 1 else ""
+        return f"TP{x.tp_size}{pp}{dp}{inst}"
 
     m = cfg.model
     ring = cfg.ring_bytes / (1 << 20)
@@ -243,7 +244,7 @@ def describe(cfg: TwinConfig) -> str:
     return (f"prefill {side(cfg.prefill)} -> decode {side(cfg.decode)}, {staging}, "
             f"chunked_prefill_size {cfg.chunked_prefill_size}, page "
             f"{cfg.page_size}, model {m.num_layers} layers x {m.num_kv_heads} KV heads x "
-            f"{m.head_dim}")
+            f"{m.head_dim}, backend {cfg.disaggregation_transfer_backend}")
 
 
 # -- the resolver -----------------------------------------------------------------------------

@@ -189,6 +189,15 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
 
         if not torch.cuda.is_available():
             raise BadInput("--device cuda: no CUDA device is visible")
+    if run.cfg.prefill.pp_size > 1:
+        raise BadInput("--prefill-args: pp_size > 1 runs in the simulator only (a hardware "
+                       "rank holds every layer; its PP stages' layer slices are not gathered)")
+    from twin.hw.mooncake_transport import choose_transport
+
+    try:
+        transport_note = choose_transport(run.cfg.disaggregation_transfer_backend)[1]
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
     try:
         plan = plan_pool(run.cfg, run.workload, run.params, run.overrides, options,
                          kv_pool_pages, concurrency)
@@ -200,6 +209,10 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         click.echo(f"deployment  {run.deployment_line()}")
         click.echo(f"workload    {run.workload_line()}")
         click.echo(f"kv pool     {plan.describe()}")
+        from twin.hw.netutil import choose_ucx_modules
+
+        click.echo(f"transfers   {transport_note}")
+        click.echo(f"ucx         {choose_ucx_modules()}")
         for note in run.notes:
             click.echo(f"note        {note}")
     try:

@@ -3,7 +3,8 @@
 ``TwinConfig.from_toml(path)`` / ``from_dict`` reject bad input with a ``ConfigError`` naming the
 file and field (a misspelt key or table gets a suggestion). Validation mirrors SGLang's start-up
 checks for the staging buffer: positive ``chunked_prefill_size`` that is a multiple of
-``page_size``, no ``pp_size > 1``, no MLA model, no prefill context parallelism, KV heads that
+``page_size``, a Mooncake or NIXL transfer backend (``disaggregation_transfer_backend``,
+SGLang's default ``mooncake``), prefill ``pp_size > 1`` only on Mooncake, no MLA model, no prefill context parallelism, KV heads that
 split over each side's attention TP (or are replicated across it). The driver tables
 (``[sim]``, ``[launch]``, ``[placement]``; ``[run]`` in a trace header) are kept in ``extra``;
 any other table is rejected. Given a ``base``, the file is a layer: the fields it names
@@ -30,6 +31,22 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 MiB = 1024 * 1024
+
+#: The staging transfer backends (SGLang's ``--disaggregation-transfer-backend`` values that
+#: support ``SGLANG_DISAGG_STAGING_BUFFER``); the first is SGLang's default.
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+#: Every value SGLang 0.5.23's ``--disaggregation-transfer-backend`` accepts
+#: (``arg_groups/choices.py`` ``DISAGG_TRANSFER_BACKEND_CHOICES``).
+SGLANG_TRANSFER_BACKEND_CHOICES = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """``[start, end)`` of the layers PP stage ``pp_rank`` holds (SGLang's ``get_pp_indices``
+    without ``SGLANG_PP_LAYER_PARTITION``: an even split, the last ``remainder`` stages one
+    layer more)."""
+    base, remainder = divmod(num_layers, pp_size)
+    start = pp_rank * base + max(0, pp_rank - (pp_size - remainder))
+    return start, start + base + (1 if pp_rank >= pp_size - remainder else 0)
 
 
 class ConfigError(ValueError):
@@ -96,6 +113,9 @@ class TwinConfig:
     pages straight into decode's pool: no STAGING_REQ, ring or WATERMARK. True stages every
     room anyway: the twin's model before it knew this (traces recorded without the field), and
     the hardware mode, which has no direct page-write path.
+    ``disaggregation_transfer_backend``: SGLang's transfer backend on both servers,
+    ``"mooncake"`` (SGLang's default: a prefill with ``pp_size > 1`` may stage, each PP stage
+    writing its own layers, and STAGING_REQ names the requesting PP rank) or ``"nixl"``.
 
     ``worker_wake``: ``"sglang"`` wakes a deferred transfer worker on every WATERMARK and on
     nothing else (a STAGING_RSP or a queued chunk is found when the bounded wait ends);
@@ -123,6 +143,7 @@ class TwinConfig:
     control_retry_s: float = 0.05
     worker_wake: str = "sglang"
     stage_equal_tp: bool = False
+    disaggregation_transfer_backend: str = "mooncake"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -163,9 +184,14 @@ class TwinConfig:
 
     @property
     def num_writers(self) -> int:
-        """Writers per staged chunk: TP writers times prefill PP stages."""
+        """Writers per staged chunk: TP writers times prefill PP stages (SGLang's
+        ``DecodeStagingHandler.num_writers_for``)."""
         tp_writers = num_tp_writers(self.prefill.attn_tp_size, self.decode.attn_tp_size)
         return tp_writers * self.prefill.pp_size // max(1, self.decode.pp_size)
+
+    @property
+    def is_mooncake(self) -> bool:
+        return self.disaggregation_transfer_backend == "mooncake"
 
     def region_layout(self, dst_rank: int, num_pages: int,
                       prefill_attn_tp: int | None = None) -> tuple[int, tuple[int, ...], int]:
@@ -340,12 +366,26 @@ def validate(cfg: TwinConfig) -> None:
             f"field 'chunked_prefill_size': staging needs a positive multiple of page_size "
             f"({cfg.page_size}); got {cfg.chunked_prefill_size}"
         )
+    if cfg.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+        # SGLang 0.5.23 arg_groups/pd_disaggregation_hook.py ~154-162
+        raise ConfigError(
+            f"field 'disaggregation_transfer_backend': SGLANG_DISAGG_STAGING_BUFFER requires "
+            f"disaggregation_transfer_backend='mooncake' or 'nixl', got "
+            f"'{cfg.disaggregation_transfer_backend}'.")
     for side_name in ("prefill", "decode"):
         side: ServerSide = getattr(cfg, side_name)
         for name in ("tp_size", "dp_size", "pp_size", "instances"):
             _positive(f"{side_name}.{name}", getattr(side, name))
-        if side.pp_size > 1:
-            raise ConfigError(f"field '{side_name}.pp_size': staging does not support pp_size > 1")
+        if side.pp_size > 1 and side_name == "decode":
+            raise ConfigError("field 'decode.pp_size': the twin does not model a decode server "
+                              "with pp_size > 1")
+        if side.pp_size > 1 and cfg.disaggregation_transfer_backend != "mooncake":
+            # SGLang 0.5.23 disaggregation/prefill.py ~237
+            raise ConfigError("field 'prefill.pp_size': SGLANG_DISAGG_STAGING_BUFFER with "
+                              "pp_size > 1 is only supported by Mooncake.")
+        if side.pp_size > m.num_layers:
+            raise ConfigError(f"field '{side_name}.pp_size': {side.pp_size} pipeline stages "
+                              f"for {m.num_layers} layers")
         if side.dp_size > 1 and not side.enable_dp_attention:
             # SGLang accepts this pair: its data-parallel controller then runs dp_size
             # independent TP groups of tp_size GPUs each. The twin's dp_size is DP attention's.

@@ -36,7 +36,7 @@ from twin.core.defects import (
     Defects,
 )
 from twin.core.fixes import BOUND_STAGING_REQ_CHUNK, DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
-from twin.core.layout import num_tp_writers
+from twin.core.layout import num_tp_writers, pp_stage_of
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
 
@@ -193,6 +193,9 @@ class DecodeRank:
         # room's ``chunk_staging_infos`` (``DecodeRoom.info_len``), now and at their peak.
         self.chunk_info_entries = 0
         self.chunk_info_peak = 0
+        # Every prefill PP stage writes its own layers of each chunk (Mooncake, PP > 1):
+        # ``num_writers_for`` = TP writers x (prefill PP // decode PP).
+        self._pp_writers = max(1, cfg.prefill.pp_size // max(1, cfg.decode.pp_size))
 
     @property
     def watermark(self) -> tuple[int, int]:
@@ -359,7 +362,12 @@ class DecodeRank:
                                               late=key in room.scattered)
         rsp = factories.new_staging_rsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
                               end=end, session_id=msg.session_id)
+        pp_rank = msg.pp_rank
         for dst in room.prefill_ranks:
+            # A request naming its PP rank (Mooncake) is answered only to that stage's ranks
+            # (staging_handler.py ~895-897); one naming none, to every prefill rank.
+            if pp_rank is not None and pp_stage_of(dst) != pp_rank:
+                continue
             out.append(factories.new_send(dst=dst, msg=rsp))
         self._subscribe(room.prefill_ranks, msg.session_id, out)
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
@@ -443,12 +451,14 @@ class DecodeRank:
         self._dirty.add(room.room)
         arrivals = room.arrivals.setdefault(msg.chunk_idx, [])
         arrivals.append((msg.page_start, msg.num_pages, msg.writer_id))
-        if len(arrivals) >= num_tp_writers(room.prefill_attn_tp, self._decode_tp):
+        if len(arrivals) >= num_tp_writers(room.prefill_attn_tp, self._decode_tp) * \
+                self._pp_writers:
             self._submit_scatter(room, msg.chunk_idx, msg.page_start, msg.num_pages, out)
             del room.arrivals[msg.chunk_idx]
 
     def _num_writers(self, room: DecodeRoom) -> int:
-        return num_tp_writers(room.prefill_attn_tp, self.cfg.decode.attn_tp_size)
+        return num_tp_writers(room.prefill_attn_tp, self.cfg.decode.attn_tp_size) * \
+            self._pp_writers
 
     def _submit_scatter(self, room: DecodeRoom, chunk_idx: int, page_start: int, num_pages: int,
                         out: list[ev.Effect], blind: bool = False) -> bool:

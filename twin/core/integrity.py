@@ -109,8 +109,11 @@ class IntegrityModel:
     """Feed it ``on_transfer`` (prefill writes), ``on_effects`` (decode effects) and it collects
     ``violations``. ``writer_bytes(node, room, num_pages)`` must give per-writer block bytes."""
 
-    def __init__(self, ring_bytes: int) -> None:
+    def __init__(self, ring_bytes: int, pp_stages: int = 1) -> None:
         self.ring_bytes = ring_bytes
+        # Each PP stage writes its own share of every writer block (Mooncake, PP > 1): a
+        # block then holds exactly this many spans of the writer's tag.
+        self.pp_stages = pp_stages
         self.rings: dict[str, Ring] = {}
         # (node, room) -> landed page ranges (start, end, correct)
         self.pages: dict[tuple[str, int], list[tuple[int, int, bool]]] = {}
@@ -181,8 +184,7 @@ class IntegrityModel:
             pos = b
             hits = ring.overlapping(a, b)
             want = (s.room, s.page_start, s.num_pages, w)
-            good = (len(hits) == 1 and ring.spans[hits[0]][2] == want
-                    and ring.spans[hits[0]][0] <= a and ring.spans[hits[0]][1] >= b)
+            good = _covers(ring, hits, a, b, want, self.pp_stages)
             if not good:
                 ok = False
                 found = sorted({(ring.spans[i][2][0], ring.spans[i][2][1]) for i in hits})
@@ -214,6 +216,26 @@ class IntegrityModel:
             self._flag("incomplete", node, room,
                        f"completed with {missing} of {total_pages} pages not landed "
                        f"(first: page {first})")
+
+
+def _covers(ring: Ring, hits: list[int], a: int, b: int, want: Tag, stages: int) -> bool:
+    """Whether the spans ``hits`` of ``ring`` cover ``[a, b)`` without a gap, all tagged
+    ``want``: one span per writer block, or one per PP stage when ``stages > 1``."""
+    if not hits:
+        return False
+    spans = ring.spans
+    first = spans[hits[0]]
+    if len(hits) == 1:
+        return first[2] == want and first[0] <= a and first[1] >= b
+    if len(hits) != stages or first[0] > a:
+        return False
+    pos = first[0]
+    for i in hits:
+        s, e, tag, _ = spans[i]
+        if tag != want or s != pos:
+            return False
+        pos = e
+    return pos >= b
 
 
 def _uncovered(ranges: list[tuple[int, int, bool]], total: int) -> tuple[int, int]:

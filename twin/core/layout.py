@@ -106,3 +106,11 @@ def target_decode_ranks(src_attn_tp_size: int, dst_attn_tp_size: int, src_tp_ran
         return [r // num_tp_writers(src_attn_tp_size, dst_attn_tp_size)]
     fan = dst_attn_tp_size // src_attn_tp_size
     return [r * fan + i for i in range(fan)]
+
+
+def pp_stage_of(node: str) -> int:
+    """The PP stage a prefill node id names (``p0g0s1r0`` -> 1; 0 when it names none)."""
+    at = node.find("s")
+    if at < 0:
+        return 0
+    return int(node[at + 1:node.index("r", at)])

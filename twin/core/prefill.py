@@ -22,7 +22,7 @@ from typing import Any, Final
 from twin.core import events as ev
 from twin.core import factories, wire
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
-from twin.core.config import TwinConfig
+from twin.core.config import TwinConfig, pp_layer_range
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
     NO_GRID_ALIGNMENT,
@@ -150,11 +150,19 @@ class PrefillRank:
     """One prefill attention-TP rank (``node`` is its name; ``unique_rank`` goes on the wire)."""
 
     def __init__(self, cfg: TwinConfig, node: str, attn_tp_rank: int, unique_rank: int,
-                 defects: Defects | None = None) -> None:
+                 defects: Defects | None = None, pp_rank: int = 0) -> None:
         self.cfg = cfg
         self.node = node
         self.rank = attn_tp_rank
         self.unique_rank = unique_rank
+        self.pp_rank = pp_rank
+        # Mooncake names the requesting PP rank on every STAGING_REQ (mooncake/conn.py ~685,
+        # ``requester_pp_rank=self.pp_rank``); NIXL's requests carry none.
+        self._req_pp_rank: int | None = pp_rank if cfg.is_mooncake else None
+        self._mooncake = cfg.is_mooncake
+        # This PP stage's layers [start, end): it writes only their slots of each region.
+        m0 = cfg.model
+        self._layers = pp_layer_range(m0.num_layers, pp_rank, cfg.prefill.pp_size)
         self.defects = defects or Defects()
         self.fixes = cfg.fix_set
         self._eager = cfg.worker_wake == "eager"
@@ -189,7 +197,7 @@ class PrefillRank:
         pages = cfg.prefill_staging_buffer_pages
         buf_pages = pages if pages is not None else cfg.full_chunk_pages
         self.buffer_bytes = (buf_pages * cfg.page_size * heads * cfg.bytes_per_head_token
-                             * m.num_layers * 2)
+                             * (self._layers[1] - self._layers[0]) * 2)
 
     @property
     def num_workers(self) -> int:
@@ -335,7 +343,7 @@ class PrefillRank:
                 self._requested_at[key] = self.now
                 out.append(factories.new_send(dst=target.session, msg=factories.new_staging_req(
                     room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
-                    session_id=target.session)))
+                    session_id=target.session, pp_rank=self._req_pp_rank)))
 
     def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
@@ -510,7 +518,8 @@ class PrefillRank:
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
         out.append(factories.new_send(dst=target.session, msg=factories.new_staging_req(
-            room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session)))
+            room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session,
+            pp_rank=self._req_pp_rank)))
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
               chunk_idx: int, info: tuple[int, int, int],
@@ -522,7 +531,13 @@ class PrefillRank:
         if write is None:
             writer_bytes = self.cfg.region_layout(target.decode_rank, chunk.num_pages)[1]
             wi = self._writer
-            write = self._writes[key] = (writer_bytes[wi], sum(writer_bytes[:wi]),
+            # A PP stage writes its own layers' K and V slots of its TP writer's block; the
+            # twin places them as one span at the stage's share of the block.
+            first, stop = self._layers
+            layers = self.cfg.model.num_layers
+            block = writer_bytes[wi]
+            write = self._writes[key] = (block * (stop - first) // layers,
+                                         sum(writer_bytes[:wi]) + block * first // layers,
                                          sum(writer_bytes))
         nbytes, before, region = write
         wi = self._writer
@@ -568,8 +583,15 @@ class PrefillRank:
             self._run_worker(e.worker, out)
             return
         if not e.ok:
-            if not e.settled and self._count_errored:
-                # Upstream after 0.5.23: the unsettled chunk stays counted (never uncounted
+            if self._mooncake:
+                # batch_transfer_sync returned non-zero (its timeout leaves the batch possibly
+                # in flight): Mooncake poisons the room's drain ACK and concludes Failed,
+                # telling decode (mooncake/conn.py ~2739-2752, _poison_unsettled_send ~2478).
+                self._poisoned.add(room.room)
+                self._ack_targets.pop(room.room, None)
+                self._fail_chunk(room, chunk, f"Mooncake transfer failed: {e.error}", out)
+            elif not e.settled and self._count_errored:
+                # Upstream after 0.5.23 (NIXL): the unsettled chunk stays counted (never uncounted
                 # here), so no ABORT_ACK while it is; no poison.
                 chunk.counted = False
                 self._fail_chunk(room, chunk, f"NIXL transfer not settled: {e.error}", out,

@@ -1,9 +1,12 @@
 """Who talks to whom: node names, prefill and decode groups, and per-room writer sets.
 
 A *group* is one attention-TP group: a whole instance without DP attention, or one DP rank of
-it with DP attention. A room is served by one prefill group and one decode group. Node ids are
-``p{instance}g{dp}r{rank}`` and ``d{instance}g{dp}r{rank}``; a decode node id is also the
-session id prefill ranks use for its watermark (SGLang's agent name).
+it with DP attention; a prefill group with ``pp_size > 1`` (Mooncake only) holds every
+pipeline stage's attention-TP ranks. A room is served by one prefill group and one decode
+group. Node ids are ``p{instance}g{dp}r{rank}`` and ``d{instance}g{dp}r{rank}``, and
+``p{instance}g{dp}s{stage}r{rank}`` for a prefill rank of a deployment with ``pp_size > 1``;
+a decode node id is also the session id prefill ranks use for its watermark (SGLang's agent
+name).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from dataclasses import dataclass
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
-from twin.core.layout import target_decode_ranks
+from twin.core.layout import pp_stage_of, target_decode_ranks
+
+__all__ = ["Group", "Node", "Topology", "build_rank", "build_ranks", "node_id", "pp_stage_of"]
 from twin.core.prefill import PrefillRank
 
 
@@ -25,6 +30,7 @@ class Node:
     dp: int
     rank: int
     unique_rank: int
+    pp_rank: int = 0
 
     @property
     def port(self) -> int:
@@ -45,8 +51,11 @@ class Group:
     nodes: tuple[Node, ...]
 
 
-def node_id(role: str, instance: int, dp: int, rank: int) -> str:
-    return f"{role[0]}{instance}g{dp}r{rank}"
+def node_id(role: str, instance: int, dp: int, rank: int, pp_rank: int | None = None) -> str:
+    """``p0g1r2``; with a PP stage (a deployment with ``pp_size > 1``) ``p0g1s1r2``."""
+    if pp_rank is None:
+        return f"{role[0]}{instance}g{dp}r{rank}"
+    return f"{role[0]}{instance}g{dp}s{pp_rank}r{rank}"
 
 
 class Topology:
@@ -63,12 +72,14 @@ class Topology:
     def _groups(self, role: str) -> list[Group]:
         side = getattr(self.cfg, role)
         groups = []
+        pp = side.pp_size
         for inst in range(side.instances):
             for dp in range(side.attn_dp_size):
                 nodes = tuple(
-                    Node(node_id(role, inst, dp, r), role, inst, dp, r,
-                         unique_rank=(inst * side.attn_dp_size + dp) * side.attn_tp_size + r)
-                    for r in range(side.attn_tp_size)
+                    Node(node_id(role, inst, dp, r, s if pp > 1 else None), role, inst, dp, r,
+                         unique_rank=((inst * side.attn_dp_size + dp) * pp + s)
+                         * side.attn_tp_size + r, pp_rank=s)
+                    for s in range(pp) for r in range(side.attn_tp_size)
                 )
                 groups.append(Group(role, inst, dp, nodes))
         return groups
@@ -93,7 +104,8 @@ class Topology:
 def build_rank(cfg: TwinConfig, node: Node, defects: Defects) -> PrefillRank | DecodeRank:
     """A fresh core for ``node`` (a prefill or a decode rank)."""
     if node.role == "prefill":
-        return PrefillRank(cfg, node.id, node.rank, node.unique_rank, defects)
+        return PrefillRank(cfg, node.id, node.rank, node.unique_rank, defects,
+                           pp_rank=node.pp_rank)
     return DecodeRank(cfg, node.id, node.rank, defects, port=node.port)
 
 

@@ -92,7 +92,7 @@ class Cluster:
                                       ev.TargetsKnown: self._on_targets_known})
         self.pending: list[Action] = []
         self.rooms: dict[int, RoomPlan] = {}
-        self.integrity = IntegrityModel(cfg.ring_bytes)
+        self.integrity = IntegrityModel(cfg.ring_bytes, cfg.prefill.pp_size)
         self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
         self.timers: list[tuple[float, int, Action]] = []
         self.crashed: list[str] = []

@@ -12,6 +12,7 @@ import ipaddress
 import os
 import socket
 import struct
+from collections.abc import MutableMapping
 
 LOOPBACK_HOST = "127.0.0.1"
 SIOCGIFADDR = 0x8915
@@ -140,3 +141,27 @@ def has_rdma_devices() -> bool:
         return bool(os.listdir("/sys/class/infiniband"))
     except OSError:
         return False
+
+
+def choose_ucx_modules(environ: MutableMapping[str, str] | None = None) -> str:
+    """Keep UCX's InfiniBand modules out of a process on a host without RDMA devices, and say
+    what was chosen.
+
+    The NIXL wheel bundles its own rdma-core and libnl; where the system's libibverbs1 and
+    ibverbs-providers are installed too, UCX's ``ib`` modules (``libuct_ib_efa`` needs the
+    system's ``libefa.so.1``) load the system's ``libnl-route-3`` beside the bundled one, and
+    every process that created a UCX agent segfaults at exit (``rtnl_tc_unregister`` in
+    ``_dl_fini``; exit status 139 instead of the real one). Without RDMA devices those modules
+    have nothing to drive, so ``UCX_MODULES=^ib`` is set; a host with RDMA devices keeps them
+    (its IB transport is the point), and a ``UCX_MODULES`` already set wins. Must run before
+    the first UCX agent of the process (UCX reads it once); children inherit it."""
+    env = os.environ if environ is None else environ
+    if "UCX_MODULES" in env:
+        return f"UCX_MODULES={env['UCX_MODULES']} (from the environment)"
+    if has_rdma_devices():
+        return ("UCX ib modules kept: RDMA devices in /sys/class/infiniband ("
+                + ", ".join(sorted(os.listdir("/sys/class/infiniband"))) + ")")
+    env["UCX_MODULES"] = "^ib"
+    return ("UCX_MODULES=^ib: no RDMA devices (/sys/class/infiniband), so UCX's InfiniBand "
+            "modules stay unloaded (with the system's rdma-core installed they crash the "
+            "process at exit)")

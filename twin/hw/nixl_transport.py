@@ -186,6 +186,10 @@ class NixlEndpoint:
     _ids = itertools.count(1)
 
     def __init__(self, name: str, *, shm: bool = True, progress_thread: bool = True) -> None:
+        from twin.hw.netutil import choose_ucx_modules
+
+        #: What was chosen for UCX's InfiniBand modules (``netutil.choose_ucx_modules``).
+        self.ucx_modules = choose_ucx_modules()
         from nixl._api import nixl_agent, nixl_agent_config
 
         if not name:

@@ -42,6 +42,7 @@ from twin.hw.auth import RunKey
 from twin.hw.control import ControlError, ControlSocket
 from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
+from twin.hw.mooncake_transport import MooncakeEndpoint, MooncakeHandle, choose_transport
 from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
@@ -115,8 +116,14 @@ class RankProcess:
                                   send_timeout_ms=60_000, key=spec_key(spec))
         # One CPU host (ranks on loopback, DRAM over shared memory): no NIXL progress thread,
         # which would spin a core per rank. Across nodes (TCP) and on GPUs it runs.
-        self.nixl = NixlEndpoint(spec.node, progress_thread=not (
-            spec.bind_host == LOOPBACK_HOST and self.device.type == "cpu"))
+        transport, _ = choose_transport(cfg.disaggregation_transfer_backend)
+        self.nixl: NixlEndpoint | MooncakeEndpoint
+        if transport == "mooncake":
+            self.nixl = MooncakeEndpoint(spec.node, host=spec.bind_host,
+                                         workers=cfg.transfer_queue_size)
+        else:
+            self.nixl = NixlEndpoint(spec.node, progress_thread=not (
+                spec.bind_host == LOOPBACK_HOST and self.device.type == "cpu"))
         if isinstance(self.core, PrefillRank):
             self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)
                             for _ in range(self.core.num_workers)]
@@ -464,7 +471,11 @@ class RankProcess:
             self.in_flight[e.worker] = ("error", f"injected transfer failure ({failed})")
             return
         try:
-            handle = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes)
+            if isinstance(self.nixl, MooncakeEndpoint):  # blocking, on the worker's thread
+                handle: Any = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes,
+                                              worker=e.worker)
+            else:
+                handle = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes)
         except TransferError as exc:
             # A rejected post: SGLang cannot prove nothing of it lands, so it poisons the room.
             self.in_flight[e.worker] = ("unsettled", str(exc))
@@ -485,6 +496,10 @@ class RankProcess:
             self.nixl.release(value)
             if state == "DONE":
                 self.input(ev.TransferDone(worker=worker))
+            elif isinstance(value, MooncakeHandle):
+                # batch_transfer_sync returned -1: the batch may still be writing (poisoned).
+                self.input(ev.TransferDone(worker=worker, ok=False, error=value.error,
+                                           settled=value.settled))
             else:
                 self.input(ev.TransferDone(worker=worker, ok=False, error="NIXL_ERR"))
 

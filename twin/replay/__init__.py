@@ -130,7 +130,7 @@ class Replayer:
         self.ranks: dict[str, PrefillRank | DecodeRank] = {
             n.id: build_rank(cfg, n, self.defects) for n in self.topo.nodes.values()
             if n.id in trace.nodes}
-        self.integrity = IntegrityModel(cfg.ring_bytes)
+        self.integrity = IntegrityModel(cfg.ring_bytes, cfg.prefill.pp_size)
         self.in_flight: dict[tuple[str, int], ev.StartTransfer] = {}
         # open rooms only: (decode nodes, total pages); a room leaves when every decode node
         # of it concluded, and is counted then

@@ -353,7 +353,7 @@ class Simulation:
         self.sockets = SendBlocking(send_timeout_s=p.zmq_send_timeout_s, sndhwm=p.zmq_sndhwm,
                                     fix=cfg.fix_set.on(STALE_WATERMARK_SUBSCRIBERS))
         self._dead_peers = False
-        self.integrity = IntegrityModel(cfg.ring_bytes)
+        self.integrity = IntegrityModel(cfg.ring_bytes, cfg.prefill.pp_size)
         self.metrics = Metrics(self.topo)
         self.requests: dict[int, RequestState] = {}
         self.schedulers = [PrefillScheduler(self, i, self.deployment.prefill)

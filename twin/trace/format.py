@@ -158,7 +158,7 @@ _SYS_CHECK = {
 }
 _SYS_WANT = {"int": "an integer", "str": "a string", "number": "a finite number",
              "list[str]": "a list of strings"}
-_NODE_RE = re.compile(r"^[pd]\d+g\d+r\d+$")
+_NODE_RE = re.compile(r"^[pd]\d+g\d+(s\d+)?r\d+$")
 _ENVELOPE = ("seq", "t", "node", "dir")
 
 
@@ -222,6 +222,9 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
     cfg_data = h.get("config")
     if type(cfg_data) is not dict:
         raise TraceError(where, "expected an object", "config")
+    if "disaggregation_transfer_backend" not in cfg_data:
+        # Written before the backend was a config field: the twin modelled NIXL's path.
+        cfg_data = {**cfg_data, "disaggregation_transfer_backend": "nixl"}
     try:
         config = TwinConfig.from_dict(cfg_data, source="config")
         config = recorded_config(h["version"], config, cfg_data)
