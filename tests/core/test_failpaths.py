@@ -370,8 +370,10 @@ def _abort_then_unsettled_error_with_a_chunk_queued(fixes):
     """Room 1 has two chunks on one worker: chunk 0 in flight, chunk 1 queued. Decode aborts
     (a generation: ACK awaited), then chunk 0's WRITE errors without settling (a handle may
     still write into decode's pages); the worker then dequeues chunk 1 of the Failed room.
-    Returns every ABORT_ACK sent."""
-    p = PrefillRank(CFG.replace(fixes=tuple(fixes)), "p0", 0, 0)
+    Returns every ABORT_ACK sent. On NIXL's path: Mooncake poisons the room on any failed
+    write, so the incident cannot happen there."""
+    p = PrefillRank(CFG.replace(fixes=tuple(fixes), disaggregation_transfer_backend="nixl"),
+                    "p0", 0, 0)
     p.handle(ev.RoomBootstrapped(room=1, targets=(ev.Target(
         session="d0", decode_rank=0, total_pages=8, decode_prefix_len=0),)), 0.0)
     rsp(p, 0)

@@ -21,7 +21,9 @@ from twin.launch_args import config_from_launch
 from twin.trace.format import make_header
 
 MODEL = ModelShape(num_layers=4, num_kv_heads=8, head_dim=4, dtype_bytes=2)
-PP = TwinConfig(prefill=ServerSide(tp_size=2, pp_size=2), decode=ServerSide(tp_size=2),
+# Prefill TP2 x PP2 -> decode TP4: attention TPs differ, so every room stages (with equal TP
+# SGLang writes pages directly, no ring); each decode rank has one TP writer per PP stage.
+PP = TwinConfig(prefill=ServerSide(tp_size=2, pp_size=2), decode=ServerSide(tp_size=4),
                 model=MODEL, chunked_prefill_size=64, page_size=16,
                 staging_pool_size_bytes=1 << 20)
 

@@ -84,7 +84,8 @@ CATALOG: dict[str, FixInfo] = {
             "(commit 30a50a2); on its own it opens the incident #36707 fixes: a later chunk of "
             "the Failed room is skipped with the whole count dropped, and ABORT_ACK goes out "
             "while the errored write may still land in decode's released pages",
-            "upstream after 0.5.23 (commit 30a50a2, per sglang PR #36707's description)",
+            "upstream after 0.5.23 (commit 30a50a2, per sglang PR #36707's description); "
+            "NIXL's path (Mooncake poisons the room on any failed write)",
         ),
         FixInfo(
             KEEP_ERRORED_OUTSTANDING, "prefill worker",
