@@ -293,9 +293,12 @@ def _listening(net: TwoNodes, node: str, pids: set[int]) -> set[int]:
 
 @pytest.mark.slow
 def test_a_killed_rank_on_a_node_is_named_with_its_agent(net: TwoNodes, tmp_path: Path) -> None:
-    """Also: the decode rank listens only on the coordinator's port ranges."""
+    """Also: the decode rank listens only on the coordinator's port ranges (on NIXL, whose
+    UCX data port --data-ports bounds; the Mooncake engine picks its own ports)."""
     run, proc = _mid_run(net, tmp_path, "--control-ports", "29600-29609", "--data-ports",
-                         "29700-29709")
+                         "29700-29709", "--prefill-args",
+                         "--disaggregation-transfer-backend nixl", "--decode-args",
+                         "--disaggregation-transfer-backend nixl")
     decode = [int(p) for p in re.findall(r"pid (\d+)\)", run.agent_log("decode"))]
     ports = sorted(_listening(net, "b", set(decode)))
     assert len(ports) == 2 and 29600 <= ports[0] <= 29609 and 29700 <= ports[1] <= 29709, ports

@@ -195,9 +195,14 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     from twin.hw.mooncake_transport import choose_transport
 
     try:
-        transport_note = choose_transport(run.cfg.disaggregation_transfer_backend)[1]
+        transport, transport_note = choose_transport(run.cfg.disaggregation_transfer_backend)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
+    if transport == "mooncake" and data_ports:
+        transport_note += ("; --data-ports bounds NIXL's UCX ports only: the Mooncake engine "
+                           "picks its own RPC/handshake and TCP data ports (give "
+                           "--disaggregation-transfer-backend nixl to keep every data port in "
+                           "the range)")
     try:
         plan = plan_pool(run.cfg, run.workload, run.params, run.overrides, options,
                          kv_pool_pages, concurrency)

@@ -95,6 +95,7 @@ class MooncakeEndpoint:
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", protocol: str | None = None,
                  workers: int = 4, device_name: str = "") -> None:
+        os.environ.setdefault("GLOG_minloglevel", "1")  # the engine's INFO lines: warnings up
         from mooncake.engine import TransferEngine
 
         if not name:
