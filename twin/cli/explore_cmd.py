@@ -131,7 +131,7 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
         from twin.advise.executors import RayUnavailable, make_executor
 
         try:
-            return make_executor(job, executor, workers, address)  # type: ignore[arg-type]
+            return make_executor(job, executor, workers, address)
         except RayUnavailable as exc:
             raise BadInput(str(exc)) from None
 

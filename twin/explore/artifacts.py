@@ -25,7 +25,7 @@ from typing import Any
 
 from twin.explore.campaign import Campaign, Finding
 from twin.explore.oracles import run_trial
-from twin.explore.trial import Base, Trial
+from twin.explore.trial import Base
 
 
 def slug_for(sig: tuple[str, str], n: int) -> str:
@@ -183,7 +183,8 @@ def _story(base: Base, f: Finding, log: list[tuple[float, str, str]],
              f"{len(f.trial.faults)} fault(s) to {len(t.requests)} and {len(t.faults)}.", "",
              "## The trial", "", f"- deployment: {describe(cfg)}",
              f"- defects on: {', '.join(base.defects) or 'none'}"
-             + (f" (needed: {', '.join(f.needs_defects)})" if base.defects else ""),
+             + (f" (needed: {', '.join(f.needs_defects) or 'none of them'})"
+                if base.defects else ""),
              f"- seed: {t.seed}"]
     for i, r in enumerate(sorted(t.requests, key=lambda q: q.at)):
         extra = []

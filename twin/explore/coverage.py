@@ -10,7 +10,8 @@ reached of the total:
 * ``fx:``  effect kinds, per side;
 * ``al:``  allocator situations on a decode ring: allocating into an empty ring, wrapping to
   the next round, an oversized chunk, the ring filling up (a write deferred behind the
-  watermark), freeing to empty, a stale watermark (a write waiting although the ring is empty);
+  watermark), freeing to empty, a stale watermark (an allocation into an empty ring that the
+  ring's own watermark says is not free yet);
 * ``dr:``  deferral reasons (allocation pending, watermark behind).
 
 It also checks two safety properties on the decode effects as they happen: live staging
@@ -25,7 +26,7 @@ from typing import Any
 
 from twin.core import events as ev
 from twin.core import states
-from twin.core.allocator import ALLOC_OVERSIZED
+from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
 
 TRANSITION_KEYS = tuple(
     [f"tr:prefill:{s.value}>{t.name}" for s, t in states.PREFILL_TRANSITIONS]
@@ -91,8 +92,6 @@ class CoverageRecorder:
                          else "dr:watermark-behind")
                 if not e.reason.startswith("allocation"):
                     keys.add("al:ring-full")
-                    if not self._live.get(e.session):
-                        keys.add("al:stale-watermark")
             if self.log_limit and len(self.log) < self.log_limit:
                 text = _effect_text(e)
                 if text:
@@ -112,6 +111,10 @@ class CoverageRecorder:
                 return
             if not live:
                 self.keys.add("al:alloc-empty")
+                if not is_watermark_ready(self._wm.get(node, (0, 0)), e.round,
+                                          e.offset + e.size):
+                    # Nothing else is live, yet the watermark says the region is not free.
+                    self.keys.add("al:stale-watermark")
             if e.round > self._round.get(node, 0) and e.offset == 0:
                 self.keys.add("al:alloc-wrap")
             self._round[node] = max(self._round.get(node, 0), e.round)
@@ -174,22 +177,23 @@ def observe_transitions(keys: set[str]) -> Iterator[None]:
     from twin.core import decode as dmod
     from twin.core import prefill as pmod
 
-    p_orig, d_orig = pmod.prefill_next, dmod.decode_next
+    p_ns, d_ns = vars(pmod), vars(dmod)
+    p_orig, d_orig = p_ns["prefill_next"], d_ns["decode_next"]
 
     def p_next(state: states.PrefillRoomState,
                trigger: states.PrefillTrigger) -> states.PrefillRoomState:
         keys.add(f"tr:prefill:{state.value}>{trigger.name}")
-        return p_orig(state, trigger)
+        nxt: states.PrefillRoomState = p_orig(state, trigger)
+        return nxt
 
     def d_next(state: states.DecodeRoomState,
                trigger: states.DecodeTrigger) -> states.DecodeRoomState:
         keys.add(f"tr:decode:{state.value}>{trigger.name}")
-        return d_orig(state, trigger)
+        nxt: states.DecodeRoomState = d_orig(state, trigger)
+        return nxt
 
-    pmod.prefill_next = p_next  # type: ignore[assignment]
-    dmod.decode_next = d_next  # type: ignore[assignment]
+    p_ns["prefill_next"], d_ns["decode_next"] = p_next, d_next
     try:
         yield
     finally:
-        pmod.prefill_next = p_orig  # type: ignore[assignment]
-        dmod.decode_next = d_orig  # type: ignore[assignment]
+        p_ns["prefill_next"], d_ns["decode_next"] = p_orig, d_orig

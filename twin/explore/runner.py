@@ -8,8 +8,11 @@ that kills its worker twice is recorded as a finding of kind ``crashed``.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +29,19 @@ class Report:
     worker_deaths: list[str] = field(default_factory=list)
 
 
-def _dead_workers(executor: Any) -> list[str]:
+def _workers(executor: Any) -> list[Any]:
+    """The local pool's worker processes (none for other executors); kept before a wait, as a
+    broken pool forgets its processes."""
     pool = getattr(executor, "_pool", None)
-    procs = getattr(pool, "_processes", None) or {}
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
+def _dead_workers(procs: list[Any]) -> list[str]:
+    for p in procs:
+        p.join(timeout=1.0)
+    # The pool ends the others itself (SIGTERM) once one died.
     return [f"worker pid {p.pid} died (exit code {p.exitcode})"
-            for p in list(procs.values()) if p.exitcode not in (None, 0)]
+            for p in procs if p.exitcode not in (None, 0, -signal.SIGTERM)]
 
 
 def _run_round(campaign: Campaign, trials: list[tuple[int, Trial]], make: ExecutorFactory,
@@ -49,6 +60,7 @@ def _run_round(campaign: Campaign, trials: list[tuple[int, Trial]], make: Execut
         todo_by_index = dict(todo)
         todo = []
         broken = False
+        procs = _workers(ex)
         while ex.pending:
             for point, row in ex.wait():
                 index = point[0]
@@ -64,7 +76,7 @@ def _run_round(campaign: Campaign, trials: list[tuple[int, Trial]], make: Execut
                 else:
                     rows[index] = row
         if broken:
-            deaths = _dead_workers(ex) or ["a worker died (pid unknown)"]
+            deaths = _dead_workers(procs) or ["a worker died (pid unknown)"]
             redo = ", ".join(f"#{i}" for i, _ in sorted(todo))
             for d in deaths:
                 line = f"{d}; trial(s) {redo} redone on a fresh pool"
@@ -74,6 +86,31 @@ def _run_round(campaign: Campaign, trials: list[tuple[int, Trial]], make: Execut
             ex.close()
             state["executor"] = None
     return rows
+
+
+@contextlib.contextmanager
+def stop_requests(flag: dict[str, str]) -> Iterator[None]:
+    """Within the block, SIGINT, SIGTERM and SIGHUP ask the campaign to stop (``flag["stop"]``
+    names the signal) instead of raising: a simulation catches ``KeyboardInterrupt`` itself and
+    would turn a stop into one interrupted trial. The campaign stops after the trial running;
+    a second signal raises ``KeyboardInterrupt`` at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ask(signum: int, frame: object) -> None:
+        if flag.get("stop"):
+            raise KeyboardInterrupt
+        flag["stop"] = signal.Signals(signum).name
+
+    wanted = [s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None),
+                          getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, ask) for s in wanted}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = None,
@@ -86,9 +123,8 @@ def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = Non
     (the state is saved there)."""
     import time
 
-    from twin.runtime.signals import signals_interrupt
-
     report = Report()
+    flag: dict[str, str] = {}
     state: dict[str, Any] = {"executor": None}
     t0 = time.perf_counter()
     bar = None
@@ -100,10 +136,10 @@ def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = Non
                    leave=False, dynamic_ncols=True)
 
     def out_of_time() -> bool:
-        return budget_s is not None and time.perf_counter() - t0 >= budget_s
+        return bool(flag) or (budget_s is not None and time.perf_counter() - t0 >= budget_s)
 
     try:
-        with signals_interrupt():
+        with stop_requests(flag):
             while True:
                 if runs is not None and campaign.runs >= runs:
                     break
@@ -112,7 +148,9 @@ def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = Non
                 size = 8 if runs is None else min(8, runs - campaign.runs)
                 trials = campaign.make_round(size)
                 rows = _run_round(campaign, trials, make, state, report)
-                new = campaign.absorb(trials, rows, stop=out_of_time)
+                if flag:
+                    break  # a round cut short by a stop is not taken: resume redoes it
+                new = campaign.absorb(trials, rows, stop=lambda: bool(flag))
                 for f in new:
                     report.new.append(f)
                     if on_finding is not None:
@@ -129,6 +167,7 @@ def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = Non
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
+        report.interrupted = report.interrupted or bool(flag)
         if bar is not None:
             bar.close()
         ex = state.get("executor")

@@ -78,9 +78,10 @@ def _candidates(base: Base, t: Trial) -> Iterator[Trial]:
         cfg = base.config(t)
     except InvalidTrial:
         return
-    for name, value in (("prefill_tp", cfg.prefill.tp_size), ("decode_tp", cfg.decode.tp_size)):
-        if value > 1:
-            yield t.with_(deploy=replace(d, **{name: value // 2}))
+    if cfg.prefill.tp_size > 1:
+        yield t.with_(deploy=replace(d, prefill_tp=cfg.prefill.tp_size // 2))
+    if cfg.decode.tp_size > 1:
+        yield t.with_(deploy=replace(d, decode_tp=cfg.decode.tp_size // 2))
     ring = smallest_ring(cfg)
     if cfg.ring_bytes > ring:
         yield t.with_(deploy=replace(d, ring_bytes=ring))
