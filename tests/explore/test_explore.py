@@ -289,3 +289,41 @@ def test_a_dying_worker_is_named_and_its_trials_redone(tmp_path: Path,
     explore(alone, inline, runs=16)
     assert findings_of(pooled) == findings_of(alone)
     assert pooled.coverage == alone.coverage
+
+
+def test_corruption_root_names_the_first_violation_without_numbers() -> None:
+    sig = judge("corrupted", corruption_kinds=["incomplete"], safety=[], diagnosis=[],
+                failures={}, caused=False,
+                corruption=["incomplete: d0g0r1 room 0: completed with 16 of 17 pages not "
+                            "landed (first: page 0)"])
+    assert sig == ("corrupted:incomplete",
+                   "incomplete: completed with N of N pages not landed (first: page N)")
+
+
+def test_a_wedge_the_waiting_timeout_settles_is_no_finding_when_caused() -> None:
+    diag = ["wedge: 1 request(s) unfinished",
+            "root: prefill dropped decode's metadata (room already failed): those rooms will "
+            "get no transfer status, and decode fails each at its waiting timeout (X) [1]"]
+    assert judge("wedged", corruption_kinds=[], safety=[], diagnosis=diag, failures={},
+                 caused=True) is None
+    sig = judge("wedged", corruption_kinds=[], safety=[], diagnosis=diag, failures={},
+                caused=False)
+    assert sig is not None and sig[0] == "failed-without-cause"
+
+
+def test_pct_finds_the_overtaken_staging_req_on_the_loopback_cluster() -> None:
+    """Today's protocol: a STAGING_REQ overtaken on its own socket arrives after its chunk was
+    scattered and gets an allocation nothing scatters. A depth-1 PCT schedule (one channel
+    always first) finds it; the same requests in the simulator's ordering do not."""
+    base = Base(SC.config, QUIET, ())
+    reqs = (Req(0.0, 1536), Req(0.5, 1792), Req(1.0, 512))
+    found = run_trial(base, Trial(requests=reqs, schedule="pct:1:1"))
+    assert found.signature is not None and found.signature[0] == "wedged"
+    assert "STAGING_REQ" in found.signature[1] and "overtaken" in found.signature[1]
+    assert run_trial(base, Trial(requests=reqs)).signature is None
+    # Deterministic: the same schedule, the same run.
+    again = run_trial(base, Trial(requests=reqs, schedule="pct:1:1"))
+    assert (again.signature, again.coverage) == (found.signature, found.coverage)
+    # The fix for it (drop a late STAGING_REQ) removes it.
+    fixed = Base(SC.config.replace(fixes=("drop-late-staging-req",)), QUIET, ())
+    assert run_trial(fixed, Trial(requests=reqs, schedule="pct:1:1")).signature is None

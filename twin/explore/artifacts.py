@@ -25,7 +25,7 @@ from typing import Any
 
 from twin.explore.campaign import Campaign, Finding
 from twin.explore.oracles import run_trial
-from twin.explore.trial import Base
+from twin.explore.trial import Base, Trial
 
 
 def slug_for(sig: tuple[str, str], n: int) -> str:
@@ -81,33 +81,45 @@ def write_finding(base: Base, f: Finding, out: Path) -> dict[str, Any]:
         {"base": base.to_json(), "trial": trial.to_json(), "signature": list(f.signature)},
         indent=2, sort_keys=True) + "\n")
     checks: dict[str, Any] = {}
-    trace = d / "repro.jsonl.gz"
-    res = run_trial(base, trial, trace_out=str(trace), log_limit=400)
-    checks["trace_signature"] = list(res.signature) if res.signature else None
-    try:
-        from twin.replay import replay_sim
+    sim_trial: Trial | None = trial
+    res = run_trial(base, trial, log_limit=400)
+    if trial.schedule:
+        # A loopback interleaving: the simulator's own ordering may show it too, on some seed.
+        sim_trial = next((t for t in (trial.with_(schedule="", seed=s) for s in range(8))
+                          if run_trial(base, t).signature == f.signature), None)
+        checks["simulator"] = (f"reproduces it with seed {sim_trial.seed}" if sim_trial
+                               else "no seed of 0-7 reproduces it")
+    if sim_trial is None:
+        checks["replay"] = ("none: only the loopback schedule shows it (trial.json and "
+                            "test_repro.py reproduce it)")
+        checks["command"] = "none: only the loopback schedule shows it"
+    else:
+        trace = d / "repro.jsonl.gz"
+        traced = run_trial(base, sim_trial, trace_out=str(trace))
+        checks["trace_signature"] = list(traced.signature) if traced.signature else None
+        try:
+            from twin.replay import replay_sim
 
-        rep = replay_sim(str(trace))
-        checks["replay"] = rep.status if rep.divergence is None else "diverged"
-    except Exception as exc:  # a replay that cannot run is reported, not fatal
-        checks["replay"] = f"error: {exc!r}"[:200]
-    checks["command"] = _write_command(base, f, d)
+            rep = replay_sim(str(trace))
+            checks["replay"] = rep.status if rep.divergence is None else "diverged"
+        except Exception as exc:  # a replay that cannot run is reported, not fatal
+            checks["replay"] = f"error: {exc!r}"[:200]
+        checks["command"] = _write_command(base, f, sim_trial, traced.status, d)
     (d / "test_repro.py").write_text(_pytest_text(base, f))
     (d / "story.md").write_text(_story(base, f, res.log, checks))
     (d / "checks.json").write_text(json.dumps(checks, indent=2, sort_keys=True) + "\n")
     return checks
 
 
-def _write_command(base: Base, f: Finding, d: Path) -> str:
+def _write_command(base: Base, f: Finding, trial: Trial, status: str, d: Path) -> str:
     """Write ``config.toml``, ``workload.jsonl`` and ``command.txt`` when a plain ``twin sim``
-    reproduces the finding; the command, or why there is none."""
+    reproduces ``trial``'s ``status``; the command, or why there is none."""
     import tomli_w
 
     from twin.core.config import TwinConfig
     from twin.runtime.params import SimParams
     from twin.workloads import parse_workload_spec
 
-    trial = f.shrunk
     if trial.overrides():
         return "none: the trial sets per-request prefix hits, which only the trace carries"
     cfg = base.config(trial)
@@ -140,10 +152,10 @@ def _write_command(base: Base, f: Finding, d: Path) -> str:
     got = run_sim(cfg2, wl, defects=base.defects_on(), faults=[parse_fault(x) for x in
                                                                 trial.faults],
                   seed=trial.seed, params=params).status.value
-    if got != f.status:
+    if got != status:
         (d / "config.toml").unlink()
         (d / "workload.jsonl").unlink()
-        return f"none: the simulator's own ordering from files ends {got}, not {f.status}"
+        return f"none: the simulator's own ordering from files ends {got}, not {status}"
     text = shlex.join(args)
     (d / "command.txt").write_text(text + "\n")
     return text
@@ -185,7 +197,9 @@ def _story(base: Base, f: Finding, log: list[tuple[float, str, str]],
              f"- defects on: {', '.join(base.defects) or 'none'}"
              + (f" (needed: {', '.join(f.needs_defects) or 'none of them'})"
                 if base.defects else ""),
-             f"- seed: {t.seed}"]
+             f"- seed: {t.seed}" + (f"; interleaving: loopback cluster, scheduler "
+                                    f"`{t.schedule}` (all rooms start at once, logical time)"
+                                    if t.schedule else "")]
     for i, r in enumerate(sorted(t.requests, key=lambda q: q.at)):
         extra = []
         if r.decode_prefix:
@@ -212,7 +226,8 @@ def _story(base: Base, f: Finding, log: list[tuple[float, str, str]],
     if f.failures:
         lines += ["## Failed requests", ""]
         lines += [f"- {n} x {reason}" for reason, n in f.failures.items()] + [""]
-    lines += ["## Reproduce", "", f"- `twin replay {'repro.jsonl.gz'}` (replay concluded: "
-              f"{checks.get('replay')})", f"- `twin sim`: {checks.get('command')}",
-              "- `pytest test_repro.py`", ""]
+    lines += ["## Reproduce", "", f"- `twin replay repro.jsonl.gz`: {checks.get('replay')}",
+              f"- `twin sim`: {checks.get('command')}", "- `pytest test_repro.py`", ""]
+    if "simulator" in checks:
+        lines.insert(-1, f"- the simulator's own ordering: {checks['simulator']}")
     return "\n".join(lines)

@@ -7,7 +7,9 @@ Three families, checked separately (as deterministic simulation testing keeps th
   watermark moving backwards (``CoverageRecorder``);
 * **liveness** — every room ends Success or Failed within the timeouts' reach: a run the
   simulator's monitor calls wedged (no progress for ``wedge_window_s``) is a finding, named by
-  the root its roots-first diagnosis puts first;
+  the root its roots-first diagnosis puts first, unless every root says decode's waiting
+  timeout will fail the rooms (then the timeouts settle it: a finding only when nothing
+  caused it, as a failure without a cause);
 * **nothing failed without a cause** — a request that failed in a trial with no fault injected
   and no defect on, for a reason other than the ones SGLang fails a request for by design (a
   chunk larger than the ring, a decode prefix that is not page-aligned), is a finding.
@@ -30,6 +32,7 @@ from twin.explore.trial import Base, InvalidTrial, Trial
 _NODE = re.compile(r"\b[pd]\d+g\d+r\d+\b")
 _NUM = re.compile(r"\d+(\.\d+)?")
 _BRACKET = re.compile(r"\s*\[[^\]]*\]\s*$")
+SETTLED = "at its waiting timeout"
 BY_DESIGN = ("aborted", "staging allocation oversized", "decode prefix", "unaligned",
              "not page-aligned", "not aligned")
 
@@ -77,17 +80,27 @@ class TrialResult:
 
 
 def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
-          diagnosis: list[str], failures: dict[str, int], caused: bool) -> tuple[str, str] | None:
+          diagnosis: list[str], failures: dict[str, int], caused: bool,
+          corruption: list[str] | None = None) -> tuple[str, str] | None:
     """The signature of what a run found, or None (the oracles' one rule; first match wins:
     corruption, unsafe, wedge, failure without a cause)."""
     if corruption_kinds:
         kinds = sorted(set(corruption_kinds))
-        return (f"corrupted:{'+'.join(kinds)}", kinds[0])
+        root = kinds[0]
+        parts = corruption[0].split(": ", 2) if corruption else []
+        if len(parts) == 3:  # "kind: node room R: detail"
+            root = f"{parts[0]}: {normalise(parts[2])}"
+        return (f"corrupted:{'+'.join(kinds)}", root)
     if safety:
-        return ("unsafe", normalise(safety[0].split(":")[0] + ": " + safety[0]))
+        return ("unsafe", normalise(safety[0]))
     if status == "wedged":
         roots = [line for line in diagnosis if line.startswith("root: ")]
-        return ("wedged", normalise(roots[0]) if roots else "no root named")
+        root = normalise(roots[0]) if roots else "no root named"
+        if roots and all(SETTLED in r for r in roots):
+            # Every root ends at decode's waiting timeout: the timeouts settle these rooms
+            # (Failed). With a fault or a defect that is the cause; without one it is not.
+            return None if caused else ("failed-without-cause", root)
+        return ("wedged", root)
     if status == "failed" and not caused:
         unexplained = sorted(r for r in failures
                              if not any(b in r.lower() for b in BY_DESIGN))
@@ -113,6 +126,8 @@ def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
     faults = [parse_fault(f) for f in trial.faults]
     keys: set[str] = set()
     ctx = observe_transitions(keys) if base.coverage else _null()
+    if trial.schedule:
+        return _run_loopback(base, trial, cfg, on, recorder, keys, t0)
     try:
         with ctx:
             if trace_out is not None:
@@ -130,11 +145,40 @@ def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
     kinds = [v.kind for v in result.sim.integrity.violations]
     caused = bool(trial.faults) or bool(on.sorted())
     sig = judge(status, corruption_kinds=kinds, safety=recorder.safety,
-                diagnosis=result.diagnosis, failures=summary_failures, caused=caused)
+                diagnosis=result.diagnosis, failures=summary_failures, caused=caused,
+                corruption=result.corruption)
     cov = frozenset(recorder.keys | keys | {f"st:{status}"})
     return TrialResult(status, sig, cov, list(result.diagnosis), result.corruption[:20],
                        recorder.safety[:20], summary_failures,
                        wall_s=time.perf_counter() - t0, log=recorder.log)
+
+
+def _run_loopback(base: Base, trial: Trial, cfg: Any, on: Any, recorder: CoverageRecorder,
+                  keys: set[str], t0: float) -> TrialResult:
+    """``trial`` on the loopback cluster under its schedule (``twin/explore/schedule.py``)."""
+    from twin.explore.schedule import run_loopback
+
+    reqs = [(r.input_len, r.decode_prefix, r.prefill_prefix)
+            for r in sorted(trial.requests, key=lambda q: q.at)]
+    ctx = observe_transitions(keys) if base.coverage else _null()
+    try:
+        with ctx:
+            run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder)
+    except Exception as exc:  # the twin itself raised: a finding of its own
+        text = f"{type(exc).__name__}: {exc}"
+        return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
+                           diagnosis=[text[:400]], wall_s=time.perf_counter() - t0)
+    caused = any(f.startswith("abort") for f in trial.faults) or bool(on.sorted())
+    if run.status == "livelock":
+        sig: tuple[str, str] | None = ("livelock", normalise(run.diagnosis[0]))
+    else:
+        sig = judge(run.status, corruption_kinds=run.corruption_kinds, safety=run.safety,
+                    diagnosis=run.diagnosis, failures=run.failures, caused=caused,
+                    corruption=run.corruption)
+    cov = frozenset(recorder.keys | keys | {f"st:{run.status}"})
+    return TrialResult(run.status, sig, cov, run.diagnosis, run.corruption[:20],
+                       run.safety[:20], run.failures, wall_s=time.perf_counter() - t0,
+                       log=recorder.log)
 
 
 class _null:

@@ -111,6 +111,9 @@ def _candidates(base: Base, t: Trial) -> Iterator[Trial]:
             yield t.with_(faults=t.faults[:i] + (":".join(simpler),) + t.faults[i + 1:])
     if t.seed:
         yield t.with_(seed=0)
+    if t.schedule.startswith("pct:") and not t.schedule.endswith(":1"):
+        kind, seed, _ = t.schedule.split(":")
+        yield t.with_(schedule=f"pct:{seed}:1")
     if d != Deploy() and d.fields() > 1:
         yield t.with_(deploy=Deploy())
 

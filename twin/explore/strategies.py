@@ -9,8 +9,10 @@
 * ``faults``    fault schedules drawn from every fault kind the simulator has (drop, delay,
                 reorder, dup, fail-send on each frame kind, fail-transfer, crash, restart,
                 abort mid-transfer);
-* ``interleave`` the simulator's seed, which draws control-plane jitter and so the order in
-                which frames meet (the loopback cluster's schedulers: ``twin/explore/schedule.py``).
+* ``interleave`` the order in which frames meet: the simulator's seed (it draws control-plane
+                jitter), or, for a trial in three, the loopback cluster under a random or a PCT
+                scheduler (``twin/explore/schedule.py``), where any pending action may go
+                next. Without it every trial runs in the simulator with seed 0.
 
 ``generate`` draws a fresh trial; ``mutate`` changes one thing of a trial from the corpus.
 Both take a ``random.Random``: the same stream gives the same trials.
@@ -123,6 +125,17 @@ def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...]) ->
     return f"abort:room={room}:at={at}"
 
 
+def gen_schedule(rng: random.Random) -> str:
+    """"" (the simulator) two times in three, else a loopback scheduler."""
+    roll = rng.random()
+    if roll < 2 / 3:
+        return ""
+    seed = rng.randrange(1 << 16)
+    if roll < 5 / 6:
+        return f"random:{seed}"
+    return f"pct:{seed}:{rng.choice([1, 2, 3])}"
+
+
 def gen_faults(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...]) -> tuple[str, ...]:
     count = rng.choices([0, 1, 2], weights=[5, 4, 1])[0]
     return tuple(gen_fault(rng, cfg, requests) for _ in range(count))
@@ -142,7 +155,10 @@ def generate(rng: random.Random, base: Base, strategies: Strategies,
         requests = gen_requests(rng, cfg) if strategies.workload else user_requests
         faults = gen_faults(rng, cfg, requests) if strategies.faults else ()
         seed = rng.randrange(1 << 16) if strategies.interleave else 0
-        trial = Trial(deploy, requests, faults, seed)
+        schedule = gen_schedule(rng) if strategies.interleave else ""
+        if schedule:
+            faults = tuple(f for f in faults if f.startswith("abort"))
+        trial = Trial(deploy, requests, faults, seed, schedule)
         try:
             base.check(trial)
         except InvalidTrial:
@@ -188,7 +204,10 @@ def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies) ->
         del reqs[rng.randrange(len(reqs))]
         return trial.with_(requests=tuple(reqs), faults=())
     if op == "fault-add" and len(trial.faults) < 4:
-        return trial.with_(faults=(*trial.faults, gen_fault(rng, cfg, trial.requests)))
+        fault = gen_fault(rng, cfg, trial.requests)
+        if trial.schedule and not fault.startswith("abort"):
+            return trial  # the loopback cluster takes only aborts
+        return trial.with_(faults=(*trial.faults, fault))
     if op == "fault-drop" and trial.faults:
         f = list(trial.faults)
         del f[rng.randrange(len(f))]
@@ -203,4 +222,7 @@ def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies) ->
         ring = smallest_ring(cfg)
         return trial.with_(deploy=replace(trial.deploy, ring_bytes=int(
             ring * rng.choice([1.0, 1.25, 1.5, 2.0, 3.0]))))
-    return trial.with_(seed=rng.randrange(1 << 16))
+    schedule = gen_schedule(rng)
+    faults = tuple(f for f in trial.faults if f.startswith("abort")) if schedule else \
+        trial.faults
+    return trial.with_(seed=rng.randrange(1 << 16), schedule=schedule, faults=faults)

@@ -75,19 +75,24 @@ class Trial:
     requests: tuple[Req, ...] = ()
     faults: tuple[str, ...] = ()
     seed: int = 0
+    schedule: str = ""  # "" the simulator; random:SEED or pct:SEED:DEPTH the loopback cluster
 
     def to_json(self) -> dict[str, Any]:
-        return {"deploy": {k: v for k, v in asdict(self.deploy).items() if v is not None},
-                "requests": [[r.at, r.input_len, r.decode_prefix, r.prefill_prefix]
-                             for r in self.requests],
-                "faults": list(self.faults), "seed": self.seed}
+        out = {"deploy": {k: v for k, v in asdict(self.deploy).items() if v is not None},
+               "requests": [[r.at, r.input_len, r.decode_prefix, r.prefill_prefix]
+                            for r in self.requests],
+               "faults": list(self.faults), "seed": self.seed}
+        if self.schedule:
+            out["schedule"] = self.schedule
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Trial:
         return cls(Deploy(**obj.get("deploy", {})),
                    tuple(Req(float(r[0]), int(r[1]), int(r[2]), int(r[3]))
                          for r in obj.get("requests", [])),
-                   tuple(obj.get("faults", [])), int(obj.get("seed", 0)))
+                   tuple(obj.get("faults", [])), int(obj.get("seed", 0)),
+                   str(obj.get("schedule", "")))
 
     def key(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
@@ -147,6 +152,13 @@ class Base:
             if r.input_len < 1 or not 0 <= r.decode_prefix < r.input_len or \
                     not 0 <= r.prefill_prefix <= r.input_len:
                 raise InvalidTrial(f"bad request {r}")
+        if trial.schedule:
+            from twin.explore.schedule import parse_schedule
+
+            try:
+                parse_schedule(trial.schedule)
+            except ValueError as exc:
+                raise InvalidTrial(str(exc)) from None
         try:
             check_faults([parse_fault(f) for f in trial.faults], cfg,
                          [r.input_len for r in sorted(trial.requests, key=lambda q: q.at)])
