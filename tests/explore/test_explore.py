@@ -54,7 +54,9 @@ def findings_of(c: Campaign) -> list[tuple[object, ...]]:
 
 # -- oracles ----------------------------------------------------------------------------------
 def test_judge_ranks_corruption_then_safety_then_wedge_then_unexplained_failure() -> None:
-    wedge = ["wedge: 1 request(s) unfinished", "root: d0g0r0's watermark (0, 60) is stale [1]"]
+    wedge = ["wedge: 1 request(s) unfinished",
+             "root: d0g0r0's watermark (0, 60) is stale [1 blocked item(s) of 1 room(s) wait "
+             "on it]"]
     assert judge("corrupted", corruption_kinds=["overwrite", "misplaced"], safety=["x: y"],
                  diagnosis=wedge, failures={}, caused=False) == (
         "corrupted:misplaced+overwrite", "misplaced")

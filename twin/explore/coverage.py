@@ -67,6 +67,7 @@ class CoverageRecorder:
         self.ring = ring_bytes
         self.keys: set[str] = set()
         self.safety: list[str] = []
+        self.failed: dict[int, str] = {}  # room -> the first reason a decode rank failed it
         self.log: list[tuple[float, str, str]] = []
         self.log_limit = log_limit
         self._live: dict[str, dict[int, tuple[int, int, int]]] = {}  # node -> id -> span, room
@@ -129,6 +130,9 @@ class CoverageRecorder:
         elif type(e) is ev.Freed:
             if live.pop(e.alloc_id, None) is not None and not live:
                 self.keys.add("al:free-to-empty")
+        elif type(e) is ev.RoomConcluded:
+            if e.status == "Failed":
+                self.failed.setdefault(e.room, e.reason or "failed")
         elif type(e) is ev.WatermarkMoved:
             prev = self._wm.get(node, (0, 0))
             wm = (e.round, e.tail)

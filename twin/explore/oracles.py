@@ -31,18 +31,21 @@ from twin.explore.trial import Base, InvalidTrial, Trial
 
 _NODE = re.compile(r"\b[pd]\d+g\d+r\d+\b")
 _NUM = re.compile(r"\d+(\.\d+)?")
-_BRACKET = re.compile(r"\s*\[[^\]]*\]\s*$")
+_BRACKET = re.compile(r"\s*\[[^\]]*blocked item[^\]]*\]")
 SETTLED = "at its waiting timeout"
+EXPECTED = "crashed by fault"
 BY_DESIGN = ("aborted", "staging allocation oversized", "decode prefix", "unaligned",
              "not page-aligned", "not aligned")
 
 
 def normalise(line: str) -> str:
     """A diagnosis or failure line without node ids, numbers and its trailing ``[...]``."""
-    text = line.removeprefix("root: ")
+    text = line.removeprefix("root: ").split("; injected fault on this path:", 1)[0]
     text = _BRACKET.sub("", text)
     text = _NODE.sub("RANK", text)
+    text = re.sub(r"RANK(, RANK)+", "RANKS", text)
     text = _NUM.sub("N", text)
+    text = re.sub(r"N(, N){2,}", "N", text)
     text = re.sub(r"\(fault[^)]*\)", "", text)
     return " ".join(text.split())[:160]
 
@@ -96,6 +99,8 @@ def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
     if status == "wedged":
         roots = [line for line in diagnosis if line.startswith("root: ")]
         root = normalise(roots[0]) if roots else "no root named"
+        if caused and EXPECTED in roots[0] if roots else False:
+            return None  # a rank the schedule crashed stops its rooms: that is the fault's
         if roots and all(SETTLED in r for r in roots):
             # Every root ends at decode's waiting timeout: the timeouts settle these rooms
             # (Failed). With a fault or a defect that is the cause; without one it is not.

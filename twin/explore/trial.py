@@ -153,12 +153,18 @@ class Base:
                     not 0 <= r.prefill_prefix <= r.input_len:
                 raise InvalidTrial(f"bad request {r}")
         if trial.schedule:
-            from twin.explore.schedule import parse_schedule
+            from twin.explore.schedule import LOOPBACK_CHUNKS, parse_schedule
 
             try:
                 parse_schedule(trial.schedule)
             except ValueError as exc:
                 raise InvalidTrial(str(exc)) from None
+            grid = cfg.grid_tokens
+            ranks = cfg.prefill.tp_size * cfg.prefill.instances
+            work = ranks * sum(-(-(r.input_len - r.decode_prefix) // grid) for r in trial.requests)
+            if work > LOOPBACK_CHUNKS:
+                raise InvalidTrial(f"{work} chunk writes: too many for the loopback cluster "
+                                   f"(at most {LOOPBACK_CHUNKS})")
         try:
             check_faults([parse_fault(f) for f in trial.faults], cfg,
                          [r.input_len for r in sorted(trial.requests, key=lambda q: q.at)])
