@@ -71,7 +71,7 @@ def _candidates(base: Base, t: Trial) -> Iterator[Trial]:
         yield t.with_(faults=t.faults[:i] + t.faults[i + 1:])
     d = t.deploy
     for name in ("prefill_dp_attn", "prefill_dp", "prefill_tp", "decode_tp", "page_size",
-                 "chunked_prefill_size", "ring_bytes"):
+                 "chunked_prefill_size", "ring_bytes", "prefill_staging_pages"):
         if getattr(d, name) is not None:
             yield t.with_(deploy=replace(d, **{name: None}))
     try:

@@ -1,8 +1,9 @@
 """What the explorer varies, each a strategy a flag can turn off.
 
 * ``deploy``    deployments near the user's: TP layouts (heterogeneous TP both ways, DP
-                attention), page size, ``chunked_prefill_size``, and ring sizes from the
-                smallest that fits one full chunk up to a few chunks;
+                attention), page size, ``chunked_prefill_size``, ring sizes from the
+                smallest that fits one full chunk up to a few chunks, and now and then a
+                prefill staging buffer of one chunk (the pre-fix fixed-size buffer);
 * ``workload``  small workloads built to hit edges: prompt lengths at chunk and ring boundaries
                 (one page or one token either side), decode prefixes off the grid, prefill
                 radix hits, serial and simultaneous arrivals;
@@ -69,7 +70,8 @@ def gen_deploy(rng: random.Random, base: TwinConfig) -> Deploy:
         return Deploy()
     ring = smallest_ring(cfg)
     factor = rng.choice([1.0, 1.0, 1.5, 2.0, 3.0, 4.0])
-    return replace(deploy, ring_bytes=int(ring * factor))
+    staging = cfg.full_chunk_pages if rng.random() < 0.25 else None
+    return replace(deploy, ring_bytes=int(ring * factor), prefill_staging_pages=staging)
 
 
 def gen_request(rng: random.Random, cfg: TwinConfig, at: float) -> Req:

@@ -31,6 +31,7 @@ class Deploy:
     page_size: int | None = None
     chunked_prefill_size: int | None = None
     ring_bytes: int | None = None
+    prefill_staging_pages: int | None = None  # a fixed-size prefill staging buffer (pre-fix)
 
     def apply(self, cfg: TwinConfig) -> TwinConfig:
         """``cfg`` with these fields changed; ``ConfigError`` when SGLang would refuse it."""
@@ -51,6 +52,8 @@ class Deploy:
             changes["chunked_prefill_size"] = self.chunked_prefill_size
         if self.ring_bytes is not None:
             changes["staging_pool_size_bytes"] = self.ring_bytes
+        if self.prefill_staging_pages is not None:
+            changes["prefill_staging_buffer_pages"] = self.prefill_staging_pages
         return cfg.replace(**changes)
 
     def fields(self) -> int:
