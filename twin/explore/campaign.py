@@ -257,12 +257,7 @@ class Campaign:
 
         found_at = self.seconds()
         shrunk = shrink(self.base, trial, sig, max_runs=self.shrink_runs, should_stop=stop)
-        needs = []
-        if self.base.defects:
-            for d in self.base.defects:
-                rest = tuple(x for x in self.base.defects if x != d)
-                if run_trial(self.base, shrunk.trial, defects=rest).signature != sig:
-                    needs.append(d)
+        needs = list(shrunk.result.needs)
         f = Finding(sig, res.status, index + 1, found_at, trial, shrunk.trial,
                     shrunk.runs, 1, shrunk.result.diagnosis[:12], shrunk.result.corruption[:12],
                     shrunk.result.failures, needs, slug_for(sig, len(self.findings)))

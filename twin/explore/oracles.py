@@ -65,9 +65,10 @@ class TrialResult:
     invalid: str = ""
     wall_s: float = 0.0
     log: list[tuple[float, str, str]] = field(default_factory=list)
+    needs: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"status": self.status,
+        return {"needs": self.needs, "status": self.status,
                 "signature": list(self.signature) if self.signature else None,
                 "coverage": sorted(self.coverage), "diagnosis": self.diagnosis,
                 "corruption": self.corruption, "safety": self.safety,
@@ -79,7 +80,8 @@ class TrialResult:
         return cls(d["status"], (sig[0], sig[1]) if sig else None,
                    frozenset(d.get("coverage", ())), list(d.get("diagnosis", [])),
                    list(d.get("corruption", [])), list(d.get("safety", [])),
-                   dict(d.get("failures", {})), d.get("invalid", ""), d.get("wall_s", 0.0))
+                   dict(d.get("failures", {})), d.get("invalid", ""), d.get("wall_s", 0.0),
+                   needs=list(d.get("needs", [])))
 
 
 def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
@@ -116,8 +118,29 @@ def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
 
 def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
               log_limit: int = 0, defects: tuple[str, ...] | None = None) -> TrialResult:
-    """Run ``trial`` in the simulator and judge it. ``defects`` replaces the base's (a finding
-    is rerun with each defect off to name the ones it needs)."""
+    """Run ``trial`` (in the simulator, or on the loopback cluster when it has a schedule) and
+    judge it. ``defects`` replaces the base's.
+
+    With defects on (and ``defects`` not given), a trial that found something is rerun with
+    each defect off alone: the defects whose absence makes its signature go are the ones it
+    *needs*, and they become part of the signature (``root [needs NAME]``), so the same symptom
+    with and without a defect's help are two findings, not one."""
+    res = _run_trial(base, trial, trace_out=trace_out, log_limit=log_limit, defects=defects)
+    if defects is not None or not base.defects or res.signature is None:
+        return res
+    needs = []
+    for d in base.defects:
+        rest = tuple(x for x in base.defects if x != d)
+        if _run_trial(base, trial, defects=rest).signature != res.signature:
+            needs.append(d)
+    res.needs = needs
+    if needs:
+        res.signature = (res.signature[0], f"{res.signature[1]} [needs {', '.join(needs)}]")
+    return res
+
+
+def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
+               log_limit: int = 0, defects: tuple[str, ...] | None = None) -> TrialResult:
     from twin.runtime.faults import parse_fault
     from twin.sim.runner import run_sim
 
