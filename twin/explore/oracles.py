@@ -163,7 +163,8 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
             else:
                 result = run_sim(cfg, trial.workload(), defects=on, faults=faults,
                                  seed=trial.seed, params=base.params,
-                                 request_overrides=trial.overrides(), recorder=recorder)
+                                 request_overrides=trial.overrides(), recorder=recorder,
+                                 stop_check=_EventBudget())
     except Exception as exc:  # the twin itself raised: a finding of its own
         text = f"{type(exc).__name__}: {exc}"
         return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
@@ -175,6 +176,10 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
     sig = judge(status, corruption_kinds=kinds, safety=recorder.safety,
                 diagnosis=result.diagnosis, failures=summary_failures, caused=caused,
                 corruption=result.corruption)
+    if sig is None and result.stop_reason == "event budget":
+        status = "livelock"
+        sig = ("livelock", f"the simulator was still busy after {MAX_INPUTS} core inputs "
+                           f"with requests unfinished")
     cov = frozenset(recorder.keys | keys | {f"st:{status}"})
     return TrialResult(status, sig, cov, list(result.diagnosis), result.corruption[:20],
                        recorder.safety[:20], summary_failures,
@@ -207,6 +212,19 @@ def _run_loopback(base: Base, trial: Trial, cfg: Any, on: Any, recorder: Coverag
     return TrialResult(run.status, sig, cov, run.diagnosis, run.corruption[:20],
                        run.safety[:20], run.failures, wall_s=time.perf_counter() - t0,
                        log=recorder.log)
+
+
+MAX_INPUTS = 200_000
+"""Core inputs a simulated trial may take: past it the run stops as a ``livelock`` (still busy,
+as with lost-control recovery re-requesting every 50 ms until a 300 s timeout). Counted in
+inputs, not seconds, so the bound is deterministic; some 2-4 s of pure-Python simulation."""
+
+
+class _EventBudget:
+    every = 0.05
+
+    def __call__(self, sim: Any) -> str:
+        return "event budget" if sim.inputs > MAX_INPUTS else ""
 
 
 class _null:
@@ -259,6 +277,6 @@ def _traced(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any], path
     with TraceWriter(path, header) as writer:
         result = run_sim(cfg, trial.workload(), defects=on, faults=faults, seed=trial.seed,
                          params=base.params, request_overrides=trial.overrides(),
-                         recorder=_Tee(writer, recorder))
+                         recorder=_Tee(writer, recorder), stop_check=_EventBudget())
         writer.close(outcome_record(result))
     return result

@@ -33,7 +33,12 @@ from twin.explore.coverage import CoverageRecorder
 from twin.explore.loopback import Action, Cluster, InvariantViolation, Livelock
 from twin.runtime.faults import parse_fault
 
-MAX_STEPS = 20_000
+MAX_STEPS = 10_000
+MAX_PENDING = 1_000
+"""A loopback run still busy after ``MAX_STEPS`` steps, or with more than ``MAX_PENDING``
+actions pending at once (re-requests piling up faster than one step a millisecond takes
+them, as lost-control recovery does while a room waits for a 300 s timeout), is a
+``livelock``: either way each step costs more than the trial is worth."""
 LOOPBACK_CHUNKS = 64
 """Chunk writes (chunks x prefill ranks) a loopback trial may hold at most: each step takes
 one action while every deferred worker re-polls each step, so a large trial spends its steps
@@ -192,6 +197,8 @@ def run_loopback(cfg: object, requests: list[tuple[int, int, int]], faults: tupl
                         c._feed(node, ev.RoomAborted(room=room, reason="abort fault"))
             cs = c.choices()
             if cs:
+                if len(c.pending) > MAX_PENDING:
+                    raise Livelock(f"{len(c.pending)} actions pending: {c.busy_report()}")
                 if out.steps >= MAX_STEPS:
                     raise Livelock(f"still busy after {MAX_STEPS} steps: {c.busy_report()}")
                 c.step(pick(c, cs))
