@@ -20,6 +20,7 @@ COMMAND_MODULES: dict[str, str] = {
     "trace": "trace_cmd", "perfetto": "trace_cmd", "replay": "trace_cmd",
     "hw": "hw_cmd", "agent": "agent_cmd", "models": "models_cmd", "calibrate": "calibrate_cmd",
     "sweep": "sweep_cmd", "advise": "sweep_cmd", "plot": "sweep_cmd", "compile": "compile_cmd",
+    "explore": "explore_cmd", "shrink": "explore_cmd",
 }
 """Each subcommand's module in ``twin.cli`` (its ``COMMANDS``), imported when the subcommand
 runs (or ``--help`` lists them): ``twin trace summary`` does not import the simulator."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from twin.core import events as ev
@@ -174,7 +174,8 @@ class Cluster:
         elif self.runtime.is_current(action.node, action.event, action.token):
             self._feed(action.node, action.event, src=action.src)
 
-    def run(self, max_steps: int = 200_000, pick=None) -> int:
+    def run(self, max_steps: int = 200_000,
+            pick: Callable[[list[int]], int] | None = None) -> int:
         """Take actions (first choice, or ``pick(choices)``) until none is pending or scheduled;
         when none is pending the clock jumps to the next scheduled input (``advance``).
         Returns the steps taken; raises ``Livelock`` after ``max_steps``."""

@@ -1,0 +1,282 @@
+"""The explorer's oracles: run one trial in the simulator and say what, if anything, went wrong.
+
+Three families, checked separately (as deterministic simulation testing keeps them apart):
+
+* **safety** — the integrity model (a write over unscattered data, a ring overrun, a misplaced
+  scatter, a room done before its data landed), no overlapping live allocations and no
+  watermark moving backwards (``CoverageRecorder``);
+* **liveness** — every room ends Success or Failed within the timeouts' reach: a run the
+  simulator's monitor calls wedged (no progress for ``wedge_window_s``) is a finding, named by
+  the root its roots-first diagnosis puts first, unless every root says decode's waiting
+  timeout will fail the rooms (then the timeouts settle it: a finding only when nothing
+  caused it, as a failure without a cause);
+* **nothing failed without a cause** — a request that failed in a trial with no fault injected
+  and no defect on, for a reason other than the ones SGLang fails a request for by design (a
+  chunk larger than the ring, a decode prefix that is not page-aligned), is a finding.
+
+A finding's **signature** is ``(kind, root)``: the kind (``corrupted:KIND[+KIND]``, ``unsafe``,
+``wedged``, ``failed-without-cause``) and its root with node ids and numbers taken out, so the
+same defect found on other ranks, rooms or offsets is one finding.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from twin.explore.coverage import CoverageRecorder, observe_transitions
+from twin.explore.trial import Base, InvalidTrial, Trial
+
+_NODE = re.compile(r"\b[pd]\d+g\d+r\d+\b")
+_NUM = re.compile(r"\d+(\.\d+)?")
+_BRACKET = re.compile(r"\s*\[[^\]]*blocked item[^\]]*\]")
+SETTLED = "at its waiting timeout"
+EXPECTED = "crashed by fault"
+BY_DESIGN = ("aborted", "staging allocation oversized", "decode prefix", "unaligned",
+             "not page-aligned", "not aligned")
+
+
+def normalise(line: str) -> str:
+    """A diagnosis or failure line without node ids, numbers and its trailing ``[...]``."""
+    text = line.removeprefix("root: ").split("; injected fault on this path:", 1)[0]
+    text = _BRACKET.sub("", text)
+    text = _NODE.sub("RANK", text)
+    text = re.sub(r"RANK(, RANK)+", "RANKS", text)
+    text = _NUM.sub("N", text)
+    text = re.sub(r"N(, N){2,}", "N", text)
+    text = re.sub(r"\(fault[^)]*\)", "", text)
+    return " ".join(text.split())[:160]
+
+
+@dataclass
+class TrialResult:
+    """How a trial ended and what it reached. ``signature`` is None for a trial that found
+    nothing (or could not run: ``invalid``)."""
+
+    status: str
+    signature: tuple[str, str] | None
+    coverage: frozenset[str] = frozenset()
+    diagnosis: list[str] = field(default_factory=list)
+    corruption: list[str] = field(default_factory=list)
+    safety: list[str] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
+    invalid: str = ""
+    wall_s: float = 0.0
+    log: list[tuple[float, str, str]] = field(default_factory=list)
+    needs: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"needs": self.needs, "status": self.status,
+                "signature": list(self.signature) if self.signature else None,
+                "coverage": sorted(self.coverage), "diagnosis": self.diagnosis,
+                "corruption": self.corruption, "safety": self.safety,
+                "failures": self.failures, "invalid": self.invalid, "wall_s": self.wall_s}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrialResult:
+        sig = d.get("signature")
+        return cls(d["status"], (sig[0], sig[1]) if sig else None,
+                   frozenset(d.get("coverage", ())), list(d.get("diagnosis", [])),
+                   list(d.get("corruption", [])), list(d.get("safety", [])),
+                   dict(d.get("failures", {})), d.get("invalid", ""), d.get("wall_s", 0.0),
+                   needs=list(d.get("needs", [])))
+
+
+def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
+          diagnosis: list[str], failures: dict[str, int], caused: bool,
+          corruption: list[str] | None = None) -> tuple[str, str] | None:
+    """The signature of what a run found, or None (the oracles' one rule; first match wins:
+    corruption, unsafe, wedge, failure without a cause)."""
+    if corruption_kinds:
+        kinds = sorted(set(corruption_kinds))
+        root = kinds[0]
+        parts = corruption[0].split(": ", 2) if corruption else []
+        if len(parts) == 3:  # "kind: node room R: detail"
+            root = f"{parts[0]}: {normalise(parts[2])}"
+        return (f"corrupted:{'+'.join(kinds)}", root)
+    if safety:
+        return ("unsafe", normalise(safety[0]))
+    if status == "wedged":
+        roots = [line for line in diagnosis if line.startswith("root: ")]
+        root = normalise(roots[0]) if roots else "no root named"
+        if caused and EXPECTED in roots[0] if roots else False:
+            return None  # a rank the schedule crashed stops its rooms: that is the fault's
+        if roots and all(SETTLED in r for r in roots):
+            # Every root ends at decode's waiting timeout: the timeouts settle these rooms
+            # (Failed). With a fault or a defect that is the cause; without one it is not.
+            return None if caused else ("failed-without-cause", root)
+        return ("wedged", root)
+    if status == "failed" and not caused:
+        unexplained = sorted(r for r in failures
+                             if not any(b in r.lower() for b in BY_DESIGN))
+        if unexplained:
+            return ("failed-without-cause", normalise(unexplained[0]))
+    return None
+
+
+def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
+              log_limit: int = 0, defects: tuple[str, ...] | None = None) -> TrialResult:
+    """Run ``trial`` (in the simulator, or on the loopback cluster when it has a schedule) and
+    judge it. ``defects`` replaces the base's.
+
+    With defects on (and ``defects`` not given), a trial that found something is rerun with
+    each defect off alone: the defects whose absence makes its signature go are the ones it
+    *needs*, and they become part of the signature (``root [needs NAME]``), so the same symptom
+    with and without a defect's help are two findings, not one."""
+    res = _run_trial(base, trial, trace_out=trace_out, log_limit=log_limit, defects=defects)
+    if defects is not None or not base.defects or res.signature is None:
+        return res
+    needs = []
+    for d in base.defects:
+        rest = tuple(x for x in base.defects if x != d)
+        if _run_trial(base, trial, defects=rest).signature != res.signature:
+            needs.append(d)
+    res.needs = needs
+    if needs:
+        res.signature = (res.signature[0], f"{res.signature[1]} [needs {', '.join(needs)}]")
+    return res
+
+
+def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
+               log_limit: int = 0, defects: tuple[str, ...] | None = None) -> TrialResult:
+    from twin.runtime.faults import parse_fault
+    from twin.sim.runner import run_sim
+
+    t0 = time.perf_counter()
+    try:
+        cfg = base.check(trial)
+    except InvalidTrial as exc:
+        return TrialResult("invalid", None, invalid=str(exc))
+    recorder = CoverageRecorder(cfg.ring_bytes, log_limit)
+    on = base.defects_on(defects)
+    faults = [parse_fault(f) for f in trial.faults]
+    keys: set[str] = set()
+    ctx = observe_transitions(keys) if base.coverage else _null()
+    if trial.schedule:
+        return _run_loopback(base, trial, cfg, on, recorder, keys, t0)
+    try:
+        with ctx:
+            if trace_out is not None:
+                result = _traced(cfg, base, trial, on, faults, trace_out, recorder)
+            else:
+                result = run_sim(cfg, trial.workload(), defects=on, faults=faults,
+                                 seed=trial.seed, params=base.params,
+                                 request_overrides=trial.overrides(), recorder=recorder,
+                                 stop_check=_EventBudget())
+    except Exception as exc:  # the twin itself raised: a finding of its own
+        text = f"{type(exc).__name__}: {exc}"
+        return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
+                           diagnosis=[text[:400]], wall_s=time.perf_counter() - t0)
+    summary_failures = _failures(result)
+    status = result.status.value
+    kinds = [v.kind for v in result.sim.integrity.violations]
+    caused = bool(trial.faults) or bool(on.sorted())
+    sig = judge(status, corruption_kinds=kinds, safety=recorder.safety,
+                diagnosis=result.diagnosis, failures=summary_failures, caused=caused,
+                corruption=result.corruption)
+    if sig is None and result.stop_reason == "event budget":
+        status = "livelock"
+        sig = ("livelock", f"the simulator was still busy after {MAX_INPUTS} core inputs "
+                           f"with requests unfinished")
+    cov = frozenset(recorder.keys | keys | {f"st:{status}"})
+    return TrialResult(status, sig, cov, list(result.diagnosis), result.corruption[:20],
+                       recorder.safety[:20], summary_failures,
+                       wall_s=time.perf_counter() - t0, log=recorder.log)
+
+
+def _run_loopback(base: Base, trial: Trial, cfg: Any, on: Any, recorder: CoverageRecorder,
+                  keys: set[str], t0: float) -> TrialResult:
+    """``trial`` on the loopback cluster under its schedule (``twin/explore/schedule.py``)."""
+    from twin.explore.schedule import run_loopback
+
+    reqs = [(r.input_len, r.decode_prefix, r.prefill_prefix)
+            for r in sorted(trial.requests, key=lambda q: q.at)]
+    ctx = observe_transitions(keys) if base.coverage else _null()
+    try:
+        with ctx:
+            run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder)
+    except Exception as exc:  # the twin itself raised: a finding of its own
+        text = f"{type(exc).__name__}: {exc}"
+        return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
+                           diagnosis=[text[:400]], wall_s=time.perf_counter() - t0)
+    caused = any(f.startswith("abort") for f in trial.faults) or bool(on.sorted())
+    if run.status == "livelock":
+        sig: tuple[str, str] | None = ("livelock", normalise(run.diagnosis[0]))
+    else:
+        sig = judge(run.status, corruption_kinds=run.corruption_kinds, safety=run.safety,
+                    diagnosis=run.diagnosis, failures=run.failures, caused=caused,
+                    corruption=run.corruption)
+    cov = frozenset(recorder.keys | keys | {f"st:{run.status}"})
+    return TrialResult(run.status, sig, cov, run.diagnosis, run.corruption[:20],
+                       run.safety[:20], run.failures, wall_s=time.perf_counter() - t0,
+                       log=recorder.log)
+
+
+MAX_INPUTS = 200_000
+"""Core inputs a simulated trial may take: past it the run stops as a ``livelock`` (still busy,
+as with lost-control recovery re-requesting every 50 ms until a 300 s timeout). Counted in
+inputs, not seconds, so the bound is deterministic; some 2-4 s of pure-Python simulation."""
+
+
+class _EventBudget:
+    every = 0.05
+
+    def __call__(self, sim: Any) -> str:
+        return "event budget" if sim.inputs > MAX_INPUTS else ""
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _failures(result: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in result.sim.metrics.done:
+        if r.status == "Failed":
+            key = r.reason[:120] or "failed"
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+class _Tee:
+    """Hands every record to the trace writer and to the coverage recorder."""
+
+    def __init__(self, writer: Any, recorder: CoverageRecorder) -> None:
+        self.writer = writer
+        self.recorder = recorder
+
+    def write_input(self, t: float, node: str, event: Any) -> None:
+        self.writer.write_input(t, node, event)
+        self.recorder.write_input(t, node, event)
+
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None:
+        self.writer.write_effects(t, node, effects)
+        self.recorder.write_effects(t, node, effects)
+
+    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None:
+        self.writer.write_sys(t, node, record)
+        self.recorder.write_sys(t, node, record)
+
+
+def _traced(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any], path: str,
+            recorder: CoverageRecorder) -> Any:
+    """``run_sim`` writing the trace to ``path`` while the coverage recorder watches."""
+    from twin.runtime.header import trace_header
+    from twin.sim.runner import outcome_record, run_sim, with_cost_source
+    from twin.trace.format import TraceWriter
+
+    header = trace_header(with_cost_source(cfg, base.params), trial.workload(), defects=on,
+                          faults=faults, seed=trial.seed, params=base.params,
+                          request_overrides=trial.overrides(), max_concurrency=None)
+    with TraceWriter(path, header) as writer:
+        result = run_sim(cfg, trial.workload(), defects=on, faults=faults, seed=trial.seed,
+                         params=base.params, request_overrides=trial.overrides(),
+                         recorder=_Tee(writer, recorder), stop_check=_EventBudget())
+        writer.close(outcome_record(result))
+    return result
