@@ -235,6 +235,16 @@ def check_faults(specs: Iterable[FaultSpec], cfg: TwinConfig, input_lens: list[i
                     raise FaultSpecError(f"fault {spec.text!r}: {spec.target} goes from "
                                          f"{sender} to {receiver} ranks; {key}={value} is a "
                                          f"{role} rank, so it would never fire")
+        if spec.action == "fail-send" and (
+                SENDER.get(spec.target) == "decode"
+                or (spec.target not in SENDER and (spec.src is None
+                                                   or nodes[spec.src].role != "prefill"))):
+            # Only a prefill rank's core handles a send that raises (SGLang's CHUNK_READY and
+            # KV_STATUS paths); a failed decode send is not modelled.
+            raise FaultSpecError(f"fault {spec.text!r}: fail-send models a prefill rank's send "
+                                 f"that raises; decode's sends (STAGING_RSP, WATERMARK) cannot "
+                                 f"fail this way in the twin (drop them instead), so give a "
+                                 f"prefill frame kind or src=<prefill rank>")
         n_requests = len(input_lens)
         if spec.room is not None and spec.room >= n_requests:
             raise FaultSpecError(f"fault {spec.text!r}: room {spec.room} does not exist; the "
