@@ -149,3 +149,18 @@ def test_corrupt_rewrites_only_the_matching_frame() -> None:
     assert first.frame(msg) == msg and not first.applied
     assert second.frame(msg) == wire.StagingReq(room=3, chunk_idx=-7, chunk_pages=4,
                                                 session_id="d0")
+
+
+@pytest.mark.parametrize("text", ["fail-send:STAGING_RSP:nth=1", "fail-send:WATERMARK:nth=1",
+                                  "fail-send:*:nth=1", "fail-send:*:src=d0g0r0:nth=1"])
+def test_a_failed_send_of_a_decode_frame_is_refused(text: str) -> None:
+    """Only a prefill rank's core handles a send that raises; fed to a decode rank it raised
+    TypeError mid-run. Now refused before the run, naming what to give instead."""
+    from twin.core.config import ServerSide, TwinConfig
+    from twin.runtime.faults import check_faults
+
+    cfg = TwinConfig(prefill=ServerSide(tp_size=2), decode=ServerSide(tp_size=1))
+    with pytest.raises(FaultSpecError, match="fail-send models a prefill rank's send"):
+        check_faults([parse_fault(text)], cfg, [1000])
+    check_faults([parse_fault("fail-send:CHUNK_READY:nth=1")], cfg, [1000])
+    check_faults([parse_fault("fail-send:*:src=p0g0r0:nth=1")], cfg, [1000])
