@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from twin.explore.campaign import Campaign, ExploreJob, Finding
 from twin.explore.trial import Trial
+from twin.runtime.signals import HANDLED, signals_handled
 
 ExecutorFactory = Callable[[ExploreJob], Any]
 
@@ -94,23 +94,13 @@ def stop_requests(flag: dict[str, str]) -> Iterator[None]:
     names the signal) instead of raising: a simulation catches ``KeyboardInterrupt`` itself and
     would turn a stop into one interrupted trial. The campaign stops after the trial running;
     a second signal raises ``KeyboardInterrupt`` at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def ask(signum: int, frame: object) -> None:
         if flag.get("stop"):
             raise KeyboardInterrupt
         flag["stop"] = signal.Signals(signum).name
 
-    wanted = [s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None),
-                          getattr(signal, "SIGHUP", None)) if s is not None]
-    previous = {s: signal.signal(s, ask) for s in wanted}
-    try:
+    with signals_handled(ask, (signal.SIGINT, *HANDLED)):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = None,

@@ -37,15 +37,21 @@ def _raise(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``).
+def signals_handled(handler: Any, signums: tuple[int, ...] = HANDLED) -> Iterator[None]:
+    """Within the block, ``handler`` handles ``signums`` (then the previous handlers return).
     Outside the main thread it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise) for s in HANDLED}
+    previous = {s: signal.signal(s, handler) for s in signums}
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def signals_interrupt() -> contextlib.AbstractContextManager[None]:
+    """Within the block, SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``).
+    Outside the main thread it does nothing."""
+    return signals_handled(_raise)
