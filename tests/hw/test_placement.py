@@ -170,3 +170,28 @@ def test_bad_across_nodes_flags_are_rejected_before_anything_runs(tmp_path: Path
     stall = str(Path(__file__).resolve().parents[2] / "traces" / "warmup-stall.jsonl.gz")
     r = CliRunner().invoke(cli, ["replay", stall, "--listen", "127.0.0.1:1", "--agents", "2"])
     assert r.exit_code == 2 and "add --mode hw" in r.output, r.output
+
+
+def test_data_ports_on_the_mooncake_engine_are_said_to_bound_ucx_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--data-ports bounds NIXL's UCX ports; on the Mooncake engine the run says, before it
+    starts, that the engine picks its own ports (and how to keep every data port in range),
+    and that an across-nodes coordinator's agents need the run's secret."""
+    from click.testing import CliRunner
+
+    from twin.cli import cli
+    from twin.hw.netutil import free_port
+
+    small = str(Path(__file__).resolve().parents[2] / "examples" / "tp2-tp1-small.toml")
+    monkeypatch.setenv("TWIN_HW_TRANSPORT", "mooncake")
+    monkeypatch.delenv("TWIN_RUN_SECRET", raising=False)
+    monkeypatch.delenv("TWIN_RUN_SECRET_FILE", raising=False)
+    args = ["hw", "--config", small, "--workload", "poisson:n=2,rate=1", "--listen",
+            f"127.0.0.1:{free_port()}", "--agents", "1", "--agent-timeout", "1"]
+    out = CliRunner().invoke(cli, [*args, "--data-ports", "29700-29709"]).output
+    (line,) = [x for x in out.splitlines() if x.startswith("transfers ")]
+    assert "--data-ports bounds NIXL's UCX ports only" in line, out
+    assert "--disaggregation-transfer-backend nixl" in line
+    assert "TWIN_RUN_SECRET_FILE=" in out and "(mode 0600)" in out, out
+    out = CliRunner().invoke(cli, args).output  # no --data-ports: nothing to say
+    assert "--data-ports" not in out, out
