@@ -61,7 +61,9 @@ class ControlSocket:
     ``bind``: a zmq endpoint to bind (``tcp://127.0.0.1:5555``); by default a free port on
     ``host``, within ``ports`` (first, last; inclusive) if given. ``context``: a shared zmq
     context (not terminated by :meth:`close`); by default the socket owns a private context and
-    terminates it on close. Not thread-safe.
+    terminates it on close. ``key``: the run's key (see the module docstring); its ZAP handler
+    runs on the context, so the owner of a shared context calls
+    ``twin.hw.auth.unguard_context`` before terminating it. Not thread-safe.
     """
 
     def __init__(
