@@ -573,7 +573,7 @@ class Launcher:
             self.errors.append(f"{node}: the coordinator cannot reach it ({state}): {exc}")
 
     def feed(self, node: str, event: Any) -> None:
-        self.command(node, messages.Feed(event=messages.event_to_json(event)))
+        self.command(node, messages.feed(event))
 
     def request_states(self, timeout_s: float = 10.0) -> dict[str, messages.RankState]:
         """Every rank's state (``messages.RankState``: snapshot, next scripted input, held)."""

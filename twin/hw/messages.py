@@ -143,8 +143,9 @@ def decode(data: bytes, kind: Any) -> Any:
         raise BadFrame(str(exc)) from None
 
 
-def encode_feed(event: Any) -> bytes:
-    return encode(Feed(event=event_to_json(event)))
+def feed(event: Any) -> Feed:
+    """The command that feeds ``event`` (a core input) to a rank."""
+    return Feed(event=event_to_json(event))
 
 
 def event_of(d: dict[str, Any], where: str) -> Any:
