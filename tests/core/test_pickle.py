@@ -15,12 +15,12 @@ from twin.core import factories, wire
 MSG = wire.StagingReq(room=3, chunk_idx=1, chunk_pages=4, session_id="d0g0r0")
 SAMPLES = [
     ev.MessageArrived(src="p0g0r0", msg=MSG),
-    factories.new_message_arrived(src="p0g0r0", msg=factories.new_staging_rsp(
+    ev.MessageArrived(src="p0g0r0", msg=wire.StagingRsp(
         room=3, chunk_idx=1, offset=4096, round=2, end=8192, session_id="d0g0r0")),
-    factories.new_send(dst="d0g0r0", msg=MSG),
+    ev.Send(dst="d0g0r0", msg=MSG),
     ev.RoomBootstrapped(room=3, targets=(ev.Target(session="d0g0r0", decode_rank=0,
                                                    total_pages=8, decode_prefix_len=0),)),
-    factories.new_start_transfer(worker=0, room=3, chunk_idx=1, session="d0g0r0", page_start=4,
+    ev.StartTransfer(worker=0, room=3, chunk_idx=1, session="d0g0r0", page_start=4,
                                  num_pages=4, region_offset=0, region_end=4096,
                                  dst_offset=4096, nbytes=4096, writer=0, round=2),
     ev.SendMetadata(room=3, prefill_ranks=("p0g0r0",), session="d0g0r0", decode_rank=0,

@@ -104,7 +104,7 @@ def test_kv_status_success_and_status_is_kvpoll(ref):
     assert frames == [b"KV_STATUS", b"1", b"4", b"0", b""]
     assert sglang_ref.kv_status_frames(1, KVPoll.Success, 0, None) == frames
     assert decode(frames).status is KVPoll.Success
-    assert [int(p) for p in KVPoll] == [0, 1, 2, 3, 4]
+    assert [p.code for p in KVPoll] == [0, 1, 2, 3, 4]
 
 
 def test_kv_status_without_reason_frame():

@@ -4,7 +4,6 @@ encoded in a forked child is the trace encoded inline, byte for byte."""
 from __future__ import annotations
 
 import json
-import marshal
 import os
 import signal
 import struct
@@ -27,76 +26,38 @@ from twin.runtime.header import trace_header
 from twin.runtime.params import SimParams
 from twin.sim.runner import run_sim
 from twin.trace import format as fmt
-from twin.trace.codec import FAST_LINE_DECODERS, LINE_TEXT, TraceError
+from twin.trace.codec import TraceError, decode_event, encode, event_from_json
 from twin.trace.format import TraceWriter, make_header, read_trace
-from twin.trace.rows import BUILD, LINE_OF_ROW, LINE_ROWS, REDUCE
 from twin.workloads.spec import parse_workload_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAD = '"t":0.25,"node":"p0g0r0","dir":"out",'
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ANY_EVENT)
-def test_line_from_row_is_line_from_event(event: Any) -> None:
-    row = marshal.loads(marshal.dumps(REDUCE[type(event)](event)))  # what crosses the pipe
-    assert LINE_OF_ROW[row[0]](row, 17, HEAD) == LINE_TEXT[type(event)](event, 17, HEAD)
+def test_the_codec_reads_back_every_event_it_writes(event: Any) -> None:
+    text = encode(event)
+    assert decode_event(text, where="x") == event
+    assert event_from_json(json.loads(text), where="x") == event
+    line = b'{"seq":3,"t":0.25,"node":"p0g0r0","dir":"out",' + text[1:]
+    assert decode_event(b"{" + line[line.index(b'"type"'):], where="x") == event
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ANY_EVENT)
-def test_rows_build_back_their_objects(event: Any) -> None:
-    row = marshal.loads(marshal.dumps(REDUCE[type(event)](event)))
-    built = BUILD[row[0]](row)
-    assert type(built) is type(event) and built == event
-
-
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ANY_EVENT)
-def test_a_lines_row_is_its_events_row(event: Any) -> None:
-    """The fast row decoders accept what the fast event decoders accept, and give its row."""
-    d = json.loads(LINE_TEXT[type(event)](event, 3, HEAD))
-    name = type(event).__name__
-    fast_event = FAST_LINE_DECODERS.get(name)
-    fast_row = LINE_ROWS.get(name)
-    assert (fast_event is None) == (fast_row is None)
-    if fast_event is not None and fast_row is not None:
-        decoded = fast_event(d)
-        row = fast_row(d)
-        assert (decoded is None) == (row is None)
-        if decoded is not None:
-            assert decoded == event and row == REDUCE[type(event)](event)
-        d["extra"] = 1  # anything unexpected: neither vouches for it
-        assert fast_event(d) is None and fast_row(d) is None
-
-
-def test_record_rows_are_their_events_rows(tmp_path: Path) -> None:
-    path = tmp_path / "r.jsonl"
-    workload = parse_workload_spec("poisson:n=12,rate=20,input=6000~3000,output=8,seed=3")
-    run_sim(TwinConfig(), workload, trace_out=path)
-    rows = [r.row for r in fmt.TraceReader(path, lazy=True) if r.dir != "sys"]
-    events = [r.event for r in fmt.TraceReader(path, lazy=True) if r.dir != "sys"]
-    assert len(rows) > 500
-    assert rows == [REDUCE[type(e)](e) for e in events]
-    # a room never introduced: the error the event names
-    lines = path.read_text().splitlines(keepends=True)
-    i = next(k for k, x in enumerate(lines) if '"dir":"in","type":"ScatterDone","room":' in x)
-    room = json.loads(lines[i])["room"]
-    lines[i] = lines[i].replace(f'"room":{room},', '"room":99999,', 1)
-    path.write_text("".join(lines))
-    for attr in ("event", "row"):
-        with pytest.raises(TraceError, match=f"r.jsonl:{i + 1}: field 'room': room 99999 was "
-                                             "never introduced"):
-            for r in fmt.TraceReader(path, lazy=True):
-                if r.dir != "sys":
-                    getattr(r, attr)
-
-
-def test_reducing_checks_floats_and_messages() -> None:
-    with pytest.raises(ValueError, match="finite"):
-        REDUCE[ev.SetTimer](ev.SetTimer(at=float("inf")))
-    with pytest.raises(TypeError, match="not a control message"):
-        REDUCE[ev.Send](ev.Send(dst=P, msg="not a frame"))  # type: ignore[arg-type]
+def test_the_codec_names_the_field_it_refuses() -> None:
+    good = encode(ev.Allocated(room=1, chunk_idx=0, alloc_id=2, offset=0, round=0, size=64))
+    with pytest.raises(TraceError, match="field 'room': expected `int`, got `str`"):
+        decode_event(good.replace(b'"room":1', b'"room":"1"'), where="t:2")
+    with pytest.raises(TraceError, match="t:2: field 'colour': unknown field"):
+        decode_event(good[:-1] + b',"colour":1}', where="t:2")
+    with pytest.raises(TraceError, match="field 'size': missing"):
+        decode_event(good.replace(b',"size":64', b""), where="t:2")
+    with pytest.raises(TraceError, match="field 'type': unknown event type 'Nope'"):
+        decode_event(b'{"type":"Nope"}', where="t:2")
+    with pytest.raises(TraceError, match="field 'msg.kind': unknown message kind"):
+        decode_event(b'{"type":"MessageArrived","src":"a","msg":{"kind":"HELLO"}}', where="t")
+    with pytest.raises(TraceError, match="field 'msg.chunk_idx': missing"):
+        decode_event(b'{"type":"MessageArrived","src":"a","msg":{"kind":"STAGING_REQ",'
+                     b'"room":1}}', where="t")
 
 
 def _record(path: Path, fork: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,12 +96,14 @@ def test_process_encoder_flush_puts_everything_in_the_file(tmp_path: Path) -> No
     assert read_trace(path).status == "incomplete"
 
 
-def test_an_error_in_the_encoder_process_is_raised_in_the_writer(tmp_path: Path) -> None:
+def test_a_record_that_is_not_plain_data_is_refused_where_it_is_written(
+        tmp_path: Path) -> None:
     w = TraceWriter(tmp_path / "e.jsonl", make_header("sim", small_config(), NODES),
                     encoder="process")
-    w.write_sys(0.0, P, {"type": "Note", "text": "x", "blob": b"not json"})
-    with pytest.raises(TypeError, match="bytes is not JSON serializable"):
-        w.close()
+    with pytest.raises(TypeError, match="not plain data: .*bytes is not JSON serializable"):
+        w.write_sys(0.0, P, {"type": "Note", "text": "x", "blob": b"not json"})
+    w.close()
+    assert read_trace(tmp_path / "e.jsonl").events == []
 
 
 _SCRIPT = textwrap.dedent("""
@@ -211,8 +174,8 @@ def test_a_killed_or_interrupted_run_keeps_what_it_recorded(tmp_path: Path, sig:
 
 @pytest.mark.parametrize("encoder", ["inline", "process"])
 def test_writer_errors_count_the_lines_a_runtime_appended(tmp_path: Path, encoder: str) -> None:
-    """The runtime packs into the writer's batch itself (``packer``); an error the writer
-    raises afterwards still names the right line."""
+    """The runtime records one call per input (``record``); an error the writer raises
+    afterwards still names the right line."""
     cfg = TwinConfig()
     workload = parse_workload_spec("poisson:n=5,rate=20,input=3000~1000,output=8,seed=2")
     header = trace_header(cfg, workload, defects=Defects(), faults=[], seed=0,

@@ -17,7 +17,7 @@ from twin.core import events as ev
 from twin.sim.runner import run_sim
 from twin.sim.scenarios import SCENARIOS
 from twin.trace.blocks import BlockSink, BlockSource
-from twin.trace.codec import BODY_TEXT, LINE_TEXT, TraceError, event_text, event_to_json
+from twin.trace.codec import TraceError, body, encode, event_to_json
 from twin.trace.format import TraceReader, TraceWriter, iter_trace, make_header, read_trace
 from twin.trace.index import TraceIndex, index_path
 from twin.trace.inspect import compare, diff, room_timeline, summary
@@ -35,19 +35,24 @@ NAMES = ["run.jsonl", "run.jsonl.gz", "run.jsonl.zst"]
 # ---------------------------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ANY_EVENT)
-def test_text_encoder_writes_what_json_would(event: Any) -> None:
+def test_an_events_line_is_what_json_would_write(event: Any) -> None:
     expected = json.dumps(event_to_json(event), separators=(",", ":"), allow_nan=False)
-    assert event_text(event) == expected
-    head = '"t":0.5,"node":"p0g0r0","dir":"out",'
-    line = LINE_TEXT[type(event)](event, 7, head)
-    assert line == '{"seq":7,' + head + expected[1:] + "\n"
-    assert BODY_TEXT[type(event)](event) == expected[1:-1]
+    assert json.loads(encode(event)) == json.loads(expected)
+    assert body(event) == encode(event)[1:-1]
 
 
-def test_text_encoder_rejects_what_json_rejects() -> None:
-    with pytest.raises(ValueError, match="finite"):
-        event_text(ev.SetTimer(at=float("inf")))
-    assert event_text(ev.SetTimer(at=3)) == '{"type":"SetTimer","at":3}'
+def test_the_writer_refuses_what_json_cannot_hold(tmp_path: Path) -> None:
+    from test_format import NODES, P, small_config
+
+    from twin.trace.format import TraceWriter, make_header
+
+    w = TraceWriter(tmp_path / "inf.jsonl", make_header("sim", small_config(), NODES),
+                    encoder="inline")
+    w.write_input(0.0, P, ev.Tick())
+    w.write_effects(0.0, P, [ev.SetTimer(at=float("inf"))])
+    with pytest.raises(ValueError, match="field 'at'.*not a finite number"):
+        w.flush()
+    assert encode(ev.SetTimer(at=3)) == b'{"type":"SetTimer","at":3}'
 
 
 # ---------------------------------------------------------------------------------------------

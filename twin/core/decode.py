@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from twin.core import events as ev
-from twin.core import factories, wire
+from twin.core import wire
 from twin.core.allocator import ALLOC_OVERSIZED, StagingAllocator
 from twin.core.config import TwinConfig
 from twin.core.defects import (
@@ -255,7 +255,7 @@ class DecodeRank:
              after_s: float | None = None) -> None:
         at = start + (self.cfg.waiting_timeout_s if after_s is None else after_s) + 1e-6
         heapq.heappush(self._deadlines, (at, room.room))
-        out.append(factories.new_set_timer(at=at))
+        out.append(ev.SetTimer(at=at))
 
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
@@ -292,7 +292,7 @@ class DecodeRank:
             self._register(room, out)
             if self._crashed is not None:
                 return
-        out.append(factories.new_send_metadata(
+        out.append(ev.SendMetadata(
             room=e.room, prefill_ranks=e.prefill_ranks, session=self.session,
             decode_rank=self.rank, decode_prefix_len=e.decode_prefix_len,
             total_pages=e.total_pages,
@@ -360,7 +360,7 @@ class DecodeRank:
             # waiting timeout fails the room.
             offset, rnd, end = self._allocate(room, key, msg.chunk_pages, out,
                                               late=key in room.scattered)
-        rsp = factories.new_staging_rsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
+        rsp = wire.StagingRsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
                               end=end, session_id=msg.session_id)
         pp_rank = msg.pp_rank
         for dst in room.prefill_ranks:
@@ -368,7 +368,7 @@ class DecodeRank:
             # (staging_handler.py ~895-897); one naming none, to every prefill rank.
             if pp_rank is not None and pp_stage_of(dst) != pp_rank:
                 continue
-            out.append(factories.new_send(dst=dst, msg=rsp))
+            out.append(ev.Send(dst=dst, msg=rsp))
         self._subscribe(room.prefill_ranks, msg.session_id, out)
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
             # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
@@ -385,7 +385,7 @@ class DecodeRank:
         got = self._allocator.assign(required)
         if got is not None:
             alloc_id, offset, rnd = got
-            out.append(factories.new_allocated(room=room.room, chunk_idx=msg.chunk_idx,
+            out.append(ev.Allocated(room=room.room, chunk_idx=msg.chunk_idx,
                                                alloc_id=alloc_id, offset=offset, round=rnd,
                                                size=required))
         self._listener_dead = (f"STAGING_REQ room {msg.room} chunk_idx {msg.chunk_idx}: "
@@ -423,7 +423,7 @@ class DecodeRank:
         alloc_id, offset, rnd = got
         room.chunks[chunk_idx] = ChunkAlloc(alloc_id, offset, rnd, offset + required, chunk_pages,
                                             late)
-        out.append(factories.new_allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
+        out.append(ev.Allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
                                 offset=offset, round=rnd, size=required))
         return offset, rnd, offset + required
 
@@ -438,9 +438,9 @@ class DecodeRank:
 
     def _send_watermark(self, key: tuple[str, ...], session_id: str, out: list[ev.Effect]) -> None:
         wm_round, wm_tail = self._allocator.get_watermark()
-        msg = factories.new_watermark(round=wm_round, tail=wm_tail, session_id=session_id)
+        msg = wire.Watermark(round=wm_round, tail=wm_tail, session_id=session_id)
         for dst in key:
-            out.append(factories.new_send(dst=dst, msg=msg))
+            out.append(ev.Send(dst=dst, msg=msg))
 
     # -- CHUNK_READY and scatter -------------------------------------------------------------
     def _on_chunk_ready(self, msg: wire.ChunkReady, out: list[ev.Effect]) -> None:
@@ -471,7 +471,7 @@ class DecodeRank:
         room.scattered.add(chunk_idx)
         room.events[info.alloc_id] = chunk_idx
         _, writer_bytes, total = self._layout(num_pages, room.prefill_attn_tp)
-        out.append(factories.new_start_scatter(
+        out.append(ev.StartScatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
             nbytes=total, page_start=page_start, num_pages=num_pages, blind=blind,
             prefill_attn_tp=room.prefill_attn_tp, writer_bytes=writer_bytes,
@@ -498,11 +498,11 @@ class DecodeRank:
         a = self._allocator
         before = a.get_watermark()
         a.free(alloc_id)
-        out.append(factories.new_freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
+        out.append(ev.Freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
         after = a.get_watermark()
         if after != before:
             lag = (a.round - after[0]) * a.total_size + a.head - after[1]
-            out.append(factories.new_watermark_moved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
+            out.append(ev.WatermarkMoved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
         for key, session_id in self._subscribers.items():
             self._send_watermark(key, session_id, out)
 
@@ -577,7 +577,7 @@ class DecodeRank:
         poll = self._poll_value(room)
         if poll and poll != room.shared and room.room in self._rooms:
             room.shared = poll
-            out.append(factories.new_group_poll(room=room.room, poll=poll, peers=room.group))
+            out.append(ev.GroupPoll(room=room.room, poll=poll, peers=room.group))
 
     def _reduce(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """The MIN of the group's polls: Failed anywhere fails the room here; Success
@@ -592,14 +592,14 @@ class DecodeRank:
         if room.state is _S_DONE and all(p == POLL_SUCCESS for p in peers):
             room.state = decode_next(room.state, _T_GROUP_SUCCESS)
             room.concluded = True
-            out.append(factories.new_room_concluded(room=room.room, status=room.state.value))
+            out.append(ev.RoomConcluded(room=room.room, status=room.state.value))
             self._unregister(room, out)
             return
         if room.state is not _S_FAILED:
             return
         if not room.concluded:
             room.concluded = True
-            out.append(factories.new_room_concluded(room=room.room, status=room.state.value,
+            out.append(ev.RoomConcluded(room=room.room, status=room.state.value,
                                         reason=room.fail_reason))
             if not self.cfg.deferred_decode_kv_release:
                 self._unregister(room, out)
@@ -635,7 +635,7 @@ class DecodeRank:
         msg = wire.Abort(room=room.room, decode_ip=self.session, decode_port=self.port,
                          generation=room.generation)
         for dst in room.prefill_ranks:
-            out.append(factories.new_send(dst=dst, msg=msg))
+            out.append(ev.Send(dst=dst, msg=msg))
 
     def _on_abort_ack(self, msg: wire.AbortAck, out: list[ev.Effect]) -> None:
         room = self._rooms.get(msg.room)

@@ -1,32 +1,37 @@
 """Inputs the core consumes and effects it returns.
 
 Drivers call ``rank.handle(event, now)`` with an *input* and carry out the returned *effects*.
-Every class here is a frozen, slotted, keyword-only dataclass, so events are cheap, hashable and
-serialise to the trace as ``{"type": ClassName, **fields}``. ``EVENT_TYPES`` maps names back to
-classes for the trace reader.
+Every class here is a frozen, keyword-only ``msgspec.Struct`` tagged with its name: cheap to
+build, hashable, and its own schema. The trace codec (``twin.trace.codec``) writes one as
+``{"type": ClassName, **fields}`` and reads it back strictly, with nothing else listing its
+fields: adding a field here is all a new field needs (plus a ``twin.trace.compat`` entry
+when older traces lack it and it has no default). ``EVENT_TYPES`` maps names to classes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
-from twin.core.fastinit import speed_up_module
 from twin.core.wire import Message
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_fields=True,
+            tag_field="type", tag=True):
+    """Base of every input, effect and nested event object: a frozen, keyword-only msgspec
+    Struct whose tag (``"type"``) is its class name; its typed fields are the trace schema."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MessageArrived:
+class MessageArrived(Event):
     """A control frame from ``src`` was delivered (already decoded)."""
 
     src: str
     msg: Message
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DecodeRoomInit:
+class DecodeRoomInit(Event):
     """Decode pre-allocated KV for a room (``pop_preallocated``) and is about to send metadata.
 
     ``total_pages`` counts pages after the decode-side cached prefix (``decode_prefix_len``
@@ -43,15 +48,13 @@ class DecodeRoomInit:
     group: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DecodeRoomRegister:
+class DecodeRoomRegister(Event):
     """The late registration point (``extend``); only used with ``late-decode-registration``."""
 
     room: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ScatterDone:
+class ScatterDone(Event):
     """The scatter of ``alloc_id`` (room, chunk) finished on the decode device."""
 
     room: int
@@ -59,29 +62,25 @@ class ScatterDone:
     alloc_id: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tick:
+class Tick(Event):
     """Time advanced; check timeouts."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomAborted:
+class RoomAborted(Event):
     """The request was aborted (client, router, or the other side failed it)."""
 
     room: int
     reason: str = "aborted"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomBootstrapped:
+class RoomBootstrapped(Event):
     """Prefill received the decode metadata of a room: one target per decode session."""
 
     room: int
     targets: tuple[Target, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Target:
+class Target(Event):
     """One decode session a prefill rank writes a room's KV to.
 
     ``dst_port``: the session's control port from its metadata (SGLang's ``dst_port``), which
@@ -95,15 +94,13 @@ class Target:
     dst_port: int = -1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Prefetch:
+class Prefetch(Event):
     """The prefill scheduler formed a batch with this room: prefetch STAGING_REQs."""
 
     room: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendKV:
+class SendKV(Event):
     """The prefill scheduler sends KV ``[start_send_idx, end_idx)`` of a room (``send_kv_chunk``).
 
     Token indices are absolute in the request; non-last ends are floored to the page and to the
@@ -115,15 +112,13 @@ class SendKV:
     last: bool
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerPoll:
+class WorkerPoll(Event):
     """Transfer worker ``worker`` may pop its queue (woken, or its deferral wait ended)."""
 
     worker: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferDone:
+class TransferDone(Event):
     """The staged WRITE posted by ``worker`` ended.
 
     ``settled``: False when the backend cannot prove the write stopped (a handle still running
@@ -136,8 +131,7 @@ class TransferDone:
     settled: bool = True
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeerPolled:
+class PeerPolled(Event):
     """Decode rank ``peer`` of the room's group shared its poll state ``poll`` of ``room``."""
 
     room: int
@@ -145,8 +139,7 @@ class PeerPolled:
     poll: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendFailed:
+class SendFailed(Event):
     """The driver could not send ``msg`` (socket error)."""
 
     dst: str
@@ -156,16 +149,14 @@ class SendFailed:
 # ---------------------------------------------------------------------------------------------
 # Effects
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Send:
+class Send(Event):
     """Send ``msg`` to node ``dst``."""
 
     dst: str
     msg: Message
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendMetadata:
+class SendMetadata(Event):
     """Decode tells the room's prefill ranks where to write (bootstrap metadata).
 
     ``register_at``: with ``late-decode-registration`` the time at which the driver feeds a
@@ -182,8 +173,7 @@ class SendMetadata:
     dst_port: int = -1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AbortNotice:
+class AbortNotice(Event):
     """Tell the other side that a room failed here (traces before format 3; the decode rank
     now sends SGLang's ``ABORT`` frame instead)."""
 
@@ -192,8 +182,7 @@ class AbortNotice:
     reason: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Allocated:
+class Allocated(Event):
     room: int
     chunk_idx: int
     alloc_id: int
@@ -202,16 +191,14 @@ class Allocated:
     size: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Freed:
+class Freed(Event):
     alloc_id: int
     room: int
     chunk_idx: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WatermarkMoved:
+class WatermarkMoved(Event):
     """The ring's watermark moved; ``lag_bytes`` is how far it trails the allocation head."""
 
     round: int
@@ -219,8 +206,7 @@ class WatermarkMoved:
     lag_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StartScatter:
+class StartScatter(Event):
     """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``.
 
     ``writer_bytes`` is each writer's block of the region, in order; ``prefill_attn_tp`` the
@@ -239,8 +225,7 @@ class StartScatter:
     writer_bytes: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StartTransfer:
+class StartTransfer(Event):
     """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
 
     The bytes land at ``dst_offset`` of ``session``'s ring (``region_offset`` plus this writer's
@@ -266,8 +251,7 @@ class StartTransfer:
     decode_rank: int = 0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Deferred:
+class Deferred(Event):
     """The chunk at the head of ``worker``'s queue is not ready and was re-enqueued.
 
     ``all_blocked``: every chunk in the queue deferred since the last allocation or watermark
@@ -285,13 +269,11 @@ class Deferred:
     retry_at: float | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerIdle:
+class WorkerIdle(Event):
     worker: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WakeWorkers:
+class WakeWorkers(Event):
     """Allocation or watermark news: feed each of ``workers`` a ``WorkerPoll`` at ``at``.
 
     A poll scheduled for a worker replaces any earlier one not yet fed (one wait per worker).
@@ -301,16 +283,14 @@ class WakeWorkers:
     at: float = 0.0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TargetsKnown:
+class TargetsKnown(Event):
     """Prefill learned a room's decode sessions: ``sessions`` so far (one per metadata)."""
 
     room: int
     sessions: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkQueued:
+class ChunkQueued(Event):
     worker: int
     room: int
     chunk_idx: int
@@ -319,15 +299,13 @@ class ChunkQueued:
     is_last: bool
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkSkipped:
+class ChunkSkipped(Event):
     room: int
     page_start: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomConcluded:
+class RoomConcluded(Event):
     """A room ended on this rank: ``status`` is ``"Success"`` or ``"Failed"``."""
 
     room: int
@@ -335,13 +313,11 @@ class RoomConcluded:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomTornDown:
+class RoomTornDown(Event):
     room: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Dropped:
+class Dropped(Event):
     """An input was ignored, with why (a warning in SGLang's logs)."""
 
     what: str
@@ -349,15 +325,13 @@ class Dropped:
     reason: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SetTimer:
+class SetTimer(Event):
     """Feed this rank a ``Tick`` at time ``at``: a timeout may fire then."""
 
     at: float
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GroupPoll:
+class GroupPoll(Event):
     """Share this decode rank's poll state of ``room`` with ``peers`` (the MIN all-reduce).
 
     ``poll``: ``"Success"`` (every byte landed here), ``"Failed"``, or ``"ReleaseReady"`` (a
@@ -369,8 +343,7 @@ class GroupPoll:
     peers: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomHeld:
+class RoomHeld(Event):
     """A failed room keeps its staging until ``required_acks`` prefill ranks acknowledged the
     abort of ``generation`` or ``release_at`` comes (deferred decode KV release)."""
 
@@ -380,16 +353,14 @@ class RoomHeld:
     release_at: float
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomReleased:
+class RoomReleased(Event):
     """A held failed room was released: ``drained`` when every prefill rank acknowledged."""
 
     room: int
     drained: bool
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankCrashed:
+class RankCrashed(Event):
     """The rank raised out of its scheduler loop; it handles nothing from now on."""
 
     reason: str
@@ -417,4 +388,3 @@ Effect = (
     | RoomHeld | RoomReleased
 )
 
-speed_up_module(globals())  # cheaper construction; the classes stay frozen dataclasses

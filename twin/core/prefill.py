@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from twin.core import events as ev
-from twin.core import factories, wire
+from twin.core import wire
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
 from twin.core.config import TwinConfig, pp_layer_range
 from twin.core.defects import (
@@ -317,7 +317,7 @@ class PrefillRank:
         else:
             known = {t.session for t in room.targets}
             room.targets.extend(t for t in targets if t.session not in known)
-        out.append(factories.new_targets_known(room=e.room,
+        out.append(ev.TargetsKnown(room=e.room,
                                    sessions=tuple(t.session for t in room.targets)))
 
     def _on_prefetch(self, e: ev.Prefetch, out: list[ev.Effect]) -> None:
@@ -341,7 +341,7 @@ class PrefillRank:
                     continue
                 self._prefetch_requested.add(key)
                 self._requested_at[key] = self.now
-                out.append(factories.new_send(dst=target.session, msg=factories.new_staging_req(
+                out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
                     room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session, pp_rank=self._req_pp_rank)))
 
@@ -373,7 +373,7 @@ class PrefillRank:
             room.sent_pages += num_pages
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
             self._workers[worker].queue.append(chunk)
-            out.append(factories.new_chunk_queued(worker=worker, room=e.room,
+            out.append(ev.ChunkQueued(worker=worker, room=e.room,
                                       chunk_idx=chunk_index(chunk.page_start, self._full_pages),
                                       page_start=chunk.page_start, num_pages=num_pages,
                                       is_last=chunk.is_last))
@@ -431,7 +431,7 @@ class PrefillRank:
             room.state = prefill_next(room.state, _T_DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
-        out.append(factories.new_worker_idle(worker=index))
+        out.append(ev.WorkerIdle(worker=index))
 
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
@@ -517,7 +517,7 @@ class PrefillRank:
         self._requested_at[key] = self.now
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
-        out.append(factories.new_send(dst=target.session, msg=factories.new_staging_req(
+        out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
             room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session,
             pp_rank=self._req_pp_rank)))
 
@@ -550,7 +550,7 @@ class PrefillRank:
                                  f"({chunk.num_pages} pages, {nbytes} bytes)", out)
                 return None
             staged = False
-        return factories.new_start_transfer(
+        return ev.StartTransfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
             region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd,
@@ -567,7 +567,7 @@ class PrefillRank:
             wi = self._writer
             write = self._writes[key] = (writer_bytes[wi], sum(writer_bytes[:wi]),
                                          sum(writer_bytes))
-        return factories.new_start_transfer(
+        return ev.StartTransfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=-1,
             region_end=-1, dst_offset=-1, nbytes=write[0], writer=self._writer, round=0,
@@ -611,7 +611,7 @@ class PrefillRank:
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         skip_last = chunk.is_last and self._blind_last
         if chunk.staged and not skip_last:
-            out.append(factories.new_send(dst=target.session, msg=factories.new_chunk_ready(
+            out.append(ev.Send(dst=target.session, msg=wire.ChunkReady(
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
                 num_pages=chunk.num_pages, writer_id=target.session,
                 prefill_rank=self.unique_rank)))
@@ -644,7 +644,7 @@ class PrefillRank:
         self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
         if room.state is _S_FAILED:
             self._aborted.add(room.room)
-        out.append(factories.new_room_torn_down(room=room.room))
+        out.append(ev.RoomTornDown(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
                     out: list[ev.Effect], notify: bool = True) -> None:
@@ -667,14 +667,14 @@ class PrefillRank:
                                   _T_LAST_CHUNK_DONE if status == "Success" else _T_FAIL)
         room.fail_reason = reason
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
-        out.append(factories.new_room_concluded(room=room.room, status=status, reason=reason))
+        out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
         if notify:
             self._send_status(room, poll, reason, out)
 
     def _send_status(self, room: PrefillRoom, poll: wire.KVPoll, reason: str,
                      out: list[ev.Effect]) -> None:
         for target in room.targets:
-            out.append(factories.new_send(dst=target.session, msg=factories.new_transfer_status(
+            out.append(ev.Send(dst=target.session, msg=wire.TransferStatus(
                 room=room.room, status=poll, prefill_rank=self.unique_rank,
                 failure_reason=reason)))
 
@@ -715,7 +715,7 @@ class PrefillRank:
     def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T_FAIL)
         room.fail_reason = reason
-        out.append(factories.new_room_concluded(room=room.room, status="Failed", reason=reason))
+        out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
             self._tear_down(room, out)
         self._news(out)  # its queued chunks are skipped at the next pass
@@ -730,7 +730,7 @@ class PrefillRank:
         if not targets or room_id in self._poisoned:
             return
         for (ip, _port), generation in sorted(targets.items()):
-            out.append(factories.new_send(dst=ip, msg=wire.AbortAck(
+            out.append(ev.Send(dst=ip, msg=wire.AbortAck(
                 room=room_id, prefill_rank=self.unique_rank, generation=generation)))
 
     def _queued(self, room: int) -> bool:

@@ -1,4 +1,5 @@
-"""SGLang's staging control frames: message dataclasses and a byte-exact codec.
+"""SGLang's staging control frames: message classes (tagged msgspec Structs) and a byte-exact
+frame codec.
 
 Frames are ZMQ multipart messages with ASCII decimal fields (sglang 0.5.23)::
 
@@ -21,26 +22,44 @@ metadata on one cached socket per prefill endpoint (``_connect_to_bootstrap_serv
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum
 from typing import Any
 
-from twin.core.fastinit import speed_up_module
+import msgspec
 
 
-class KVPoll(IntEnum):
-    """Per-room transfer status values (sglang ``KVPoll``)."""
+class KVPoll(Enum):
+    """Per-room transfer status (sglang ``KVPoll``): named in traces, ``code`` in frames."""
 
-    Failed = 0
-    Bootstrapping = 1
-    WaitingForInput = 2
-    Transferring = 3
-    Success = 4
+    Failed = "Failed"
+    Bootstrapping = "Bootstrapping"
+    WaitingForInput = "WaitingForInput"
+    Transferring = "Transferring"
+    Success = "Success"
+
+    @property
+    def code(self) -> int:
+        """SGLang's integer value (``KVPoll.Failed == 0`` ... ``KVPoll.Success == 4``)."""
+        return _POLL_CODES.index(self.value)
+
+    @classmethod
+    def of_code(cls, code: int) -> KVPoll:
+        """The status of SGLang's integer ``code``; ValueError for an unknown one."""
+        if not 0 <= code < len(_POLL_CODES):
+            raise ValueError(code)
+        return cls(_POLL_CODES[code])
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StagingReq:
+_POLL_CODES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+
+
+class Frame(msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_fields=True,
+            tag_field="kind"):
+    """Base of the control frames: a frozen, keyword-only msgspec Struct tagged (``"kind"``)
+    with the frame's first part (``STAGING_REQ``, ...)."""
+
+
+class StagingReq(Frame, tag="STAGING_REQ"):
     room: int
     chunk_idx: int
     chunk_pages: int
@@ -48,8 +67,7 @@ class StagingReq:
     pp_rank: int | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StagingRsp:
+class StagingRsp(Frame, tag="STAGING_RSP"):
     room: int
     chunk_idx: int
     offset: int
@@ -58,15 +76,13 @@ class StagingRsp:
     session_id: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Watermark:
+class Watermark(Frame, tag="WATERMARK"):
     round: int
     tail: int
     session_id: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkReady:
+class ChunkReady(Frame, tag="CHUNK_READY"):
     room: int
     chunk_idx: int
     page_start: int
@@ -75,8 +91,7 @@ class ChunkReady:
     prefill_rank: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferStatus:
+class TransferStatus(Frame, tag="KV_STATUS"):
     """A prefill rank's per-room transfer result (nixl ``KV_STATUS``)."""
 
     room: int
@@ -85,8 +100,7 @@ class TransferStatus:
     failure_reason: str = ""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Abort:
+class Abort(Frame, tag="ABORT"):
     """Decode's abort notification (``AbortNotification``): ``decode_ip``/``decode_port`` name
     where the acknowledgement goes, ``generation`` the armed deferred-release generation (None
     when deferred release is off: no acknowledgement is awaited). A legacy ``[ABORT, room]``
@@ -99,8 +113,7 @@ class Abort:
     generation: int | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AbortAck:
+class AbortAck(Frame, tag="ABORT_ACK"):
     """Prefill's acknowledgement that its transfer of an aborted room drained (``AbortAck``)."""
 
     room: int
@@ -120,8 +133,7 @@ MESSAGE_TYPES: dict[bytes, type] = {
 }
 """Each message's first frame (its kind) -> its class."""
 TAGS: dict[type, bytes] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
-"""Message class -> its first frame. (A table, not a class attribute: the classes compile to
-native classes, which keep no class attributes.)"""
+"""Message class -> its first frame (its msgspec tag, ``kind`` in a trace)."""
 
 
 def tag_of(msg: Message) -> bytes:
@@ -143,8 +155,8 @@ def socket_of(msg: Message) -> str:
 
 
 def _enc(value: object) -> bytes:
-    if isinstance(value, IntEnum):
-        return str(int(value)).encode("ascii")
+    if isinstance(value, KVPoll):
+        return str(value.code).encode("ascii")
     return str(value).encode("ascii")
 
 
@@ -156,9 +168,9 @@ def encode(msg: Message) -> list[bytes]:
     if isinstance(msg, Abort) and msg.decode_ip == NO_RETURN_ADDRESS:
         return [TAGS[Abort], _enc(msg.room)]  # AbortNotification.to_zmq: no address, no more
     parts = [tag_of(msg)]
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if f.name in _OPTIONAL and value is None:
+    for name in msg.__struct_fields__:
+        value = getattr(msg, name)
+        if name in _OPTIONAL and value is None:
             continue
         parts.append(_enc(value))
     return parts
@@ -168,7 +180,7 @@ _OPTIONAL = {"pp_rank", "failure_reason", "generation"}
 
 
 def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+    return list(cls.__struct_fields__)
 
 
 def decode(frames: list[bytes]) -> Message:
@@ -195,7 +207,7 @@ def decode(frames: list[bytes]) -> Message:
         values[name] = _decode_field(kind, name, bytes(raw))
     if cls is TransferStatus:
         try:
-            values["status"] = KVPoll(values["status"])
+            values["status"] = KVPoll.of_code(values["status"])
         except ValueError:
             raise ValueError(f"{kind}: field 'status': unknown status {values['status']}") from None
     msg: Message = cls(**values)
@@ -241,5 +253,3 @@ def _decode_field(kind: str, name: str, raw: bytes) -> object:
         return int(text)
     except ValueError:
         raise ValueError(f"{kind}: field {name!r}: expected a decimal integer, got {text[:32]!r}") from None
-
-speed_up_module(globals())  # cheaper construction; the classes stay frozen dataclasses

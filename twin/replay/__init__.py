@@ -24,14 +24,12 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
-from twin.replay import feeding
 from twin.runtime.diagnosis import crash_reason, diagnose, note_fault_record, restart_reason
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
-from twin.trace.codec import event_to_json
+from twin.trace.codec import body, event_to_json
 from twin.trace.compat import comparable
-from twin.trace.emitters import event_body
 from twin.trace.format import (
     FORMAT_VERSION,
     Record,
@@ -164,20 +162,6 @@ class Replayer:
             note_fault_record(self.fault_notes, d)  # named on its room's wedge root
 
     def run(self) -> ReplayResult:
-        """Replay the whole trace: with the trace read in a forked process when that can run
-        (``twin.replay.forked``), else (or when that path hands back) sequentially here."""
-        from twin.replay import forked
-
-        if forked.can_run(self):
-            try:
-                return forked.run(self)
-            except forked.Fallback:
-                return Replayer(self.trace).run_here()
-            except KeyboardInterrupt as exc:  # the forked reader is stopped already
-                return self._result(interrupted=exc)
-        return self.run_here()
-
-    def run_here(self) -> ReplayResult:
         """Replay the whole trace in this process, reading it as it goes. Ctrl-C (or SIGTERM
         and SIGHUP inside ``signals_interrupt``) ends it with what was replayed so far."""
         try:
@@ -226,7 +210,12 @@ class Replayer:
              ) -> list[ev.Effect]:
         """Hand ``event`` to ``rank`` (of ``node``) at time ``t``; its effects."""
         self.inputs += 1
-        return feeding.feed(rank, node, event, t, self.in_flight, self.integrity)
+        if type(event) is ev.TransferDone and event.ok:  # its bytes land first
+            st = self.in_flight.pop((node, event.worker), None)
+            if st is not None:
+                self.integrity.on_transfer(st.session, st)
+        effects: list[ev.Effect] = rank.handle(event, t)
+        return effects
 
     def _check(self, rec: Record, effects: list[ev.Effect], recorded: list[Record]) -> bool:
         """Compare the effects of input ``rec`` with its recorded effect lines; on a difference
@@ -234,7 +223,7 @@ class Replayer:
         same = len(effects) == len(recorded)
         if same:
             for e, r in zip(effects, recorded):  # noqa: B905 - equal lengths
-                if event_body(e).encode() != r.body:
+                if body(e) != r.body:
                     same = False
                     break
         if not same:

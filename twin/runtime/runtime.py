@@ -28,11 +28,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from twin.core import events as ev
-from twin.core import factories, wire
+from twin.core import wire
 from twin.core.decode import DecodeRank
 from twin.core.prefill import PrefillRank
-from twin.trace.packing import pack_item
-from twin.trace.packio import Packer
 
 Rank = PrefillRank | DecodeRank
 Hook = Callable[[str, Any], None]
@@ -65,7 +63,9 @@ class Driver(Protocol):
 
 
 class InputRecorder(Protocol):
-    """Where the runtime writes every input and the effects it returned."""
+    """Where the runtime writes every input and the effects it returned. A recorder that
+    also has ``record(t, node, event, effects)`` (``twin.trace.format.TraceWriter``) gets
+    that one call per input instead of the two."""
 
     def write_input(self, t: float, node: str, event: Any) -> None: ...
     def write_effects(self, t: float, node: str, effects: list[Any]) -> None: ...
@@ -75,6 +75,14 @@ class Recorder(InputRecorder, Protocol):
     """A run's trace (``twin.trace.format.TraceWriter`` fits): inputs, effects, driver records."""
 
     def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None: ...
+
+
+def _two_calls(recorder: InputRecorder) -> Callable[[float, str, Any, list[Any]], None]:
+    """``record`` for a recorder with only ``write_input`` and ``write_effects``."""
+    def record(t: float, node: str, event: Any, effects: list[Any]) -> None:
+        recorder.write_input(t, node, event)
+        recorder.write_effects(t, node, effects)
+    return record
 
 
 class Runtime:
@@ -90,13 +98,9 @@ class Runtime:
         self.ranks = ranks
         self.driver = driver
         self.recorder = recorder
-        # A recorder with a ``packer`` (``TraceWriter``) is packed into, not called.
-        self._packer: Packer | None = None
-        self._pack_limit = 0
-        self._ship: Callable[[], None] | None = None
-        sink = getattr(recorder, "packer", None)
-        if sink is not None:
-            self._packer, self._pack_limit, self._ship = sink()
+        self._record: Callable[[float, str, Any, list[Any]], None] | None = (
+            None if recorder is None else getattr(recorder, "record", None)
+            or _two_calls(recorder))
         self.scripted = scripted
         self.crashed: dict[str, str] = {}
         self.dropped: dict[int, list[str]] = {}
@@ -135,28 +139,13 @@ class Runtime:
         self._now = now
         self.current = event
         effects = rank.handle(event, now)
-        p = self._packer
-        if p is not None:  # the trace writer's batch (TraceWriter.packer)
-            if pack_item(p, now, node, event, effects):
-                self._refused(now, node, event, effects)
-            if p.items >= self._pack_limit:
-                assert self._ship is not None
-                self._ship()
-        elif self.recorder is not None:
-            self.recorder.write_input(now, node, event)
-            self.recorder.write_effects(now, node, effects)
+        record = self._record
+        if record is not None:
+            record(now, node, event, effects)
         table = self._table
         for e in effects:
             table[type(e)](node, e)
         return effects
-
-    def _refused(self, now: float, node: str, event: ev.Input,
-                 effects: list[ev.Effect]) -> None:
-        """Not the header's node, or not a core event: the writer's own methods say which."""
-        assert self.recorder is not None
-        self.recorder.write_input(now, node, event)
-        self.recorder.write_effects(now, node, effects)
-        raise KeyError(node)  # pragma: no cover - the writer raised first
 
     def schedule(self, node: str, at: float, event: ev.Input) -> None:
         """Feed ``event`` to ``node`` at time ``at`` (nothing when scripted)."""
@@ -170,7 +159,7 @@ class Runtime:
         key = (node, worker)
         token = self._poll_tokens.get(key, 0) + 1
         self._poll_tokens[key] = token
-        self.driver.feed_at(at, node, factories.new_worker_poll(worker=worker), token)
+        self.driver.feed_at(at, node, ev.WorkerPoll(worker=worker), token)
 
     def is_current(self, node: str, event: ev.Input, token: int) -> bool:
         """Whether a scheduled input is still wanted: a poll replaced by a newer one is not."""
@@ -222,10 +211,10 @@ class Runtime:
         return table
 
     def _metadata(self, node: str, e: ev.SendMetadata) -> None:
-        target = factories.new_target(session=e.session, decode_rank=e.decode_rank,
+        target = ev.Target(session=e.session, decode_rank=e.decode_rank,
                                       total_pages=e.total_pages,
                                       decode_prefix_len=e.decode_prefix_len, dst_port=e.dst_port)
-        boot = factories.new_room_bootstrapped(room=e.room, targets=(target,))
+        boot = ev.RoomBootstrapped(room=e.room, targets=(target,))
         for p in e.prefill_ranks:
             self.driver.control(node, p, boot)
         if e.register_at is not None:
@@ -237,7 +226,7 @@ class Runtime:
             self.driver.control(node, d, aborted)
 
     def _group_poll(self, node: str, e: ev.GroupPoll) -> None:
-        polled = factories.new_peer_polled(room=e.room, peer=node, poll=e.poll)
+        polled = ev.PeerPolled(room=e.room, peer=node, poll=e.poll)
         for peer in e.peers:
             if peer in self.ranks:
                 self._local.append((peer, polled))
@@ -261,7 +250,7 @@ class Runtime:
             self.poll(node, w, e.at)
 
     def _timer(self, node: str, e: ev.SetTimer) -> None:
-        self.schedule(node, e.at, factories.new_tick())
+        self.schedule(node, e.at, ev.Tick())
 
     def _crashed(self, node: str, e: ev.RankCrashed) -> None:
         self.crashed[node] = e.reason

@@ -20,7 +20,7 @@ import simpy
 from simpy.core import EmptySchedule, StopSimulation
 
 from twin.core import events as ev
-from twin.core import factories, wire
+from twin.core import wire
 from twin.core.config import TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
@@ -477,7 +477,7 @@ class Simulation:
         self.link_last[link] = t
         delay = t - now
         self.calendar.add(now + (delay if delay > 0.0 else 0.0), self.feed,
-                       (dst, factories.new_message_arrived(src=src, msg=msg)))
+                       (dst, ev.MessageArrived(src=src, msg=msg)))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
@@ -506,7 +506,7 @@ class Simulation:
             delay += depart - self.calendar.now
         t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        arrived = factories.new_message_arrived(src=src, msg=msg)
+        arrived = ev.MessageArrived(src=src, msg=msg)
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.calendar.now, self.feed, dst, arrived)
 
@@ -579,7 +579,7 @@ class Simulation:
         if failed:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self._fault(node, failed, detail, e.room)
-            self.feed(node, factories.new_transfer_done(worker=e.worker, ok=False, error=failed))
+            self.feed(node, ev.TransferDone(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
         now = self.calendar.now
@@ -587,7 +587,7 @@ class Simulation:
         if req is not None:
             req.last_transfer_s = now
         self.metrics.transfer(now - t0, e.nbytes)
-        self.feed(node, factories.new_transfer_done(worker=e.worker))
+        self.feed(node, ev.TransferDone(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self._costs
@@ -601,7 +601,7 @@ class Simulation:
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
             node, finish,
-            factories.new_scatter_done(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _fault(self, node: str, fault: str, detail: str, room: int) -> None:
         """Record a fault that fired (with the room it touched, when one) and note it for the
@@ -684,7 +684,7 @@ class Simulation:
         init_pages = self.placement.total_pages(req)
         attn_tp = self.cfg.prefill.attn_tp_size
         for node, writers, group in ranks:
-            self.feed(node, factories.new_decode_room_init(
+            self.feed(node, ev.DecodeRoomInit(
                 room=req.room, prefill_ranks=writers, prefill_attn_tp=attn_tp,
                 decode_prefix_len=req.decode_prefix_len, total_pages=init_pages, group=group))
 

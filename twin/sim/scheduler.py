@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from twin.core import events as ev
-from twin.core import factories
+
 from twin.core.config import TwinConfig
 from twin.core.sendplan import early_send_end
 from twin.core.topology import Topology
@@ -167,10 +167,10 @@ class PrefillScheduler:
     def _first_batch(self, req: RequestState) -> None:
         sim = self.sim
         req.first_batch = False
-        self._all(factories.new_prefetch(room=req.room))
+        self._all(ev.Prefetch(room=req.room))
         end = early_send_end(req.extend_end, req.decode_prefix_len, sim.cfg.page_size)
         if sim.params.early_send_cached_prefix and end is not None:
-            self._all(factories.new_send_kv(room=req.room, end_idx=end, last=False))
+            self._all(ev.SendKV(room=req.room, end_idx=end, last=False))
 
     def _finish(self, batch: list[tuple[RequestState, int]]) -> None:
         sim = self.sim
@@ -184,5 +184,5 @@ class PrefillScheduler:
             if last:
                 req.prefill_done_s = sim.time()
                 sim.prefill_finished(req)
-            self._all(factories.new_send_kv(room=req.room, end_idx=req.extend_end, last=last))
+            self._all(ev.SendKV(room=req.room, end_idx=req.extend_end, last=last))
         self._start()

@@ -77,3 +77,4 @@ def recorded_config(version: int, cfg: TwinConfig,
     if data is not None and "stage_equal_tp" not in data and not cfg.stage_equal_tp:
         cfg = cfg.replace(stage_equal_tp=True)
     return cfg
+

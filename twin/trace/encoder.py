@@ -1,23 +1,14 @@
-"""The back half of the trace writer: rows in, trace lines, blocks and index out.
-
-``TraceWriter`` (``twin.trace.format``) checks each record and packs it into a batch
-(``twin.trace.packio``); a ``RowEncoder`` (``twin.trace.rowenc``, compiled with the core) turns
-the batches into lines, cuts the lines into blocks, keeps the index's live state and hands the
-blocks to a ``BlockSink``. It runs in the writer's process, or in a forked child
-(``EncoderProcess``) so that a simulation pays for packing its events and not for their text:
-the child encodes on another core while the simulation goes on.
-
-A ``RowEncoder`` fed the same batches writes the same bytes, wherever it runs: blocks end after
-an input's effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` lines after
-an input, after a driver record once ``flush_every`` are buffered, and at every ``K_FLUSH``.
-"""
+"""The trace encoder in a forked child: ``EncoderProcess`` runs a ``LineEncoder``
+(``twin.trace.lines``) on another core, fed the writer's batches as msgpack through a pipe, so
+that a simulation pays for collecting its events and not for their text. Also the plumbing it
+shares with other forked helpers: framed pipes, errors carried as JSON (never pickled), and
+``sigint_deferred``."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import json
-import marshal
 import os
 import signal
 import struct
@@ -25,16 +16,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from twin.trace.rowenc import DRIVER, JSON_TEXT, RowEncoder
+from twin.trace.lines import DRIVER, JSON_TEXT, LineEncoder
 
-__all__ = ["DRIVER", "JSON_TEXT", "EncoderProcess", "RowEncoder", "can_fork"]
+__all__ = ["DRIVER", "JSON_TEXT", "EncoderProcess", "LineEncoder", "can_fork"]
 
 # ---------------------------------------------------------------------------------------------
 # The encoder in a child process
 # ---------------------------------------------------------------------------------------------
 _LEN = struct.Struct("<I")
-_BATCH_HEAD = struct.Struct("<II")
-"""A batch's frame: its length, then its packed bytes' length (the driver records follow)."""
 _FLUSH = b"F"
 _PIPE_SIZE = 1 << 20
 
@@ -54,7 +43,7 @@ class EncoderProcess:
     ``flush`` or ``close``; the exception is carried over by pickle.
     """
 
-    def __init__(self, encoder: RowEncoder) -> None:
+    def __init__(self, encoder: LineEncoder) -> None:
         data_r, data_w = open_pipe()  # room for about 20 batches
         res_r, res_w = os.pipe()
         pid = os.fork()
@@ -70,16 +59,9 @@ class EncoderProcess:
         self._done = False
         self._error: BaseException | None = None  # the child's, raised once
 
-    def feed(self, data: bytes, records: list[Any]) -> None:
-        """Send a packed batch (``RowEncoder.feed``'s arguments) to the child: one frame of
-        ``data``'s length, ``data`` and the marshalled ``records``, written without joining
-        them first."""
-        try:
-            blob = marshal.dumps(records)
-        except ValueError as exc:
-            raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
-                            ) from None
-        self._send(_BATCH_HEAD.pack(4 + len(data) + len(blob), len(data)), data, blob)
+    def feed(self, data: bytes) -> None:
+        """Send a batch (``twin.trace.lines.pack_batch``'s bytes) to the child as one frame."""
+        self._send(_LEN.pack(len(data)), data)
 
     def flush(self) -> None:
         self._send(_LEN.pack(len(_FLUSH)), _FLUSH)
@@ -193,7 +175,7 @@ def _write_all(fd: int, *parts: bytes) -> None:
             view = view[os.write(fd, view):]
 
 
-def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
+def _child(encoder: LineEncoder, data_r: int, res_w: int) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -209,9 +191,7 @@ def _child(encoder: RowEncoder, data_r: int, res_w: int) -> None:
                     encoder.flush()
                     out.write(_FLUSH)
                     continue
-                view = memoryview(payload)
-                n = _LEN.unpack_from(view)[0]
-                encoder.feed(bytes(view[4:4 + n]), marshal.loads(view[4 + n:]))
+                encoder.feed_packed(payload)
             encoder.close()
             out.write(b"ok")
         except BaseException as exc:  # noqa: BLE001 - reported to the parent

@@ -40,35 +40,22 @@ from typing import Any, cast
 from twin.core import events as ev
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import CATALOG
-from twin.trace import scan
 from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
-    FAST_LINE_DECODERS,
     INPUT_NAMES,
-    LINE_TEXT,
     MESSAGE_KINDS,
     TraceError,
-    _Lazy,
+    decode_event,
+    encode,
     event_from_json,
     field_specs,
+    room_of,
 )
 from twin.trace.compat import recorded_config
-from twin.trace.encoder import (
-    DRIVER,
-    JSON_TEXT,
-    EncoderProcess,
-    RowEncoder,
-    can_fork,
-    sigint_deferred,
-)
+from twin.trace.encoder import EncoderProcess, can_fork, sigint_deferred
 from twin.trace.index import Block, IndexWriter, index_path
-from twin.trace.packers import EFFECT_TAGS
-from twin.trace.packing import BAD_INPUT, BAD_NODE, pack_flush, pack_item, pack_record
-from twin.trace.packio import Packer
-from twin.trace.rows import CID, LINE_ROWS, REDUCE, field_pos, msg_room
-from twin.trace.scan import NUMBER_RE, Kind, LineSkipper
-from twin.trace.sysrec import sys_type
+from twin.trace.lines import DRIVER, JSON_TEXT, Item, LineEncoder, float_text, pack_batch
 
 try:
     from orjson import loads as _fast_loads
@@ -107,7 +94,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "staging-twin-trace"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # DRIVER (from twin.trace.encoder): the pseudo node of run-level records (``dir`` "sys")
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
@@ -309,10 +296,11 @@ class TraceWriter:
     plain text otherwise; and its index beside it (``PATH.idx``, ``twin.trace.index``).
 
     The header is validated and written at once. Each record is checked as it comes (times
-    finite and non-decreasing, nodes declared in the header, events of the core's classes) and
-    packed into a batch (``twin.trace.packio``); the batches become text, blocks and index in
-    a ``RowEncoder`` (``twin.trace.encoder``). ``encoder="process"`` runs it in a forked child
-    process, so that the caller pays for packing, not for encoding; ``"inline"`` runs it here;
+    finite and non-decreasing, nodes declared in the header, events of the core's classes,
+    driver records by ``SYS_TYPES``) and collected into a batch of items
+    (``twin.trace.lines``); the batches become text, blocks and index in a ``LineEncoder``.
+    ``encoder="process"`` runs it in a forked child process (the batches cross as msgpack),
+    so that the caller pays for collecting, not for encoding; ``"inline"`` runs it here;
     ``"auto"`` (the default) forks when ``can_fork()`` (no other threads) and otherwise runs
     inline. Both write the same bytes. A block ends every ``flush_every`` lines (after an
     input's effects, so an input and its effects share a block; ``2 * flush_every`` lines at
@@ -344,12 +332,17 @@ class TraceWriter:
         self.config, nodes = _check_header(self.header, f"{self.path}: header")
         self.flush_every = max(1, flush_every)
         self._nodes = nodes
+        self._codes = {nid: i for i, nid in enumerate(nodes)}
+        self._decode_nodes = {nid for nid, v in nodes.items() if v["role"] == "decode"}
         self._t = 0.0
         self._closed = False
+        self._items: list[Item] = []
+        self._lines = 0  # lines collected so far, handed on or not
         self.requests = 0
-        # records are packed as they come and go to the encoder flush_every items at a time
-        self._p = Packer(list(nodes), {nid for nid, v in nodes.items() if v["role"] == "decode"},
-                         DRIVER)
+        self.succeeded: set[int] = set()
+        """Rooms a decode node concluded with ``Success`` so far."""
+        self.failed: set[int] = set()
+        """Rooms a decode node concluded otherwise so far."""
         codec = codec_for_name(self.path.name)
         header_line = (JSON_TEXT(self.header) + "\n").encode("utf-8")
         if index:
@@ -366,24 +359,14 @@ class TraceWriter:
             if index_writer is not None:
                 index_writer.close()
             raise
-        back = RowEncoder(sink, index_writer, nodes, self.flush_every)
-        self._back: RowEncoder | EncoderProcess = (
+        back = LineEncoder(sink, index_writer, nodes, self.flush_every)
+        self._back: LineEncoder | EncoderProcess = (
             EncoderProcess(back) if self.encoder == "process" else back)
-
-    @property
-    def succeeded(self) -> set[int]:
-        """Rooms a decode node concluded with ``Success`` so far."""
-        return self._p.succeeded
-
-    @property
-    def failed(self) -> set[int]:
-        """Rooms a decode node concluded otherwise so far."""
-        return self._p.failed
 
     # -- hot path ----------------------------------------------------------------------------
     def _where(self) -> str:
-        """``path:line`` of the next line (exact: counts the items not yet handed on)."""
-        return f"{self.path}:{self._p.lines + 2}"
+        """``path:line`` of the next line."""
+        return f"{self.path}:{self._lines + 2}"
 
     def _set_time(self, t: float) -> None:
         t = float(t)
@@ -392,63 +375,81 @@ class TraceWriter:
                              f"time {t!r} is before {self._t!r} or not finite", "t")
         self._t = t
 
-    def _refused(self, status: int, node: str, d: str, event: Any,
-                 effects: Iterable[Any]) -> Exception:
-        """The error for ``pack_item``'s ``status``."""
-        if status == BAD_NODE:
-            return TraceError(self._where(), f"unknown node {node!r} for dir {d!r}", "node")
-        if status == BAD_INPUT:
-            return TypeError(f"not a core input: {type(event).__name__}")
-        bad = next(e for e in effects if type(e) not in EFFECT_TAGS)
-        return TypeError(f"not a core effect: {type(bad).__name__}")
+    def _code(self, node: str, d: str) -> int:
+        code = self._codes.get(node)
+        if code is None:
+            raise TraceError(self._where(), f"unknown node {node!r} for dir {d!r}", "node")
+        return code
 
-    def write_input(self, t: float, node: str, event: Any) -> None:
-        """Record that ``node`` handled input ``event`` at time ``t``."""
+    def _effects(self, node: str, effects: Iterable[Any]) -> list[Any]:
+        """``effects`` as a list, each checked to be a core effect; notes conclusions."""
+        effects = effects if type(effects) is list else list(effects)
+        for e in effects:
+            t = type(e)
+            if t not in _EFFECT_CLASSES:
+                raise TypeError(f"not a core effect: {t.__name__}")
+            if t is ev.RoomConcluded and node in self._decode_nodes:
+                (self.succeeded if e.status == "Success" else self.failed).add(e.room)
+        return effects
+
+    def record(self, t: float, node: str, event: Any, effects: Iterable[Any]) -> None:
+        """Record that ``node`` handled input ``event`` at time ``t`` and returned ``effects``
+        (the runtime's one call per input)."""
         if t != self._t:
             self._set_time(t)
-        status = pack_item(self._p, t, node, event, None)
-        if status:
-            raise self._refused(status, node, "in", event, ())
-        if self._p.items >= self.flush_every:
+        code = self._code(node, "in")
+        if type(event) not in _INPUT_CLASSES:
+            raise TypeError(f"not a core input: {type(event).__name__}")
+        effects = self._effects(node, effects)
+        self._items.append((t, code, event, effects, None))
+        self._lines += 1 + len(effects)
+        if len(self._items) >= self.flush_every:
+            self._ship()
+
+    def write_input(self, t: float, node: str, event: Any) -> None:
+        """Record that ``node`` handled input ``event`` at time ``t`` (its effects follow with
+        ``write_effects``)."""
+        if t != self._t:
+            self._set_time(t)
+        code = self._code(node, "in")
+        if type(event) not in _INPUT_CLASSES:
+            raise TypeError(f"not a core input: {type(event).__name__}")
+        self._items.append((t, code, event, None, None))
+        self._lines += 1
+        if len(self._items) >= self.flush_every:
             self._ship()
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
         """Record the effects ``node`` returned for its last input, in order."""
         if t != self._t:
             self._set_time(t)
-        effects = effects if type(effects) is list else list(effects)
-        status = pack_item(self._p, t, node, None, effects)
-        if status:
-            raise self._refused(status, node, "out", None, effects)
-        if self._p.items >= self.flush_every:
+        code = self._code(node, "out")
+        effects = self._effects(node, effects)
+        self._items.append((t, code, None, effects, None))
+        self._lines += len(effects)
+        if len(self._items) >= self.flush_every:
             self._ship()
-
-    def packer(self) -> tuple[Packer, int, Callable[[], None]]:
-        """What a runtime needs to record without a call into this writer per input:
-        ``(packer, limit, ship)``. It packs each input and its effects with
-        ``twin.trace.packing.pack_item(packer, t, node, event, effects)`` (into this writer's
-        own batch, so the order with ``write_sys`` holds) and calls ``ship()`` once
-        ``packer.items`` reaches ``limit``; where ``pack_item`` refuses, it calls
-        ``write_input`` and ``write_effects``, which raise the error. Times must be
-        non-decreasing, as for ``write_input``."""
-        return self._p, self.flush_every, self._ship
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
         """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
         if t != self._t:
             self._set_time(t)
-        rtype = pack_record(self._p, t, node, record, SYS_TYPES, OUTCOME_STATUSES, self._nodes)
-        if rtype is None:  # refused: say why
-            if node not in self._p.node_code:
-                raise TraceError(self._where(), f"unknown node {node!r} for dir 'sys'", "node")
-            try:
-                _check_sys(dict(record), "", self._nodes)
-            except TraceError as exc:
-                raise TraceError(self._where(), exc.detail, exc.field) from None
-            raise AssertionError(f"a valid driver record refused: {record!r}")
+        code = len(self._codes) if node == DRIVER else self._code(node, "sys")
+        rec = dict(record)
+        try:
+            rtype = _check_sys(rec, "", self._nodes)
+        except TraceError as exc:
+            raise TraceError(self._where(), exc.detail, exc.field) from None
+        try:
+            JSON_TEXT(rec)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
+                            ) from None
         if rtype == "RequestArrived":
             self.requests += 1
-        if self._p.items >= self.flush_every:
+        self._items.append((t, code, None, None, rec))
+        self._lines += 1
+        if len(self._items) >= self.flush_every:
             self._ship()
 
     # -- blocks and closing --------------------------------------------------------------------
@@ -456,17 +457,17 @@ class TraceWriter:
         """Hand the batch to the encoder."""
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
-        p = self._p
         with sigint_deferred():  # a Ctrl-C here would drop the batch or send it twice
-            if p.items:
-                if p.t > self._t:  # a runtime's records (packer)
-                    self._t = p.t
-                data, records = p.take()
-                self._back.feed(data, records)
+            items = self._items
+            if items:
+                self._items = []
+                if isinstance(self._back, EncoderProcess):
+                    self._back.feed(pack_batch(items))
+                else:
+                    self._back.feed(items)
 
     def flush(self) -> None:
         """Write everything buffered and wait until it is in the file."""
-        pack_flush(self._p)
         self._ship()
         self._back.flush()
 
@@ -483,8 +484,6 @@ class TraceWriter:
             return
         try:
             if outcome is not None:
-                if self._p.t > self._t:  # a runtime's records (packer)
-                    self._t = self._p.t
                 self.write_sys(self._t, DRIVER, {"type": "Outcome", **outcome})
             self._ship()
         finally:
@@ -512,6 +511,10 @@ class TraceWriter:
             self._closed = True
             with contextlib.suppress(Exception):
                 self._back.abandon()
+
+
+_INPUT_CLASSES = frozenset(ev.INPUT_TYPES)
+_EFFECT_CLASSES = frozenset(ev.EFFECT_TYPES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,56 +581,30 @@ class Record:
                 known = cache.get(key)
                 if known is None:
                     event = self._decode()
-                    known = event, _room_of(event)
+                    known = event, room_of(event)
                     if len(cache) >= _PAYLOAD_EVENTS:
                         cache.clear()
                     cache[key] = known
                 event, room = known
             else:
                 event = self._decode()
-                room = _room_of(event)
+                room = room_of(event)
             if room is not None and room not in src.rooms and not src.partial:
                 raise TraceError(f"{src.name}:{self.line}", f"room {room} was never "
                                  "introduced by a RequestArrived record", "room")
             self._event = event
         return self._event
 
-    @property
-    def row(self) -> tuple[Any, ...]:
-        """The core event as a row (``twin.trace.rows``: ``REDUCE`` of ``event``), decoded
-        straight from the line when it is complete and typed, checked as ``event`` checks it
-        (a room never introduced raises the same error)."""
-        src = self._src
-        if self._event is not None or not self._body_at or src is None:
-            event = self.event
-            return REDUCE[type(event)](event)
-        row = scan.line_row(self.raw, self._body_at, self.type,  # type: ignore[arg-type]
-                            src.payload_rows, _PAYLOAD_EVENTS, _fast_loads, LINE_ROWS)
-        if row is None:  # the checking path names the problem
-            event = self.event
-            return REDUCE[type(event)](event)
-        room_of = _ROW_ROOM.get(row[0])
-        if room_of is not None:
-            room = room_of(row)
-            if room is not None and room not in src.rooms and not src.partial:
-                _ = self.event  # raises the error naming the room
-        return row
-
     def _decode(self) -> Any:
-        """The core event of this in/out line, checked as the strict reader checks it."""
-        event = None
-        if self._data is None:  # straight from the line, when it is complete and typed
-            try:
-                d = _fast_loads(self.raw)
-            except ValueError:
-                d = None
-            dec = FAST_LINE_DECODERS[self.type] if self.type in ev.EVENT_TYPES else None
-            if type(d) is dict and dec is not None:
-                event = dec(d)
-        if event is None:
-            src = self._src
-            event = event_from_json(self.data, where=f"{src.name if src else '?'}:{self.line}")
-        return event
+        """The core event of this in/out line, checked as the strict reader checks it:
+        straight from the payload's text when the line is as the writer writes it, else from
+        the parsed object (fields in another order, an older format version)."""
+        src = self._src
+        where = f"{src.name if src else '?'}:{self.line}"
+        if self._data is None and self._body_at:
+            return decode_event(b"{" + self.raw[self._body_at:], where=where,  # type: ignore[index]
+                                direction=self.dir)
+        return event_from_json(self.data, where=where)
 
     @property
     def body(self) -> bytes:
@@ -721,10 +698,8 @@ def _unbatch(batches: Iterator[tuple[list[bytes], bool]]) -> Iterator[tuple[byte
 _ENV_RE = re.compile(rb'\{"seq":(\d+),"t":([-+.0-9eE]+),'
                      rb'("node":"[A-Za-z0-9_-]+","dir":"(?:in|out|sys)","type":"[A-Za-z_]+")[,}]')
 """The envelope as the writer writes it: seq, t, and node/dir/type as one group."""
-_NUMBER_RE = NUMBER_RE
-SKIP_NATIVELY = not str(scan.__file__).endswith(".py")
-"""Whether select readers pass over the lines they do not hand on with ``scan.LineSkipper``:
-where it is compiled (``twin compile``); interpreted, ``_ENV_RE`` is the faster check."""
+_NUMBER_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?\Z")
+"""A JSON number, whole."""
 _NESTED = frozenset(cls.__name__ for cls in (*ev.INPUT_TYPES, *ev.EFFECT_TYPES)
                     if any(f.spec[0] in ("msg", "event") or f.spec[-1][0] == "event"
                            for f in field_specs(cls)))
@@ -783,6 +758,7 @@ class TraceReader:
                              + ("; truncated" if not first[1] else "") + ")") from None
         self.config, self.nodes = _check_header(header, where, self.warnings)
         self.header: dict[str, Any] = header
+        self.version: int = header["version"]
         if span is not None:
             self._gen.close()
             self._open_span(span)
@@ -804,14 +780,10 @@ class TraceReader:
         self.payload_events: dict[bytes, tuple[Any, int | None]] = {}
         """Recently decoded events and the rooms they name, by their lines' payload text
         (``Record.event``)."""
-        self.payload_rows: dict[bytes, tuple[Any, ...]] = {}
-        """The same for rows (``Record.row``)."""
         self.partial = False
         self.passed_effects: Callable[[str, bytes], None] | None = None
         """Set before iterating a select reader: called with the node and the payload text
         (``Record.body``) of every effect line it passes over, in order."""
-        self.collector: scan.Collector | None = None
-        """Set by ``collect``."""
         self._span: tuple[Block, Block | None] | None = None
         self._started = False
         self._first_seq = 0
@@ -833,7 +805,7 @@ class TraceReader:
         trace that shares its header, config and nodes instead of reading them again."""
         part = TraceReader.__new__(TraceReader)
         part._setup(self.path, True, select)
-        part.header_line, part.header = self.header_line, self.header
+        part.header_line, part.header, part.version = self.header_line, self.header, self.version
         part.config, part.nodes = self.config, self.nodes
         part._open_span(span)
         return part
@@ -913,15 +885,14 @@ class TraceReader:
                 kind = "input" if direction == "in" else "effect"
                 raise TraceError(where, f"unknown {kind} type {rtype!r}", "type")
             event = event_from_json(d, where=where)
-            room = _room_of(event)
+            room = room_of(event)
         if room is not None and room not in self.rooms and not self.partial:
             raise TraceError(where, f"room {room} was never introduced by a RequestArrived "
                              "record", "room")
         return Record(seq, float(t), node, direction, rtype, d, event, lineno)
 
     def _sys(self, d: dict[str, Any], where: str, node: str) -> tuple[str, int | None]:
-        rtype = (sys_type(d, SYS_TYPES, OUTCOME_STATUSES, self.nodes)
-                 or _check_sys(d, where, self.nodes))
+        rtype = _check_sys(d, where, self.nodes)
         room = d.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
         if rtype == "RequestArrived":
             if d["room"] in self.rooms and not self.partial:
@@ -1004,7 +975,7 @@ class TraceReader:
         name = self.name
         match = _ENV_RE.match
         keys: dict[bytes, tuple[str, str, str, int, bool, bool]] = {}
-        by_key: dict[bytes, int] = {}  # fast-path lines by their node/dir/type text
+        by_key: dict[bytes, int] = {}  # envelope-matched lines by their node/dir/type text
         counts: dict[tuple[str, str, str], int] = {}  # strict-path lines
         select = self.select
         passed = self.passed_effects
@@ -1012,9 +983,6 @@ class TraceReader:
         lineno = last_ok = self._first_seq + 1
         strict = self._strict
         done = False  # the Outcome was read
-        # lines of a kind neither selected nor sys, passed over natively (twin.trace.scan)
-        skipper = (LineSkipper(passed, self.collector) if select is not None and SKIP_NATIVELY
-                   else None)
         try:
             for lines, ended in self._it:
                 base = lineno  # lines[i] is line base + 1 + i
@@ -1022,102 +990,81 @@ class TraceReader:
                 i = 0
                 ahead = None  # the envelope match of the line after effect lines passed over
                 while i < n_lines:
-                    hit = None
-                    if (skipper is not None and ahead is None and ended and not done
-                            and self.first_t is not None):
-                        j = skipper.run(lines, i, lineno, last_t, last_tb)
-                        if j != i:
-                            lineno = last_ok = lineno + j - i
-                            last_t, last_tb = skipper.last_t, skipper.last_tb
-                            i = j
-                            hit = skipper.hit
-                            if hit is None and i == n_lines:
-                                break
-                    if hit is not None:  # a wanted line, checked and counted natively
-                        raw = lines[i - 1]
-                        node, direction, rtype = hit.node, hit.direction, hit.rtype
-                        body_at = skipper.hit_at  # type: ignore[union-attr]
+                    raw = lines[i]
+                    i += 1
+                    lineno += 1
+                    if ahead is None:
+                        m = match(raw)
                     else:
-                        raw = lines[i]
-                        i += 1
-                        lineno += 1
-                        if ahead is None:
-                            m = match(raw)
-                        else:
-                            m, ahead = ahead, None
-                        if m is None or not ended or done:
-                            if done:
-                                if not ended and not raw.strip():
-                                    break
-                                raise TraceError(f"{name}:{lineno}",
-                                                 "line after the Outcome record")
-                            rec = strict(raw, ended, lineno, last_t)
-                            if rec is None:
+                        m, ahead = ahead, None
+                    if m is None or not ended or done:
+                        if done:
+                            if not ended and not raw.strip():
                                 break
-                            if self.first_t is None:
-                                self.first_t = rec.t
-                            last_t, last_tb, last_ok = rec.t, b"", lineno
-                            k = (rec.node, rec.dir, rec.type)
-                            counts[k] = counts.get(k, 0) + 1
-                            done = self.outcome is not None
-                            if select is None or rec.dir == "sys" or rec.type in select:
-                                if (yield rec) is not None:  # skip_effects: not after a
-                                    yield False  # strict line
-                            elif passed is not None and rec.dir == "out":
-                                passed(rec.node, rec.body)
-                            continue
-                        seq_b, t_b, key = m.groups()
-                        if int(seq_b) != lineno - 2:
-                            raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
-                                             f"{seq_b.decode()} (seq must count 0, 1, 2, ... "
-                                             "without gaps)", "seq")
-                        if t_b != last_tb:
-                            t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
-                            if not t >= last_t or not math.isfinite(t):
-                                raise TraceError(
-                                    f"{name}:{lineno}", f"time goes backwards ({t!r} < "
-                                    f"{last_t!r})" if t < last_t else
-                                    f"expected a finite number, got {t_b.decode()}", "t")
-                            if self.first_t is None:
-                                self.first_t = t
-                            last_t, last_tb = t, t_b
-                        try:
-                            by_key[key] += 1
-                            node, direction, rtype, body_from_key, wanted, nested = keys[key]
-                        except KeyError:
-                            keys[key] = self._envelope_key(key, lineno)
-                            by_key[key] = 1
-                            node, direction, rtype, body_from_key, wanted, nested = keys[key]
-                            if skipper is not None and direction != "sys":
-                                skipper.add(key, Kind(
-                                    node, direction, rtype, body_from_key, wanted,
-                                    body_from_key if passed is not None and direction == "out"
-                                    and not wanted else -1, nested))
-                        last_ok = lineno
-                        if direction == "sys":
-                            by_key[key] -= 1  # counted by the strict path
-                            rec = strict(raw, ended, lineno, last_t)
-                            assert rec is not None
-                            counts[(node, direction, rec.type)] = counts.get(
-                                (node, direction, rec.type), 0) + 1
-                            done = self.outcome is not None
-                            if (yield rec) is not None:  # skip_effects: not after a sys record
-                                yield False
-                            continue
-                        if raw[-1] != 125 or (nested and raw[-2] != 125  # '}'
-                                              and raw[-2] != 93):  # ']'
-                            self._whole(raw, lineno)
-                        if not wanted:
-                            if passed is not None and direction == "out":
-                                passed(node, raw[m.start(3) + body_from_key:-1])
-                            continue
-                        body_at = m.start(3) + body_from_key
+                            raise TraceError(f"{name}:{lineno}",
+                                             "line after the Outcome record")
+                        rec = strict(raw, ended, lineno, last_t)
+                        if rec is None:
+                            break
+                        if self.first_t is None:
+                            self.first_t = rec.t
+                        last_t, last_tb, last_ok = rec.t, b"", lineno
+                        k = (rec.node, rec.dir, rec.type)
+                        counts[k] = counts.get(k, 0) + 1
+                        done = self.outcome is not None
+                        if select is None or rec.dir == "sys" or rec.type in select:
+                            if (yield rec) is not None:  # skip_effects: not after a
+                                yield False  # strict line
+                        elif passed is not None and rec.dir == "out":
+                            passed(rec.node, rec.body)
+                        continue
+                    seq_b, t_b, key = m.groups()
+                    if int(seq_b) != lineno - 2:
+                        raise TraceError(f"{name}:{lineno}", f"expected {lineno - 2}, got "
+                                         f"{seq_b.decode()} (seq must count 0, 1, 2, ... "
+                                         "without gaps)", "seq")
+                    if t_b != last_tb:
+                        t = float(t_b) if _NUMBER_RE.match(t_b) else math.nan
+                        if not t >= last_t or not math.isfinite(t):
+                            raise TraceError(
+                                f"{name}:{lineno}", f"time goes backwards ({t!r} < "
+                                f"{last_t!r})" if t < last_t else
+                                f"expected a finite number, got {t_b.decode()}", "t")
+                        if self.first_t is None:
+                            self.first_t = t
+                        last_t, last_tb = t, t_b
+                    try:
+                        by_key[key] += 1
+                        node, direction, rtype, body_from_key, wanted, nested = keys[key]
+                    except KeyError:
+                        keys[key] = self._envelope_key(key, lineno)
+                        by_key[key] = 1
+                        node, direction, rtype, body_from_key, wanted, nested = keys[key]
+                    last_ok = lineno
+                    if direction == "sys":
+                        by_key[key] -= 1  # counted by the strict path
+                        rec = strict(raw, ended, lineno, last_t)
+                        assert rec is not None
+                        counts[(node, direction, rec.type)] = counts.get(
+                            (node, direction, rec.type), 0) + 1
+                        done = self.outcome is not None
+                        if (yield rec) is not None:  # skip_effects: not after a sys record
+                            yield False
+                        continue
+                    if raw[-1] != 125 or (nested and raw[-2] != 125  # '}'
+                                          and raw[-2] != 93):  # ']'
+                        self._whole(raw, lineno)
+                    if not wanted:
+                        if passed is not None and direction == "out":
+                            passed(node, raw[m.start(3) + body_from_key:-1])
+                        continue
+                    body_at = m.start(3) + body_from_key
                     effects = yield Record(lineno - 2, last_t, node, direction, rtype, None, None,
                                            lineno, raw, body_at, self)
                     if effects is not None:  # RecordStream.skip_effects
                         ahead = _written_next(
                             lines, lineno - base, effects, lineno - 1,
-                            f'"t":{last_t!r},"node":"{node}","dir":"out",'
+                            b'"t":' + t_b + b',"node":"' + node.encode() + b'","dir":"out",'
                         ) if direction == "in" else None
                         skip = ahead is not None
                         if skip:
@@ -1131,8 +1078,6 @@ class TraceReader:
         except TraceError as exc:
             raise self._damaged(exc, last_ok) from None
         finally:
-            if skipper is not None:
-                skipper.add_counts(by_key)
             for key, n in by_key.items():
                 if n:
                     k = keys[key][:3]
@@ -1140,21 +1085,6 @@ class TraceReader:
             self.counts.update(counts)
             self.last_t = last_t if self.first_t is not None else None
         self._finish(last_ok)
-
-    def collect(self, replayed: frozenset[str], followed: frozenset[str], batch: int,
-                ship: Callable[[], None]) -> scan.Collector:
-        """Before iterating a reader that selects the inputs: a collector of its inputs and
-        effect payloads in batches (``twin.trace.scan.Collector``, with this reader's room
-        rule). The native pass then collects the lines it can vouch for itself and the
-        iteration yields only the rest, which the caller hands to the collector
-        (``add_input`` with the record's row, ``add_sys``); every effect line it passes over
-        goes to ``effect``."""
-        col = scan.Collector(replayed, followed, batch, ship, _fast_loads, LINE_ROWS,
-                             _ROW_ROOM_AT, self.rooms, self.partial, self.payload_rows,
-                             _PAYLOAD_EVENTS)
-        self.collector = col
-        self.passed_effects = col.effect
-        return col
 
     def _envelope_key(self, key: bytes, lineno: int
                       ) -> tuple[str, str, str, int, bool, bool]:
@@ -1200,26 +1130,21 @@ class TraceReader:
                      self.truncated, self.warnings)
 
 
-_EFFECT_LINE = _Lazy(LINE_TEXT.__getitem__, ev.EFFECT_TYPES)
-
-
 def _written_next(lines: list[bytes], start: int, effects: Sequence[Any], seq: int,
-                  head: str) -> re.Match[bytes] | None:
+                  head: bytes) -> re.Match[bytes] | None:
     """Whether ``lines[start:]`` are, byte for byte, the lines a ``TraceWriter`` writes for
     ``effects`` (one or more core effects; seq from ``seq``, ``head`` the envelope after seq:
-    ``'"t":0.5,"node":"p0g0r0","dir":"out",'``) followed by a line, in ``lines``, whose
+    ``b'"t":0.5,"node":"p0g0r0","dir":"out",'``) followed by a line, in ``lines``, whose
     envelope says it is no effect line: that line's ``_ENV_RE`` match when so, else None.
     Such lines need no further check: the writer's text of an effect is valid, and seq, time
     and node are those of the input they follow."""
     end = start + len(effects)
     if end == start or end >= len(lines):
         return None
-    try:
-        text = "".join([_EFFECT_LINE[type(e)](e, seq + k, head) for k, e in enumerate(effects)])
-    except KeyError:  # not an effect: the reader's usual checks decide
-        return None
-    if text.encode() != b"\n".join(lines[start:end]) + b"\n":
-        return None
+    for k, e in enumerate(effects):
+        if type(e) not in _EFFECT_CLASSES or lines[start + k] != (
+                b'{"seq":%d,%s%s' % (seq + k, head, encode(e)[1:])):
+            return None
     after = _ENV_RE.match(lines[end])
     if after is None or b'"dir":"out"' in after[3]:
         return None
@@ -1256,46 +1181,6 @@ def _skips_nothing(effects: Sequence[Any]) -> bool:
     return False
 
 
-_EXEMPT_ROOM_CHECK = (ev.Dropped, ev.MessageArrived, ev.SendFailed)
-_ROOM_FIELD = {cls for cls in ev.EVENT_TYPES.values()
-               if any(f.name == "room" for f in field_specs(cls))}
-_MSG_FIELD = {cls for cls in ev.EVENT_TYPES.values()
-              if any(f.name == "msg" for f in field_specs(cls))}
-
-
-def _row_room(cls: type) -> Callable[[tuple[Any, ...]], Any] | None:
-    """How to read the room ``_room_of`` checks from a row of ``cls`` (None: not checked)."""
-    if cls in _EXEMPT_ROOM_CHECK:
-        return None
-    if cls in _ROOM_FIELD:
-        return operator.itemgetter(field_pos(cls, "room"))
-    if cls in _MSG_FIELD:
-        pos = field_pos(cls, "msg")
-        return lambda r: msg_room(r[pos])
-    return None
-
-
-_ROW_ROOM = {CID[cls]: fn for cls in ev.EVENT_TYPES.values()
-             if (fn := _row_room(cls)) is not None}
-_ROW_ROOM_AT = {CID[cls]: -1 if fn is None else field_pos(cls, "room")
-                for cls in ev.EVENT_TYPES.values()
-                if (fn := _row_room(cls)) is None or cls in _ROOM_FIELD}
-"""Row tag -> where ``_room_of``'s room sits in its rows (-1: not checked); a tag whose
-room sits in a nested message is left out (``scan.Collector``)."""
-
-
-def _room_of(event: Any) -> int | None:
-    """The room an event must have been introduced for, or None when it is not checked."""
-    cls = type(event)
-    if cls in _EXEMPT_ROOM_CHECK:
-        return None
-    if cls in _ROOM_FIELD:
-        return event.room
-    if cls in _MSG_FIELD:
-        return getattr(event.msg, "room", None)
-    return None
-
-
 def iter_trace(path: str | os.PathLike[str], *, lazy: bool = False) -> TraceReader:
     """Open a trace for streaming: the header is checked now, records as you iterate
     (``lazy``: payloads decoded when used, see ``TraceReader``)."""
@@ -1325,7 +1210,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
 
 
 # ---------------------------------------------------------------------------------------------
-# JSON Schema and documentation tables, generated from the dataclasses
+# JSON Schema and documentation tables, derived from the classes
 # ---------------------------------------------------------------------------------------------
 _JSON_OF_SYS = {"int": {"type": "integer"}, "str": {"type": "string"},
                 "number": {"type": "number"},
@@ -1348,7 +1233,7 @@ def _schema_of(spec: tuple[Any, ...]) -> dict[str, Any]:
     if kind == "list":
         return {"type": "array", "items": _schema_of(spec[1])}
     if kind == "enum":
-        return {"enum": list(spec[1].__members__)}
+        return {"enum": [m.value for m in spec[1]]}
     if kind == "msg":
         return {"oneOf": [{"$ref": f"#/$defs/msg.{k}"} for k in MESSAGE_KINDS]}
     if kind == "event":
@@ -1459,7 +1344,7 @@ def _md_type(spec: tuple[Any, ...]) -> str:
     if kind == "list":
         return f"list of {_md_type(spec[1])}"
     if kind == "enum":
-        return " \\| ".join(f'"{m}"' for m in spec[1].__members__)
+        return " \\| ".join(f'"{m.value}"' for m in spec[1])
     if kind == "msg":
         return "message"
     if kind == "event":

@@ -1,0 +1,262 @@
+"""Items in, trace lines, blocks and the index's live state out: the writer's back half.
+
+``TraceWriter`` (``twin.trace.format``) checks each record and collects *items* in a batch:
+``(t, node code, input or None, effects, driver record or None)``. A ``LineEncoder`` turns the
+batches into lines (``twin.trace.codec``: one ``msgspec`` encode per event), cuts the lines into
+blocks, keeps the index's ``LiveState`` and hands the blocks to a ``BlockSink``. It runs in the
+writer's process, or in a forked child (``twin.trace.encoder``) that gets the batches as msgpack
+(``pack_batch`` / ``unpack_batch``), so that a simulation pays for collecting its events and not
+for their text. Fed the same items, it writes the same bytes wherever it runs: a block ends after
+an input's effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` lines after an
+input, after a driver record once ``flush_every`` are buffered, and on ``flush``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Optional
+
+import msgspec
+
+from twin.core import events as ev
+from twin.core import wire
+from twin.trace.blocks import BlockSink
+from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode, room_of
+from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
+
+__all__ = ["DRIVER", "JSON_TEXT", "Item", "LineEncoder", "LiveState", "float_text",
+           "pack_batch", "unpack_batch"]
+
+DRIVER: Final = "driver"
+"""The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
+JSON_TEXT: Final[Any] = json.JSONEncoder(separators=(",", ":"), allow_nan=False,
+                                         check_circular=False).encode
+"""Compact JSON text as the trace writes it (header, driver records)."""
+
+Item = tuple[float, int, Any, Optional[list[Any]], Optional[dict[str, Any]]]  # noqa: UP045
+"""``(t, node code, input or None, effects, driver record or None)``: one entry of a batch.
+Effects None: the input's effects follow in a later item (``TraceWriter.write_input``)."""
+_BATCH = list[tuple[float, int, Optional[_INPUT],  # type: ignore[valid-type]  # noqa: UP045
+                    Optional[list[_EFFECT]], Optional[dict[str, Any]]]]  # type: ignore[valid-type]  # noqa: UP045
+pack_batch = msgspec.msgpack.Encoder().encode
+"""A batch of items as msgpack bytes (what crosses the pipe to a forked encoder)."""
+unpack_batch = msgspec.msgpack.Decoder(_BATCH).decode
+"""The items of ``pack_batch``'s bytes, events rebuilt as their classes."""
+
+
+def float_text(t: float) -> bytes:
+    """A time as the trace writes it: the shortest text that reads back as the same float."""
+    return encode(float(t))
+
+
+def _text(event: Any) -> bytes:
+    """An event's JSON text without its opening brace. JSON has no infinities or NaN (msgspec
+    writes them as null): an event whose text holds a null that does not read back is
+    refused with ``ValueError``."""
+    text = encode(event)
+    if b"null" in text:
+        try:
+            decode_event(text, where=type(event).__name__)
+        except TraceError as exc:
+            raise ValueError(f"{exc}: not a finite number or not JSON") from None
+    return text[1:]
+
+
+class LiveState:
+    """The open things of a trace, updated for the lines written: ``lines`` (key -> ``(seq,
+    line)``: transfers and scatters in flight, deferral waits, forward passes, each decode
+    node's latest watermark, each prefill node's newest watermark and first STAGING_REQ per
+    session) and ``alloc`` (node -> alloc_id -> size of live allocations).
+    ``snapshot_text()`` is the index's ``state`` object (``twin.trace.index``)."""
+
+    def __init__(self) -> None:
+        self.lines: dict[tuple[Any, ...], tuple[int, bytes]] = {}
+        self.alloc: dict[str, dict[int, int]] = {}
+        self._newest_wm: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def on_event(self, node: str, e: Any, seq: int, line: bytes) -> None:
+        """Note input or effect ``e`` of ``node``, written as ``line``."""
+        t = type(e)
+        lines = self.lines
+        if t is ev.MessageArrived:
+            msg = e.msg
+            if type(msg) is wire.Watermark:
+                key = (node, msg.session_id)
+                value = (msg.round, msg.tail)
+                prev = self._newest_wm.get(key)
+                if prev is None or value > prev:
+                    self._newest_wm[key] = value
+                    lines[("p", node, msg.session_id)] = (seq, line)
+        elif t is ev.Send:
+            if type(e.msg) is wire.StagingReq:
+                lines.setdefault(("r", node, e.msg.session_id), (seq, line))
+        elif t is ev.TransferDone:
+            lines.pop(("x", node, e.worker), None)
+            lines.pop(("d", node, e.worker), None)
+        elif t is ev.WorkerPoll:
+            lines.pop(("d", node, e.worker), None)
+        elif t is ev.ScatterDone:
+            lines.pop(("s", node, e.alloc_id), None)
+        elif t is ev.StartTransfer:
+            lines.pop(("d", node, e.worker), None)
+            lines[("x", node, e.worker)] = (seq, line)
+        elif t is ev.Deferred:
+            lines.setdefault(("d", node, e.worker), (seq, line))
+        elif t is ev.WakeWorkers:
+            for w in e.workers:
+                lines.pop(("d", node, w), None)
+        elif t is ev.StartScatter:
+            lines[("s", node, e.alloc_id)] = (seq, line)
+        elif t is ev.Allocated:
+            self.alloc.setdefault(node, {})[e.alloc_id] = e.size
+        elif t is ev.Freed:
+            self.alloc.get(node, {}).pop(e.alloc_id, None)
+        elif t is ev.WatermarkMoved:
+            lines[("w", node)] = (seq, line)
+
+    def on_sys(self, rtype: str, node: str, room: Any, seq: int, line: bytes) -> None:
+        """Note driver record ``rtype`` of ``room`` (or None), written as ``line``."""
+        if rtype == "ForwardStart":
+            self.lines[("f", node, room)] = (seq, line)
+        elif rtype == "ForwardEnd":
+            self.lines.pop(("f", node, room), None)
+
+    def snapshot_text(self) -> str:
+        """The ``state`` object as JSON text (its lines embedded as they were written)."""
+        alloc = {n: sorted(a.items()) for n, a in self.alloc.items() if a}
+        lines = sorted(self.lines.values())
+        return ('{"alloc":' + json.dumps(alloc, separators=(",", ":")) + ',"lines":['
+                + ",".join([text.decode().rstrip("\n") for _, text in lines]) + "]}")
+
+
+class LineEncoder:
+    """Batches of items -> lines -> blocks written to ``sink`` (and described to ``index``).
+    ``nodes``: the header's node ids, in order (their codes; ``DRIVER`` follows them)."""
+
+    def __init__(self, sink: BlockSink, index: IndexWriter | None,
+                 nodes: Mapping[str, Any], flush_every: int) -> None:
+        self._sink = sink
+        self._index = index
+        self.flush_every = flush_every
+        self._hard_limit = 2 * flush_every
+        names = [*nodes, DRIVER]
+        self._names: list[str] = names
+        self._heads = {d: [f',"node":{json.dumps(n)},"dir":"{d}",'.encode() for n in names]
+                       for d in ("in", "out", "sys")}
+        self._seq = 0
+        self._t = 0.0
+        self._tt = b'"t":0.0'
+        self._buf: list[bytes] = []
+        self._rooms: set[Any] = set()
+        self._live = LiveState()
+        self._blk_seq = 0
+        self._blk_t0 = 0.0
+        self._blocks = 0
+        self._state: str | None = '{"alloc":{},"lines":[]}'
+
+    def feed_packed(self, data: bytes) -> None:
+        """``feed`` the items of a ``pack_batch``."""
+        self.feed(unpack_batch(data))
+
+    def feed(self, items: Sequence[Item]) -> None:
+        """Encode ``items`` in order, writing every block they complete."""
+        buf = self._buf
+        rooms = self._rooms
+        live = self._live
+        heads_in, heads_out = self._heads["in"], self._heads["out"]
+        for t, code, inp, effects, record in items:
+            if t != self._t:
+                self._t = t
+                self._tt = b'"t":' + float_text(t)
+            if record is not None:
+                self._sys(code, record)
+                continue
+            node = self._names[code]
+            seq = self._seq
+            if not buf:
+                self._blk_seq = seq
+                self._blk_t0 = t
+            if inp is not None:
+                line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, heads_in[code], _text(inp))
+                buf.append(line)
+                room = room_of(inp)
+                if room is not None:
+                    rooms.add(room)
+                live.on_event(node, inp, seq, line)
+                seq += 1
+            if effects is None:  # its effects follow in another item: keep them together
+                self._seq = seq
+                if len(buf) >= self._hard_limit:
+                    self._drain()
+                continue
+            head = heads_out[code]
+            for e in effects:
+                line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, head, _text(e))
+                buf.append(line)
+                room = room_of(e)
+                if room is not None:
+                    rooms.add(room)
+                live.on_event(node, e, seq, line)
+                seq += 1
+            self._seq = seq
+            if len(buf) >= self.flush_every:
+                self._drain()
+
+    def _sys(self, code: int, record: dict[str, Any]) -> None:
+        node = self._names[code]
+        seq = self._seq
+        if not self._buf:
+            self._blk_seq = seq
+            self._blk_t0 = self._t
+        line = (b'{"seq":%d,%s%s' % (seq, self._tt, self._heads["sys"][code])
+                + JSON_TEXT(record)[1:].encode() + b"\n")
+        self._buf.append(line)
+        rtype = record["type"]
+        room = record.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
+        if room is not None:
+            self._rooms.add(room)
+        self._live.on_sys(rtype, node, room, seq, line)
+        self._seq = seq + 1
+        if len(self._buf) >= self.flush_every:
+            self._drain()
+
+    def _drain(self) -> None:
+        buf = self._buf
+        if not buf:
+            return
+        rooms = self._rooms
+        rooms.discard(None)
+        meta = BlockMeta(self._blk_seq, len(buf), self._blk_t0, self._t, sorted(rooms),
+                         self._state)
+        data = b"".join(buf)
+        buf.clear()
+        rooms.clear()
+        self._blocks += 1
+        self._state = self._live.snapshot_text() if self._blocks % STATE_EVERY == 0 else None
+        self._sink.write(data, meta)
+
+    def flush(self) -> None:
+        """End the block here and wait until every block is in the file."""
+        self._drain()
+        self._sink.flush()
+
+    def close(self) -> None:
+        """Write the last block and close the file and the index."""
+        try:
+            self._drain()
+        finally:
+            try:
+                self._sink.close()
+            finally:
+                if self._index is not None:
+                    self._index.close()
+
+    def abandon(self) -> None:
+        """Close the files without writing what is buffered (after an error)."""
+        with contextlib.suppress(Exception):
+            self._sink.close()
+        if self._index is not None:
+            with contextlib.suppress(Exception):
+                self._index.close()
