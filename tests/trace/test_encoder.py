@@ -45,7 +45,7 @@ def test_the_codec_reads_back_every_event_it_writes(event: Any) -> None:
 
 def test_the_codec_names_the_field_it_refuses() -> None:
     good = encode(ev.Allocated(room=1, chunk_idx=0, alloc_id=2, offset=0, round=0, size=64))
-    with pytest.raises(TraceError, match="field 'room': expected `int`, got `str`"):
+    with pytest.raises(TraceError, match="field 'room': expected an integer, got a string"):
         decode_event(good.replace(b'"room":1', b'"room":"1"'), where="t:2")
     with pytest.raises(TraceError, match="t:2: field 'colour': unknown field"):
         decode_event(good[:-1] + b',"colour":1}', where="t:2")

@@ -29,28 +29,18 @@ DEADLINE = 120.0  # seconds: generous, on a loaded host
 SLOW_REPLAY = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even where SIGINT was ignored
-from twin.replay import feeding, forked
+from twin.replay import Replayer
 told = []
-def ready():
+def slow(self, *args, _feed=Replayer.feed):
+    effects = _feed(self, *args)
     if not told:
         told.append(1)
         print("first input fed", file=sys.stderr, flush=True)
-def slow(*args, _feed=feeding.feed):
-    effects = _feed(*args)
-    ready()
     time.sleep(0.005)
     return effects
-def slow_batch(replayer, items, _feed=forked.feed_batch):
-    text = _feed(replayer, items)
-    ready()
-    time.sleep(0.005 * len(items))
-    return text
-feeding.feed = slow
-forked.feed_batch = slow_batch
-if sys.argv[1] == "forked":
-    forked.MIN_BYTES = 0  # the reader in a forked process, as for a large trace
+Replayer.feed = slow
 from twin.cli import cli
-cli(sys.argv[2:])
+cli(sys.argv[1:])
 """
 
 SLOW_EXPORT = """
@@ -105,15 +95,9 @@ def _said_ready(proc: subprocess.Popen[str]) -> bool:
     return proc.stderr.readline().strip() == "first input fed"
 
 
-@pytest.mark.parametrize(("reader", "sig"), [
-    ("sequential", signal.SIGTERM),
-    ("sequential", signal.SIGINT),
-    ("forked", signal.SIGHUP),
-    ("forked", signal.SIGTERM),
-])
-def test_a_signal_ends_a_replay_with_what_it_replayed(trace: Path, reader: str,
-                                                      sig: signal.Signals) -> None:
-    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, reader, "replay",
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_ends_a_replay_with_what_it_replayed(trace: Path, sig: signal.Signals) -> None:
+    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, "replay",
                                  str(trace)], _said_ready, sig)
     why = "Ctrl-C" if sig == signal.SIGINT else sig.name
     assert code == 1, (code, out, err)
@@ -127,7 +111,7 @@ def test_a_signal_ends_a_replay_with_what_it_replayed(trace: Path, reader: str,
 
 
 def test_a_signal_ends_a_replay_json(trace: Path) -> None:
-    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, "sequential", "replay",
+    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, "replay",
                                  str(trace), "--json"], _said_ready, signal.SIGTERM)
     import json
 

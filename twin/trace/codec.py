@@ -86,10 +86,21 @@ def _error(where: str, exc: msgspec.ValidationError, path: str = "") -> TraceErr
     elif detail.startswith("Invalid value") and loc.endswith(("type", "kind")):
         detail = f"unknown {'event type' if loc.endswith('type') else 'message kind'} " \
                  f"{detail[len('Invalid value '):]}"
-    elif detail.startswith("Object missing required field `type`") or loc == "":
-        pass
+    elif detail.startswith("Expected `"):
+        want, _, got = detail[len("Expected `"):].partition("`, got `")
+        detail = (f"expected {' or '.join(_WORDS.get(w, w) for w in want.split(' | '))}, "
+                  f"got {_WORDS.get(got.rstrip('`'), got.rstrip('`'))}")
+    elif detail.startswith("Invalid enum value"):
+        enum_cls = _ENUM_AT.get(loc.rpartition(".")[2])
+        names = ", ".join(m.value for m in enum_cls) if enum_cls else "the known values"
+        detail = f"expected one of {names}, got {detail[len('Invalid enum value '):]}"
     loc = f"{path}.{loc}" if path and loc else (path or loc)
     return TraceError(where, detail[:1].lower() + detail[1:], loc or None)
+
+
+_WORDS = {"int": "an integer", "float": "a finite number", "str": "a string",
+          "bool": "true/false", "array": "a list", "object": "an object", "null": "null"}
+_ENUM_AT = {"status": wire.KVPoll}
 
 
 def decode_event(text: bytes, *, where: str, direction: str | None = None) -> Any:
@@ -107,7 +118,7 @@ def event_to_json(obj: Any) -> dict[str, Any]:
     """``{"type": ClassName, **fields}`` of a core event (a fresh dict of JSON values)."""
     if not isinstance(obj, ev.Event):
         raise TypeError(f"not a core event: {type(obj).__name__}")
-    d: dict[str, Any] = msgspec.to_builtins(obj)
+    d: dict[str, Any] = msgspec.json.decode(encode(obj))
     return d
 
 
@@ -115,7 +126,7 @@ def message_to_json(msg: Any) -> dict[str, Any]:
     """``{"kind": "STAGING_REQ", **fields}`` of a control message."""
     if not isinstance(msg, wire.Frame):
         raise TypeError(f"not a control message: {type(msg).__name__}")
-    d: dict[str, Any] = msgspec.to_builtins(msg)
+    d: dict[str, Any] = msgspec.json.decode(encode(msg))
     return d
 
 
@@ -149,16 +160,20 @@ def _describe(value: Any) -> str:
 _EXEMPT_ROOM_CHECK = (ev.Dropped, ev.MessageArrived, ev.SendFailed)
 
 
+def named_room(event: Any) -> int | None:
+    """The room an event names (its ``room`` field, or its message's), or None."""
+    room = getattr(event, "room", None)
+    if room is None:
+        room = getattr(getattr(event, "msg", None), "room", None)
+    return room
+
+
 def room_of(event: Any) -> int | None:
     """The room an event must have been introduced for (its ``room`` field, or its message's),
     None when it is not checked (a dropped or failed frame may name any room)."""
     if isinstance(event, _EXEMPT_ROOM_CHECK):
         return None
-    room = getattr(event, "room", None)
-    if room is None:
-        msg = getattr(event, "msg", None)
-        room = getattr(msg, "room", None)
-    return room
+    return named_room(event)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import msgspec
 from twin.core import events as ev
 from twin.core import wire
 from twin.trace.blocks import BlockSink
-from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode, room_of
+from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode, named_room
 from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
 
 __all__ = ["DRIVER", "JSON_TEXT", "Item", "LineEncoder", "LiveState", "float_text",
@@ -181,7 +181,7 @@ class LineEncoder:
             if inp is not None:
                 line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, heads_in[code], _text(inp))
                 buf.append(line)
-                room = room_of(inp)
+                room = named_room(inp)
                 if room is not None:
                     rooms.add(room)
                 live.on_event(node, inp, seq, line)
@@ -195,7 +195,7 @@ class LineEncoder:
             for e in effects:
                 line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, head, _text(e))
                 buf.append(line)
-                room = room_of(e)
+                room = named_room(e)
                 if room is not None:
                     rooms.add(room)
                 live.on_event(node, e, seq, line)
@@ -214,8 +214,8 @@ class LineEncoder:
                 + JSON_TEXT(record)[1:].encode() + b"\n")
         self._buf.append(line)
         rtype = record["type"]
-        room = record.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
-        if room is not None:
+        room = record.get("room")
+        if type(room) is int:
             self._rooms.add(room)
         self._live.on_sys(rtype, node, room, seq, line)
         self._seq = seq + 1
