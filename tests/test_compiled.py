@@ -136,10 +136,8 @@ def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
         "test_prefill.py", "test_decode.py", "test_integrity.py", "test_failpaths.py",
         "test_defects.py", "test_states.py", "test_pickle.py")] + [
         f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py",
-                                          "test_calendar.py", "test_replay_forked.py")] + [
-        "tests/trace/test_rows.py", "tests/trace/test_emitters.py",
-        "tests/trace/test_scan.py", "tests/trace/test_parallel.py",
-        "tests/trace/test_packing.py", "tests/trace/test_sysrec.py"] + [
+                                          "test_calendar.py")] + [
+        "tests/trace/test_parallel.py", "tests/trace/test_encoder.py"] + [
         "tests/test_path.py"]
     proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                 *files)

@@ -1,7 +1,7 @@
 """Events and frames cross into processes the project starts itself pickled (a rank's start-up
 spec, with its replay script, through ``multiprocessing``; never anything read from a socket,
 which travels as typed msgpack, ``twin.hw.messages``): every kind round-trips to an equal object, in the pure-Python path and, run by
-``tests/test_compiled.py``, as the compiled core's native classes."""
+``tests/test_compiled.py``, beside the compiled core."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pickle
 import pytest
 
 from twin.core import events as ev
-from twin.core import factories, wire
+from twin.core import wire
 
 MSG = wire.StagingReq(room=3, chunk_idx=1, chunk_pages=4, session_id="d0g0r0")
 SAMPLES = [

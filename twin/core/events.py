@@ -24,14 +24,14 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-class MessageArrived(Event):
+class MessageArrived(Event, frozen=True):
     """A control frame from ``src`` was delivered (already decoded)."""
 
     src: str
     msg: Message
 
 
-class DecodeRoomInit(Event):
+class DecodeRoomInit(Event, frozen=True):
     """Decode pre-allocated KV for a room (``pop_preallocated``) and is about to send metadata.
 
     ``total_pages`` counts pages after the decode-side cached prefix (``decode_prefix_len``
@@ -48,13 +48,13 @@ class DecodeRoomInit(Event):
     group: tuple[str, ...] = ()
 
 
-class DecodeRoomRegister(Event):
+class DecodeRoomRegister(Event, frozen=True):
     """The late registration point (``extend``); only used with ``late-decode-registration``."""
 
     room: int
 
 
-class ScatterDone(Event):
+class ScatterDone(Event, frozen=True):
     """The scatter of ``alloc_id`` (room, chunk) finished on the decode device."""
 
     room: int
@@ -62,25 +62,25 @@ class ScatterDone(Event):
     alloc_id: int
 
 
-class Tick(Event):
+class Tick(Event, frozen=True):
     """Time advanced; check timeouts."""
 
 
-class RoomAborted(Event):
+class RoomAborted(Event, frozen=True):
     """The request was aborted (client, router, or the other side failed it)."""
 
     room: int
     reason: str = "aborted"
 
 
-class RoomBootstrapped(Event):
+class RoomBootstrapped(Event, frozen=True):
     """Prefill received the decode metadata of a room: one target per decode session."""
 
     room: int
     targets: tuple[Target, ...]
 
 
-class Target(Event):
+class Target(Event, frozen=True):
     """One decode session a prefill rank writes a room's KV to.
 
     ``dst_port``: the session's control port from its metadata (SGLang's ``dst_port``), which
@@ -94,13 +94,13 @@ class Target(Event):
     dst_port: int = -1
 
 
-class Prefetch(Event):
+class Prefetch(Event, frozen=True):
     """The prefill scheduler formed a batch with this room: prefetch STAGING_REQs."""
 
     room: int
 
 
-class SendKV(Event):
+class SendKV(Event, frozen=True):
     """The prefill scheduler sends KV ``[start_send_idx, end_idx)`` of a room (``send_kv_chunk``).
 
     Token indices are absolute in the request; non-last ends are floored to the page and to the
@@ -112,13 +112,13 @@ class SendKV(Event):
     last: bool
 
 
-class WorkerPoll(Event):
+class WorkerPoll(Event, frozen=True):
     """Transfer worker ``worker`` may pop its queue (woken, or its deferral wait ended)."""
 
     worker: int
 
 
-class TransferDone(Event):
+class TransferDone(Event, frozen=True):
     """The staged WRITE posted by ``worker`` ended.
 
     ``settled``: False when the backend cannot prove the write stopped (a handle still running
@@ -131,7 +131,7 @@ class TransferDone(Event):
     settled: bool = True
 
 
-class PeerPolled(Event):
+class PeerPolled(Event, frozen=True):
     """Decode rank ``peer`` of the room's group shared its poll state ``poll`` of ``room``."""
 
     room: int
@@ -139,7 +139,7 @@ class PeerPolled(Event):
     poll: str
 
 
-class SendFailed(Event):
+class SendFailed(Event, frozen=True):
     """The driver could not send ``msg`` (socket error)."""
 
     dst: str
@@ -149,14 +149,14 @@ class SendFailed(Event):
 # ---------------------------------------------------------------------------------------------
 # Effects
 # ---------------------------------------------------------------------------------------------
-class Send(Event):
+class Send(Event, frozen=True):
     """Send ``msg`` to node ``dst``."""
 
     dst: str
     msg: Message
 
 
-class SendMetadata(Event):
+class SendMetadata(Event, frozen=True):
     """Decode tells the room's prefill ranks where to write (bootstrap metadata).
 
     ``register_at``: with ``late-decode-registration`` the time at which the driver feeds a
@@ -173,7 +173,7 @@ class SendMetadata(Event):
     dst_port: int = -1
 
 
-class AbortNotice(Event):
+class AbortNotice(Event, frozen=True):
     """Tell the other side that a room failed here (traces before format 3; the decode rank
     now sends SGLang's ``ABORT`` frame instead)."""
 
@@ -182,7 +182,7 @@ class AbortNotice(Event):
     reason: str
 
 
-class Allocated(Event):
+class Allocated(Event, frozen=True):
     room: int
     chunk_idx: int
     alloc_id: int
@@ -191,14 +191,14 @@ class Allocated(Event):
     size: int
 
 
-class Freed(Event):
+class Freed(Event, frozen=True):
     alloc_id: int
     room: int
     chunk_idx: int
     reason: str
 
 
-class WatermarkMoved(Event):
+class WatermarkMoved(Event, frozen=True):
     """The ring's watermark moved; ``lag_bytes`` is how far it trails the allocation head."""
 
     round: int
@@ -206,7 +206,7 @@ class WatermarkMoved(Event):
     lag_bytes: int = 0
 
 
-class StartScatter(Event):
+class StartScatter(Event, frozen=True):
     """Scatter a staging region (all writers) into KV pages ``[page_start, +num_pages)``.
 
     ``writer_bytes`` is each writer's block of the region, in order; ``prefill_attn_tp`` the
@@ -225,7 +225,7 @@ class StartScatter(Event):
     writer_bytes: tuple[int, ...] = ()
 
 
-class StartTransfer(Event):
+class StartTransfer(Event, frozen=True):
     """Gather this rank's head slice of pages ``[page_start, +num_pages)`` and WRITE it.
 
     The bytes land at ``dst_offset`` of ``session``'s ring (``region_offset`` plus this writer's
@@ -251,7 +251,7 @@ class StartTransfer(Event):
     decode_rank: int = 0
 
 
-class Deferred(Event):
+class Deferred(Event, frozen=True):
     """The chunk at the head of ``worker``'s queue is not ready and was re-enqueued.
 
     ``all_blocked``: every chunk in the queue deferred since the last allocation or watermark
@@ -269,11 +269,11 @@ class Deferred(Event):
     retry_at: float | None = None
 
 
-class WorkerIdle(Event):
+class WorkerIdle(Event, frozen=True):
     worker: int
 
 
-class WakeWorkers(Event):
+class WakeWorkers(Event, frozen=True):
     """Allocation or watermark news: feed each of ``workers`` a ``WorkerPoll`` at ``at``.
 
     A poll scheduled for a worker replaces any earlier one not yet fed (one wait per worker).
@@ -283,14 +283,14 @@ class WakeWorkers(Event):
     at: float = 0.0
 
 
-class TargetsKnown(Event):
+class TargetsKnown(Event, frozen=True):
     """Prefill learned a room's decode sessions: ``sessions`` so far (one per metadata)."""
 
     room: int
     sessions: tuple[str, ...]
 
 
-class ChunkQueued(Event):
+class ChunkQueued(Event, frozen=True):
     worker: int
     room: int
     chunk_idx: int
@@ -299,13 +299,13 @@ class ChunkQueued(Event):
     is_last: bool
 
 
-class ChunkSkipped(Event):
+class ChunkSkipped(Event, frozen=True):
     room: int
     page_start: int
     reason: str
 
 
-class RoomConcluded(Event):
+class RoomConcluded(Event, frozen=True):
     """A room ended on this rank: ``status`` is ``"Success"`` or ``"Failed"``."""
 
     room: int
@@ -313,11 +313,11 @@ class RoomConcluded(Event):
     reason: str = ""
 
 
-class RoomTornDown(Event):
+class RoomTornDown(Event, frozen=True):
     room: int
 
 
-class Dropped(Event):
+class Dropped(Event, frozen=True):
     """An input was ignored, with why (a warning in SGLang's logs)."""
 
     what: str
@@ -325,13 +325,13 @@ class Dropped(Event):
     reason: str
 
 
-class SetTimer(Event):
+class SetTimer(Event, frozen=True):
     """Feed this rank a ``Tick`` at time ``at``: a timeout may fire then."""
 
     at: float
 
 
-class GroupPoll(Event):
+class GroupPoll(Event, frozen=True):
     """Share this decode rank's poll state of ``room`` with ``peers`` (the MIN all-reduce).
 
     ``poll``: ``"Success"`` (every byte landed here), ``"Failed"``, or ``"ReleaseReady"`` (a
@@ -343,7 +343,7 @@ class GroupPoll(Event):
     peers: tuple[str, ...]
 
 
-class RoomHeld(Event):
+class RoomHeld(Event, frozen=True):
     """A failed room keeps its staging until ``required_acks`` prefill ranks acknowledged the
     abort of ``generation`` or ``release_at`` comes (deferred decode KV release)."""
 
@@ -353,14 +353,14 @@ class RoomHeld(Event):
     release_at: float
 
 
-class RoomReleased(Event):
+class RoomReleased(Event, frozen=True):
     """A held failed room was released: ``drained`` when every prefill rank acknowledged."""
 
     room: int
     drained: bool
 
 
-class RankCrashed(Event):
+class RankCrashed(Event, frozen=True):
     """The rank raised out of its scheduler loop; it handles nothing from now on."""
 
     reason: str

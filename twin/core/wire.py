@@ -59,7 +59,7 @@ class Frame(msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_
     with the frame's first part (``STAGING_REQ``, ...)."""
 
 
-class StagingReq(Frame, tag="STAGING_REQ"):
+class StagingReq(Frame, frozen=True, tag="STAGING_REQ"):
     room: int
     chunk_idx: int
     chunk_pages: int
@@ -67,7 +67,7 @@ class StagingReq(Frame, tag="STAGING_REQ"):
     pp_rank: int | None = None
 
 
-class StagingRsp(Frame, tag="STAGING_RSP"):
+class StagingRsp(Frame, frozen=True, tag="STAGING_RSP"):
     room: int
     chunk_idx: int
     offset: int
@@ -76,13 +76,13 @@ class StagingRsp(Frame, tag="STAGING_RSP"):
     session_id: str
 
 
-class Watermark(Frame, tag="WATERMARK"):
+class Watermark(Frame, frozen=True, tag="WATERMARK"):
     round: int
     tail: int
     session_id: str
 
 
-class ChunkReady(Frame, tag="CHUNK_READY"):
+class ChunkReady(Frame, frozen=True, tag="CHUNK_READY"):
     room: int
     chunk_idx: int
     page_start: int
@@ -91,7 +91,7 @@ class ChunkReady(Frame, tag="CHUNK_READY"):
     prefill_rank: int
 
 
-class TransferStatus(Frame, tag="KV_STATUS"):
+class TransferStatus(Frame, frozen=True, tag="KV_STATUS"):
     """A prefill rank's per-room transfer result (nixl ``KV_STATUS``)."""
 
     room: int
@@ -100,7 +100,7 @@ class TransferStatus(Frame, tag="KV_STATUS"):
     failure_reason: str = ""
 
 
-class Abort(Frame, tag="ABORT"):
+class Abort(Frame, frozen=True, tag="ABORT"):
     """Decode's abort notification (``AbortNotification``): ``decode_ip``/``decode_port`` name
     where the acknowledgement goes, ``generation`` the armed deferred-release generation (None
     when deferred release is off: no acknowledgement is awaited). A legacy ``[ABORT, room]``
@@ -113,7 +113,7 @@ class Abort(Frame, tag="ABORT"):
     generation: int | None = None
 
 
-class AbortAck(Frame, tag="ABORT_ACK"):
+class AbortAck(Frame, frozen=True, tag="ABORT_ACK"):
     """Prefill's acknowledgement that its transfer of an aborted room drained (``AbortAck``)."""
 
     room: int
@@ -122,7 +122,7 @@ class AbortAck(Frame, tag="ABORT_ACK"):
 
 
 Message = StagingReq | StagingRsp | Watermark | ChunkReady | TransferStatus | Abort | AbortAck
-MESSAGE_TYPES: dict[bytes, type] = {
+MESSAGE_TYPES: dict[bytes, type[Frame]] = {
     b"STAGING_REQ": StagingReq,
     b"STAGING_RSP": StagingRsp,
     b"WATERMARK": Watermark,
@@ -132,7 +132,7 @@ MESSAGE_TYPES: dict[bytes, type] = {
     b"ABORT_ACK": AbortAck,
 }
 """Each message's first frame (its kind) -> its class."""
-TAGS: dict[type, bytes] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
+TAGS: dict[type[Frame], bytes] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
 """Message class -> its first frame (its msgspec tag, ``kind`` in a trace)."""
 
 
@@ -179,7 +179,7 @@ def encode(msg: Message) -> list[bytes]:
 _OPTIONAL = {"pp_rank", "failure_reason", "generation"}
 
 
-def _field_names(cls: type) -> list[str]:
+def _field_names(cls: type[Frame]) -> list[str]:
     return list(cls.__struct_fields__)
 
 

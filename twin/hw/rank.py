@@ -14,7 +14,6 @@ scatter completion, metadata) is held until it is the next recorded input.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import json
 import math
@@ -26,6 +25,7 @@ from collections import deque
 from itertools import groupby
 from typing import Any
 
+import msgspec
 import torch
 
 from twin.core import events as ev
@@ -423,7 +423,7 @@ class RankProcess:
         if isinstance(event, ev.RoomBootstrapped):
             # Every field of the target, so the prefill core sees what the recorded one saw
             # (the port picks the transfer worker).
-            target = dataclasses.asdict(event.targets[0])
+            target = msgspec.structs.asdict(event.targets[0])
             frames = [META, json.dumps({"room": event.room, "target": target}).encode()]
         elif isinstance(event, ev.RoomAborted):
             frames = [ABORT, json.dumps({"room": event.room, "reason": event.reason}).encode()]

@@ -29,13 +29,14 @@ kind. ``FaultInjector.fired`` counts how often each spec fired; ``fault_report``
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from twin.core import wire
 
@@ -179,8 +180,8 @@ def parse_fault(text: str) -> FaultSpec:
 def corruptible_fields(kind: str) -> list[str]:
     """The integer fields of frame kind ``kind`` that ``corrupt`` can rewrite."""
     cls = wire.MESSAGE_TYPES[kind.encode()]
-    return [f.name for f in dataclasses.fields(cls)
-            if f.name not in wire._STR_FIELDS and f.name not in ("status", "failure_reason")]
+    return [name for name in cls.__struct_fields__
+            if name not in wire._STR_FIELDS and name not in ("status", "failure_reason")]
 
 
 def _check_corrupt(spec: FaultSpec) -> None:
@@ -291,7 +292,7 @@ class MessageFate:
         if not self.rewrite:
             return msg
         changes: dict[str, Any] = dict(self.rewrite)
-        out: wire.Message = dataclasses.replace(msg, **changes)
+        out: wire.Message = msgspec.structs.replace(msg, **changes)
         return out
 
 

@@ -9,7 +9,7 @@ from twin.core.defects import Defects
 from twin.core.topology import Topology
 from twin.runtime.faults import FaultSpec
 from twin.runtime.params import SimParams
-
+from twin.trace.format import make_header
 from twin.workloads import Workload
 
 INLINE_WORKLOAD_MAX = 50_000
@@ -27,5 +27,5 @@ def trace_header(cfg: TwinConfig, workload: Workload, *, defects: Defects, fault
              for n in Topology(cfg).nodes.values()]
     small = len(workload.requests) <= INLINE_WORKLOAD_MAX
     wl = workload.to_jsonable(include_requests=small)
-    return __import__('twin.trace.format', fromlist=['x']).make_header(mode, full, nodes, defects=defects.sorted(),
+    return make_header(mode, full, nodes, defects=defects.sorted(),
                        faults=[f.text for f in faults], seed=seed, workload=wl)

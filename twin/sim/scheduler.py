@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from twin.core import events as ev
-
 from twin.core.config import TwinConfig
 from twin.core.sendplan import early_send_end
 from twin.core.topology import Topology

@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import json
 import math
-import operator
 import os
 import platform
 import re
@@ -55,7 +54,7 @@ from twin.trace.codec import (
 from twin.trace.compat import recorded_config
 from twin.trace.encoder import EncoderProcess, can_fork, sigint_deferred
 from twin.trace.index import Block, IndexWriter, index_path
-from twin.trace.lines import DRIVER, JSON_TEXT, Item, LineEncoder, float_text, pack_batch
+from twin.trace.lines import DRIVER, JSON_TEXT, Item, LineEncoder, pack_batch
 
 try:
     from orjson import loads as _fast_loads

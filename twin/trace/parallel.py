@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import marshal
 import os
 import signal
 from collections import Counter
@@ -27,11 +26,17 @@ from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import Record, TraceReader
 from twin.trace.index import Block, TraceIndex, index_path
 
 __all__ = ["Fallback", "ParallelScan", "parallel_scan"]
+
+_pack = msgspec.msgpack.Encoder().encode
+_unpack = msgspec.msgpack.Decoder().decode
+"""The helper's messages to its parent, as msgpack (plain values: tuples come back as lists)."""
 
 GROUP_BLOCKS = 4
 """Blocks per group (about 4,000 lines)."""
@@ -205,7 +210,7 @@ class ParallelScan:
         payload = read_frame(src)
         if payload is None:
             raise Fallback("the helper ended early")
-        msg = marshal.loads(payload)
+        msg = _unpack(payload)
         if msg[0] != "ok":
             raise Fallback(f"the helper failed: {msg[1]}")
         return msg[1:]
@@ -240,7 +245,7 @@ class ParallelScan:
                         part.last_t, part.truncated, part.warnings)
                 except Exception as exc:  # noqa: BLE001 - the parent falls back
                     msg = ("error", f"{type(exc).__name__}: {exc}")
-                write_frame(w, marshal.dumps(msg))
+                write_frame(w, _pack(msg))
                 if msg[0] != "ok":
                     break
         except BaseException:  # noqa: BLE001 - a closed pipe: the parent is done with us
