@@ -28,9 +28,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-# Compiled together (calls between them stay native). The events and frames become native
-# classes (their fields read and stored directly by the compiled modules; the trace codec reads
-# their dataclass fields and, for their types, their sources); the config stays a Python class.
+# Compiled together (calls between them stay native). The events and frames are msgspec Structs
+# (C types already) and the config a Python class: neither is compiled.
 MODULES: tuple[str, ...] = (
     "twin.core.states",
     "twin.core.allocator",

@@ -40,7 +40,7 @@ def test_a_new_event_field_needs_only_its_class(tmp_path: Path) -> None:
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "_compiled.json"))
     events = scratch / "twin" / "core" / "events.py"
     text = events.read_text()
-    anchor = "class Allocated(Event):"
+    anchor = "class Allocated("
     start = text.index(anchor)
     end = text.index("\n\n\n", start)
     events.write_text(text[:end] + '\n    colour: str = "blue"' + text[end:])

@@ -42,6 +42,9 @@ class KVPoll(Enum):
         """SGLang's integer value (``KVPoll.Failed == 0`` ... ``KVPoll.Success == 4``)."""
         return _POLL_CODES.index(self.value)
 
+    def __int__(self) -> int:
+        return self.code
+
     @classmethod
     def of_code(cls, code: int) -> KVPoll:
         """The status of SGLang's integer ``code``; ValueError for an unknown one."""
@@ -210,7 +213,7 @@ def decode(frames: list[bytes]) -> Message:
             values["status"] = KVPoll.of_code(values["status"])
         except ValueError:
             raise ValueError(f"{kind}: field 'status': unknown status {values['status']}") from None
-    msg: Message = cls(**values)
+    msg: Message = cls(**values)  # type: ignore[assignment]  # one of the Message classes
     return msg
 
 
