@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from twin.calibrate.phases import room_phases, simulate_recorded
 from twin.core import wire
 from twin.runtime.params import SimParams
 from twin.trace.format import Trace
@@ -74,8 +75,6 @@ class Measured:
 
 def measure(trace: Trace) -> Measured:
     """Read the cost model's pieces out of a hardware trace (see the module docstring)."""
-    from twin.replay.timing import room_phases
-
     m = Measured(str(trace.path))
     arrival: dict[int, float] = {}
     booted: dict[int, float] = {}
@@ -311,8 +310,6 @@ def simulate_phases(trace: Trace, params: SimParams, seeds: tuple[int, ...] = (0
     """The p50 of each phase over the rooms of ``trace``'s run simulated with ``params``
     (the median over ``seeds``), of the frame latency (``frame_s``), and ``mismatch``: the
     share of the runs that ended otherwise than the recorded run (a wedge the jitter opened)."""
-    from twin.replay.timing import simulate_recorded
-
     out: dict[str, list[float]] = {p: [] for p in (*PHASES, "frame_s")}
     mismatched = 0
     for seed in seeds:

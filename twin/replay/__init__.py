@@ -85,7 +85,7 @@ class ReplayResult:
             return False
         same = (rec["status"] == self.status and rec["completed"] == self.completed
                 and rec["failed"] == self.failed)
-        if self.status == "wedged" and self.version == FORMAT_VERSION:
+        if self.status == "wedged" and self.version >= DIAGNOSIS_SINCE:
             same = same and _body(rec.get("diagnosis", [])) == _body(self.diagnosis)
         return same
 
@@ -99,6 +99,9 @@ class ReplayResult:
         return exit_code(status)
 
 
+DIAGNOSIS_SINCE = 3
+"""The first format version whose wedge diagnosis is worded as today's (version 4 changed the
+codec, not the lines): from it on a replay compares the diagnosis lines too."""
 _FOLLOWED = frozenset({"RequestArrived", "FaultInjected"})
 """The driver records the replay follows (``Replayer._sys``)."""
 

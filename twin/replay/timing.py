@@ -8,69 +8,19 @@ are compared with the simulated ones: time to all KV landed (arrival to the last
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from twin.core.defects import Defects
-from twin.runtime.faults import parse_fault
+from twin.calibrate import Measured, measure, scatter_cost_per_byte
+from twin.calibrate.phases import room_phases, simulate_recorded
 from twin.runtime.params import SimParams
-from twin.trace.format import Trace, TraceReader, TraceSource, open_trace, read_trace
-from twin.workloads import Workload, WorkloadError
-
-if TYPE_CHECKING:
-    from twin.calibrate import Measured
-
-
-def room_phases(trace: Trace | TraceReader) -> dict[int, dict[str, float]]:
-    """Per room: ``kv_done_s`` (from arrival) and ``transfer_s`` of a trace (read once)."""
-    out: dict[int, dict[str, float]] = {}
-    arrival: dict[int, float] = {}
-    first: dict[int, float] = {}
-    last_xfer: dict[int, float] = {}
-    worker_room: dict[tuple[str, int], int] = {}
-    for rec in trace:
-        if rec.type == "RequestArrived":
-            arrival[rec.data["room"]] = rec.t
-        elif rec.type == "StartTransfer":
-            e = rec.event
-            first.setdefault(e.room, rec.t)
-            worker_room[(rec.node, e.worker)] = e.room
-        elif rec.type == "TransferDone":
-            room = worker_room.get((rec.node, rec.event.worker))
-            if room is not None:
-                last_xfer[room] = rec.t
-        elif rec.type == "RoomConcluded" and rec.node.startswith("d") and \
-                rec.event.status == "Success" and rec.event.room in arrival:
-            room = rec.event.room
-            d = out.setdefault(room, {})
-            d["kv_done_s"] = max(d.get("kv_done_s", 0.0), rec.t - arrival[room])
-    for room, d in out.items():
-        if room in first and room in last_xfer:
-            d["transfer_s"] = last_xfer[room] - first[room]
-    return out
-
+from twin.trace.format import Trace, TraceSource, open_trace, read_trace
+from twin.workloads import WorkloadError
 
 SEEDS = 3
 """Fresh simulations per comparison: the cost model's jitter is random, so one seed is one
 sample (a race the jitter opens can end one seed's run in a wedge)."""
-
-
-def simulate_recorded(trace: Trace | TraceReader, params: SimParams, seed: int,
-                      recorder: Any = None) -> Any:
-    """Simulate ``trace``'s run afresh (its config, workload, defects, faults, placement and
-    client model) with ``params`` and ``seed``; the ``SimResult``. Raises ``WorkloadError``
-    when the trace does not carry its workload."""
-    from twin.sim.runner import run_sim
-
-    header = trace.header
-    workload = Workload.from_jsonable(header.get("workload", {}))
-    run = trace.config.extra.get("run", {})
-    overrides = {int(k): v for k, v in run.get("request_overrides", {}).items()}
-    return run_sim(trace.config, workload, defects=Defects.of(header.get("defects", [])),
-                   faults=[parse_fault(f) for f in header.get("faults", [])], seed=seed,
-                   params=params, request_overrides=overrides,
-                   max_concurrency=run.get("max_concurrency"), recorder=recorder)
 
 
 def compare_with_simulation(source: TraceSource, params: SimParams | None = None,
@@ -93,8 +43,6 @@ def compare_with_simulation(source: TraceSource, params: SimParams | None = None
         return {"error": f"the trace does not carry its workload: {exc}"}
     speed = None
     if params.blocking_kernels:  # calibrated costs: compare the host's speed too
-        from twin.calibrate import measure
-
         m = measure(trace if isinstance(trace, Trace) else read_trace(trace.path))
         measured, speed = m.phases, host_speed(m, params)
     else:
@@ -150,8 +98,6 @@ def host_speed(m: Measured, params: SimParams) -> dict[str, Any] | None:
     check and runs on the rank's own core, so it tracks the host's speed during the run and the
     contention for its cores: a trace whose scatters ran slower (or faster) than during
     calibration says so in ``note``, since every timing ratio includes that."""
-    from twin.calibrate import scatter_cost_per_byte
-
     per_byte = scatter_cost_per_byte(m)
     if not params.blocking_kernels or per_byte is None:
         return None
