@@ -3,9 +3,8 @@ decoded: nothing read from a socket is ever unpickled, marshalled or evaluated.
 
 Each message body is one class here with typed fields, encoded with MessagePack by msgspec and
 decoded against its class (an unknown tag, a missing field or a value of the wrong type is a
-:class:`BadFrame`). The core's events inside a message travel as their trace JSON
-(``twin.trace.codec.event_to_json``) and are rebuilt by the trace's strict decoder, so a
-control message can carry exactly what a trace line can and nothing else.
+:class:`BadFrame`). The core's events inside a message are the events' own classes (tagged
+msgspec Structs, as in a trace line), decoded as strictly as the trace reader decodes them.
 
 Which frame holds which body:
 
@@ -29,8 +28,8 @@ from typing import Any
 
 import msgspec
 
+from twin.core import events as ev
 from twin.core import snapshot as snap
-from twin.trace.codec import TraceError, event_from_json, event_to_json
 
 
 class BadFrame(ValueError):
@@ -39,9 +38,9 @@ class BadFrame(ValueError):
 
 # -- commands (coordinator -> rank) ------------------------------------------------------------
 class Feed(msgspec.Struct, tag="feed", frozen=True, forbid_unknown_fields=True):
-    """Feed one driver input to the rank's core (trace JSON of the event)."""
+    """Feed one driver input to the rank's core."""
 
-    event: dict[str, Any]
+    event: ev.Input
 
 
 class SetupRequest(msgspec.Struct, tag="request", frozen=True, forbid_unknown_fields=True):
@@ -80,10 +79,10 @@ def request_dict(cmd: SetupRequest) -> dict[str, Any]:
 
 # -- rank -> coordinator ---------------------------------------------------------------------
 class Records(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a rank has recorded since its last batch: ``(t, input, effects)`` per input (trace
-    JSON), its reports, and the time up to which it has now sent everything."""
+    """What a rank has recorded since its last batch: ``(t, input, effects)`` per input, its
+    reports, and the time up to which it has now sent everything."""
 
-    records: list[tuple[float, dict[str, Any], list[dict[str, Any]]]]
+    records: list[tuple[float, ev.Input, list[ev.Effect]]]
     reports: list[dict[str, Any]]
     upto: float
 
@@ -95,7 +94,7 @@ class RankState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     prefill: snap.PrefillSnapshot | None
     decode: snap.DecodeSnapshot | None
-    next: dict[str, Any] | None
+    next: ev.Input | None
     held: int
     mismatch: dict[int, str]
 
@@ -103,8 +102,6 @@ class RankState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def snapshot(self) -> snap.RankSnapshot | None:
         return self.prefill if self.prefill is not None else self.decode
 
-    def next_event(self, where: str) -> Any:
-        return None if self.next is None else event_from_json(self.next, where=where)
 
 
 def rank_state(snapshot: snap.RankSnapshot, next_event: Any, held: int,
@@ -112,14 +109,14 @@ def rank_state(snapshot: snap.RankSnapshot, next_event: Any, held: int,
     is_prefill = isinstance(snapshot, snap.PrefillSnapshot)
     return RankState(prefill=snapshot if is_prefill else None,  # type: ignore[arg-type]
                      decode=None if is_prefill else snapshot,  # type: ignore[arg-type]
-                     next=None if next_event is None else event_to_json(next_event),
+                     next=next_event,
                      held=held, mismatch=mismatch)
 
 
 # -- coordinator -> agent --------------------------------------------------------------------
 class Launch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The rank specs an agent starts (``twin.hw.rankspec.RankSpec`` fields; scripts as
-    trace JSON)."""
+    """The rank specs an agent starts (``twin.hw.rankspec.RankSpec`` fields; a script is a
+    list of the core's inputs)."""
 
     specs: list[dict[str, Any]]
 
@@ -145,42 +142,28 @@ def decode(data: bytes, kind: Any) -> Any:
 
 def feed(event: Any) -> Feed:
     """The command that feeds ``event`` (a core input) to a rank."""
-    return Feed(event=event_to_json(event))
-
-
-def event_of(d: dict[str, Any], where: str) -> Any:
-    """The core event whose trace JSON is ``d``; :class:`BadFrame` if it is not one."""
-    try:
-        return event_from_json(d, where=where)
-    except TraceError as exc:
-        raise BadFrame(str(exc)) from None
+    return Feed(event=event)
 
 
 def encode_records(records: list[tuple[float, Any, list[Any]]], reports: list[dict[str, Any]],
                    upto: float) -> bytes:
-    return encode(Records(records=[(t, event_to_json(e), [event_to_json(x) for x in effects])
-                                   for t, e, effects in records],
-                          reports=reports, upto=upto))
+    return encode(Records(records=records, reports=reports, upto=upto))
 
 
 def decode_records(data: bytes, where: str) -> tuple[list[tuple[float, Any, list[Any]]],
                                                      list[dict[str, Any]], float]:
-    """A :class:`Records` body with its events rebuilt; :class:`BadFrame` if any part is bad."""
-    body: Records = decode(data, Records)
-    records = [(t, event_of(e, where), [event_of(x, where) for x in effects])
-               for t, e, effects in body.records]
-    return records, body.reports, body.upto
+    """A :class:`Records` body; :class:`BadFrame` (naming ``where``) if any part is bad."""
+    try:
+        body: Records = decode(data, Records)
+    except BadFrame as exc:
+        raise BadFrame(f"{where}: {exc}") from None
+    return body.records, body.reports, body.upto
 
 
 def encode_launch(specs: list[Any]) -> bytes:
-    """A :class:`Launch` body for ``RankSpec`` objects (their scripts as trace JSON)."""
-    out = []
-    for spec in specs:
-        d = dataclasses.asdict(spec)
-        if d["script"] is not None:
-            d["script"] = [event_to_json(e) for e in spec.script]
-        out.append(d)
-    return encode(Launch(specs=out))
+    """A :class:`Launch` body for ``RankSpec`` objects."""
+    return encode(Launch(specs=[{**dataclasses.asdict(spec), "script": spec.script}
+                                for spec in specs]))
 
 
 def decode_launch(data: bytes, where: str) -> list[Any]:
@@ -190,12 +173,13 @@ def decode_launch(data: bytes, where: str) -> list[Any]:
     body: Launch = decode(data, Launch)
     specs = []
     for d in body.specs:
+        script = d.get("script")
         try:
-            spec = msgspec.convert(d, RankSpec, strict=True)
+            spec = msgspec.convert({**d, "script": None}, RankSpec, strict=True)
+            if script is not None:
+                spec.script = msgspec.convert(script, list[ev.Input], strict=True)
         except msgspec.ValidationError as exc:
-            raise BadFrame(f"rank spec: {exc}") from None
-        if spec.script is not None:
-            spec.script = [event_of(e, where) for e in spec.script]
+            raise BadFrame(f"{where}: rank spec: {exc}") from None
         specs.append(spec)
     return specs
 

@@ -281,7 +281,7 @@ class RankProcess:
 
     def _command(self, cmd: messages.Command) -> None:
         if isinstance(cmd, messages.Feed):
-            self.input(messages.event_of(cmd.event, f"{self.spec.node}: TWIN_CMD"))
+            self.input(cmd.event)
         elif isinstance(cmd, messages.SetupRequest):
             self._setup_request(messages.request_dict(cmd))
         elif isinstance(cmd, messages.QueryState):

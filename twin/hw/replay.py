@@ -118,7 +118,7 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     if stuck or errors:
         node = stuck[0] if stuck else ""
         st = states.get(node)
-        nxt = st.next_event(f"{node}'s state") if st is not None else None
+        nxt = st.next if st is not None else None
         divergence = Divergence(
             line=0, node=node, t=0.0,
             expected=("the next recorded input: " + str(event_to_json(nxt))) if nxt is not None
