@@ -127,6 +127,14 @@ def pp_slot_blocks(slot_bytes: int, num_layers: int, first: int,
                 for i in range(n))
 
 
+def pp_stage_write(dst_offset: int, nbytes: int, num_layers: int, first: int,
+                   stop: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """A PP stage's ``StartTransfer`` (``dst_offset``, ``nbytes``: the core's span) as SGLang
+    writes it: ``(offset of the TP writer's block, pp_slot_blocks relative to it)``."""
+    slot = nbytes // (2 * (stop - first))
+    return dst_offset - 2 * first * slot, pp_slot_blocks(slot, num_layers, first, stop)
+
+
 def pp_stage_of(node: str) -> int:
     """The PP stage a prefill node id names (``p0g0s1r0`` -> 1; 0 when it names none)."""
     at = node.find("s")

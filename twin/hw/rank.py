@@ -34,7 +34,7 @@ from twin.core.config import TwinConfig, pp_layer_range
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
-from twin.core.layout import compute_head_slice_params, pp_slot_blocks
+from twin.core.layout import compute_head_slice_params, pp_stage_write
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Node, build_rank
 from twin.hw import messages
@@ -470,9 +470,9 @@ class RankProcess:
         if stop - first < cfg.model.num_layers:
             # A PP stage: one write per layer slot of its TP writer's block, as SGLang's
             # Mooncake staging does (the core's span starts 2 * first slots into the block).
-            slot = e.nbytes // (2 * (stop - first))
-            remote_offset = e.dst_offset - 2 * first * slot
-            blocks = list(pp_slot_blocks(slot, cfg.model.num_layers, first, stop))
+            remote_offset, slots = pp_stage_write(e.dst_offset, e.nbytes,
+                                                  cfg.model.num_layers, first, stop)
+            blocks = list(slots)
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
         if failed is not None:
             # An injected error, as NIXL reports a WRITE that ended in ERR: settled, not posted.
