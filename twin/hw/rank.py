@@ -1,12 +1,14 @@
 """One rank process of the hardware mode: the core, driven by real sockets, NIXL and kernels.
 
-A rank owns its core (``PrefillRank`` or ``DecodeRank``), a paged KV pool, its staging memory
-(prefill: one buffer per transfer worker, sized to a chunk; decode: the ring), a NIXL agent with
-that memory registered, and a PULL socket. Its loop receives SGLang frames from peers and
-commands from the coordinator, feeds the core, and carries out the effects: frames go out over
-PUSH sockets, a ``StartTransfer`` gathers the head slice and posts one NIXL WRITE into the
-decode ring (polled, never blocking the loop), a ``StartScatter`` scatters a ring region into
-KV pages. Inputs and effects stream to the coordinator, which writes the trace.
+A rank owns its core (``PrefillRank`` or ``DecodeRank``), a paged KV pool (a prefill PP
+stage's: its layers only), its staging memory (prefill: one buffer per transfer worker, sized to
+a chunk; decode: the ring), a NIXL agent or Mooncake engine with that memory registered, and a
+PULL socket. Its loop receives SGLang frames from peers and commands from the coordinator, feeds
+the core, and carries out the effects: frames go out over PUSH sockets, a ``StartTransfer``
+gathers the head slice and posts one WRITE into the decode ring (polled, never blocking the
+loop; a PP stage's WRITE is one block per layer slot, as SGLang's Mooncake staging writes it), a
+``StartScatter`` scatters a ring region into KV pages. Inputs and effects stream to the
+coordinator, which writes the trace.
 
 In replay mode the rank feeds its recorded inputs in order; a real arrival (frame, transfer or
 scatter completion, metadata) is held until it is the next recorded input.
