@@ -76,7 +76,9 @@ class ByteCluster(Cluster):
         src_head, nh, _, _ = compute_head_slice_params(
             cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size, self.topo.nodes[node].rank,
             e.decode_rank, cfg.model.num_kv_heads)
-        buf = self.buffers.setdefault((node, e.worker), byte_buffer(1 << 16, pool.k[0].device))
+        if (node, e.worker) not in self.buffers:  # a transfer worker's staging buffer
+            self.buffers[(node, e.worker)] = byte_buffer(1 << 16, pool.k[0].device)
+        buf = self.buffers[(node, e.worker)]
         n = TORCH_BACKEND.gather_to_staging(pool.k, pool.v, pages, cfg.page_size, src_head, nh,
                                             buf)
         assert n == e.nbytes
