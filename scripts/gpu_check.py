@@ -67,6 +67,15 @@ try:
     info["nixl_flavour"] = api.__name__ if api.__name__ != "nixl._api" else api.__file__
 except Exception as exc:
     problems.append(f"import nixl: {type(exc).__name__}: {exc}")
+# Optional: the Mooncake transfer engine (the CUDA build, mooncake-transfer-engine, on a GPU
+# host; its step is skipped where it does not import, without failing the check).
+from importlib import metadata
+for dist in ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
+    try:
+        info["mooncake"] = f"{dist} {metadata.version(dist)}"
+        break
+    except metadata.PackageNotFoundError:
+        info["mooncake"] = None
 try:
     import twin
     info["twin"] = twin.__version__
@@ -114,6 +123,9 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     artifact: str | None = None  # a file the step writes (JSON, JUnit XML)
     needs: tuple[str, ...] = ()  # earlier steps that must have passed
+    # A module that must import for the step to run; where it does not, the step is skipped
+    # and does not fail the check (an optional part of the host, such as the Mooncake engine).
+    optional: str | None = None
 
 
 @dataclass
@@ -126,6 +138,11 @@ class Outcome:
     log: str
     reason: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    optional: bool = False  # skipped for want of an optional module: not a failure
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "pass" or (self.optional and self.status == "skipped")
 
 
 def _steps(args: argparse.Namespace, work: Path, site: Path, wheels: list[Path]) -> list[Step]:
@@ -184,6 +201,19 @@ def _steps(args: argparse.Namespace, work: Path, site: Path, wheels: list[Path])
     steps.append(Step("bench-staged", [py, "benchmarks/bench_staged.py", "--device", args.device,
                                        *staged, "--json", str(work / "bench_staged.json")],
                       120, kind="bench", artifact="bench_staged.json", needs=("environment",)))
+    # Mooncake (SGLang's default backend) where its engine imports: the CUDA build on a GPU
+    # host. A PP2 prefill on it (each stage's rank writes its layer slots; Mooncake is the only
+    # backend SGLang stages PP on), DRAM staging (the twin registers DRAM with the engine),
+    # Mooncake forced as the data mover so that a broken engine fails instead of falling back.
+    mc = "--disaggregation-transfer-backend mooncake"
+    steps.append(Step("mooncake", [py, "-m", "twin", "hw", "--config", HW_CONFIG, "--device",
+                                   "cpu", "--prefill-args", f"--tp-size 2 --pp-size 2 {mc}",
+                                   "--decode-args", f"--tp-size 1 {mc}", "--fix",
+                                   "drop-late-staging-req", "--workload",
+                                   "poisson:n=8,rate=40,input=600,output=4,seed=5", "--timeout",
+                                   "90", "--json"],
+                      150, kind="hw", needs=("environment",),
+                      env={"TWIN_HW_TRANSPORT": "mooncake"}, optional="mooncake.engine"))
     # Calibration last, so a slow fit cannot starve the checks above: a second run on another
     # workload, the cost model fitted to the first run, and its timings against the second.
     workload_b = ("poisson:n=24,rate=20,input=800,output=4,seed=7" if cuda
@@ -361,6 +391,21 @@ def _judge(step: Step, rc: int | None, timed_out: bool, stdout: str, work: Path,
     return "pass", "", result
 
 
+def _absent(step: Step, env: dict[str, str]) -> str | None:
+    """Why an optional step cannot run here (its module does not import), or None."""
+    if step.optional is None:
+        return None
+    try:
+        probe = subprocess.run([sys.executable, "-c", f"import {step.optional}"], cwd=REPO,
+                               env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return f"optional: importing {step.optional} took over 60 s"
+    if probe.returncode == 0:
+        return None
+    last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+    return f"optional: {step.optional} does not import here ({last})"
+
+
 def _pack(out: Path, work: Path, outcomes: list[Outcome]) -> None:
     with open(out / "steps.log", "w") as combined:
         for o in outcomes:
@@ -416,7 +461,12 @@ def main(argv: list[str] | None = None) -> int:
         log = f"{i:02d}-{step.name}.log"
         left = deadline - time.monotonic()
         missing = [n for n in step.needs if n not in passed]
-        if missing or left < 15:
+        absent = None if missing or left < 15 else _absent(step, {**env, **step.env})
+        if absent is not None:
+            (work / log).write_text(f"not run: {absent}\n")
+            outcomes.append(Outcome(step.name, "skipped", None, 0.0, step.timeout_s, log,
+                                    absent, optional=True))
+        elif missing or left < 15:
             reason = (f"needs {', '.join(missing)}" if missing else
                       f"only {max(left, 0):.0f} s of the budget left")
             (work / log).write_text(f"not run: {reason}\n")
@@ -433,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         o = outcomes[-1]
         print(f"  {o.name:<17} {o.status:<8} {o.seconds:7.1f} s  {o.reason}", flush=True)
 
-    ok = all(o.status == "pass" for o in outcomes)
+    ok = all(o.ok for o in outcomes)
     summary = {
         "version": SUMMARY_VERSION,
         "passed": ok,
@@ -442,9 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget,
         "wheels": [w.name for w in wheels],
         "environment": next((o.result for o in outcomes if o.name == "environment"), {}),
-        "failed_steps": [o.name for o in outcomes if o.status != "pass"],
+        "failed_steps": [o.name for o in outcomes if not o.ok],
         "steps": [{k: v for k, v in vars(o).items()} for o in outcomes],
         "hw_run": next((o.result for o in outcomes if o.name == "twin-hw"), {}),
+        "mooncake_run": next((o.result for o in outcomes if o.name == "mooncake"), {}),
         "ratios": {o.name: o.result for o in outcomes if o.name.startswith("bench-")},
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -290,6 +290,31 @@ def test_many_writes_in_flight(rig: Rig) -> None:
         assert res["ok"] and res["outside_zero"], i
 
 
+def test_a_write_in_blocks_lands_each_block_at_its_offset(rig: Rig) -> None:
+    """A PP stage's WRITE is one descriptor per layer slot (``blocks``): each lands at its own
+    remote offset, in any order, and nothing between them is touched; a block outside the
+    bytes written or the region is refused before anything is posted."""
+    rig.reset()
+    base, n = 1 << 20, 64 << 10
+    blocks = [(0, 3 * n, n), (n, 0, n), (2 * n, 6 * n, n)]  # (local, remote, length)
+    for i, (lo, _, length) in enumerate(blocks):
+        _fill(rig, lo, length, seed=20 + i)
+    h = rig.ep.write(rig.src, rig.peer, rig.region, base, 3 * n, blocks=blocks)
+    rig.ep.wait(h, timeout_s=10)
+    rig.ep.release(h)
+    for i, (_, ro, length) in enumerate(blocks):
+        res = rig.check({"off": base + ro, "n": length, "seed": 20 + i})
+        assert res["ok"] and res["outside_zero"], (i, res)
+    with pytest.raises(TransferBoundsError, match="outside the 131072 B being written"):
+        rig.ep.write(rig.src, rig.peer, rig.region, 0, 2 * n, blocks=[(n, 0, 2 * n)])
+    with pytest.raises(TransferBoundsError, match="outside the"):
+        rig.ep.write(rig.src, rig.peer, rig.region, TARGET_BYTES - n, n,
+                     blocks=[(0, n, n)])
+    with pytest.raises(TransferBoundsError, match="blocks of"):
+        rig.ep.write(rig.src, rig.peer, rig.region, 0, 2 * n, blocks=[(0, 0, n)])
+    assert rig.ep.outstanding == 0
+
+
 def test_out_of_range_requests_rejected_before_posting(rig: Rig) -> None:
     ep, r = rig.ep, rig.region
     with pytest.raises(TransferBoundsError, match="outside"):

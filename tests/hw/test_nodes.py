@@ -191,6 +191,25 @@ def test_radix_grid_across_two_nodes(net: TwoNodes, tmp_path: Path, defect_on: b
 
 
 @pytest.mark.slow
+def test_a_pp2_prefill_across_two_nodes(net: TwoNodes, tmp_path: Path) -> None:
+    """Prefill TP2 x PP2 on node a (a process per stage, each with its own layers), decode TP1
+    on node b: every stage's layer slots cross to node b and every byte is verified; the trace
+    replays in simulation."""
+    run = Run(net, tmp_path)
+    (tmp_path / "slack.toml").write_text("[sim]\nwedge_window_s = 30.0\n")  # a loaded host
+    args = ["hw", "--scenario", "radix-grid", "--config", "slack.toml", *LATE_REQ_FIX,
+            "--prefill-args", "--tp-size 2 --pp-size 2", "--decode-args", "--tp-size 1",
+            "--trace-out", "run.jsonl.gz"]
+    code, out = run.finish(run.coordinator(args))
+    assert code == EXIT_OK, out
+    assert "placement   node-a: p0g0s0r0 p0g0s0r1 p0g0s1r0 p0g0s1r1" in out, out
+    assert "placement   node-b: d0g0r0" in out, out
+    assert "8 completed (8 byte-verified)" in out, out
+    assert all(a.wait(30) == 0 for a in run.agents.values())
+    _check_trace(tmp_path / "run.jsonl.gz", "completed", run.skew)
+
+
+@pytest.mark.slow
 def test_warmup_stall_replays_across_two_nodes(net: TwoNodes, tmp_path: Path) -> None:
     """The simulator's warmup-stall trace replayed on hardware across the two nodes (4 prefill
     ranks on a, 8 decode ranks on b) wedges with the same diagnosis."""

@@ -339,6 +339,45 @@ def test_a_failed_mooncake_write_pins_the_ring_until_the_release_deadline() -> N
     assert r.sim.time() > 30.0  # the others waited for the release deadline
 
 
+def test_a_mooncake_write_that_outlives_its_timeout_poisons_its_room(tmp_path: Path) -> None:
+    """Mooncake's batch_transfer_sync returns -1 at its wall-clock timeout (MC_TRANSFER_TIMEOUT)
+    with the batch still running: the worker is free at the timeout, the room fails (poisoned,
+    KV_STATUS Failed to decode) while its bytes land later, and the other rooms go on. NIXL
+    polls its handle and has no such timeout: the same run completes. The trace replays."""
+    from twin.core.config import ModelShape, ServerSide, TwinConfig
+    from twin.replay import replay_sim
+    from twin.trace.format import read_trace
+    from twin.workloads import fixed
+
+    model = ModelShape(num_layers=2, num_kv_heads=4, head_dim=32, dtype_bytes=2)
+    # 1 MB/s NICs, one per rank: a 64-token chunk's write takes 33 ms, a 512-token one 262 ms
+    params = SimParams(nic_bandwidth_Bps=1e6, ranks_per_nic=1, mooncake_transfer_timeout_s=0.1)
+    work = fixed([(0.0, 64, 4, 0), (0.5, 512, 4, 0), (1.0, 64, 4, 0)])
+    runs = {}
+    for backend in ("mooncake", "nixl"):
+        cfg = TwinConfig(prefill=ServerSide(tp_size=2), decode=ServerSide(tp_size=1),
+                         model=model, chunked_prefill_size=1024, page_size=16,
+                         staging_pool_size_mb=2, disaggregation_transfer_backend=backend)
+        out = tmp_path / f"{backend}.jsonl"
+        runs[backend] = (run_sim(cfg, work, params=params, trace_out=str(out)), out)
+    r, out = runs["mooncake"]
+    s = r.summary()
+    assert (r.status, s["completed"], s["failed"]) == ("failed", 2, 1), s
+    trace = read_trace(out)
+    failed = [rec for rec in trace.events if rec.type == "TransferDone" and not rec.event.ok]
+    assert {rec.node for rec in failed} == {"p0g0r0", "p0g0r1"}
+    assert all(not rec.event.settled and "timed out after 0.1 s" in rec.event.error
+               for rec in failed)
+    assert all(0.6 < rec.t < 0.62 for rec in failed)  # posted at ~0.508, given up 0.1 s later
+    ends = {(rec.node, rec.event.room): rec.event for rec in trace.events
+            if rec.type == "RoomConcluded"}
+    assert ends[("d0g0r0", 1)].status == "Failed" and "timed out" in ends[("d0g0r0", 1)].reason
+    assert r.sim.integrity.violations == []  # the late bytes landed in the held region
+    assert replay_sim(trace).same_outcome
+    r, _ = runs["nixl"]
+    assert (r.status, r.summary()["completed"]) == ("completed", 3)
+
+
 def test_every_request_failing_is_never_a_clean_exit() -> None:
     r = _run(NIXL_DEFAULT, faults=("fail-transfer:p=1",))
     s = r.summary()

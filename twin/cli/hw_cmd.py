@@ -189,9 +189,6 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
 
         if not torch.cuda.is_available():
             raise BadInput("--device cuda: no CUDA device is visible")
-    if run.cfg.prefill.pp_size > 1:
-        raise BadInput("--prefill-args: pp_size > 1 runs in the simulator only (a hardware "
-                       "rank holds every layer; its PP stages' layer slices are not gathered)")
     from twin.hw.mooncake_transport import choose_transport
 
     try:

@@ -108,6 +108,33 @@ def target_decode_ranks(src_attn_tp_size: int, dst_attn_tp_size: int, src_tp_ran
     return [r * fan + i for i in range(fan)]
 
 
+def pp_slot_blocks(slot_bytes: int, num_layers: int, first: int,
+                   stop: int) -> tuple[tuple[int, int, int], ...]:
+    """The writes of the PP stage holding layers ``[first, stop)`` into its TP writer's block,
+    one per layer slot, as SGLang's Mooncake staging builds them (``build_transfer_entry_pairs``
+    of the stage's slot layer ids, its K layers then its V layers, against decode's, every K
+    layer then every V layer; ``mooncake/conn.py`` ~733-803).
+
+    Each is ``(offset in the stage's staging buffer, offset in the writer block, bytes)``;
+    ``slot_bytes`` is one layer's K (or V) of the chunk for this writer. The stage's buffer
+    holds its K layers then its V layers (a gather over its own layers); its K slot ``i`` lands
+    at the block's K slot ``first + i``, its V slot at ``num_layers + first + i``. The core's
+    ``StartTransfer`` carries the stage's bytes as one span at ``2 * first * slot_bytes`` of the
+    block (the same bytes and region, the simulator's simplification)."""
+    n = stop - first
+    return tuple((i * slot_bytes, (first + i) * slot_bytes, slot_bytes) for i in range(n)) \
+        + tuple(((n + i) * slot_bytes, (num_layers + first + i) * slot_bytes, slot_bytes)
+                for i in range(n))
+
+
+def pp_stage_write(dst_offset: int, nbytes: int, num_layers: int, first: int,
+                   stop: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """A PP stage's ``StartTransfer`` (``dst_offset``, ``nbytes``: the core's span) as SGLang
+    writes it: ``(offset of the TP writer's block, pp_slot_blocks relative to it)``."""
+    slot = nbytes // (2 * (stop - first))
+    return dst_offset - 2 * first * slot, pp_slot_blocks(slot, num_layers, first, stop)
+
+
 def pp_stage_of(node: str) -> int:
     """The PP stage a prefill node id names (``p0g0s1r0`` -> 1; 0 when it names none)."""
     at = node.find("s")

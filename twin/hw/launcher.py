@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from twin.core.config import TwinConfig
+from twin.core.config import TwinConfig, pp_layer_range
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.topology import Topology, build_rank
@@ -118,12 +118,14 @@ class PoolPlan:
                 f"buffers and rings")
 
 
-def page_bytes(cfg: TwinConfig, role: str) -> int:
-    """Bytes of one KV page (K and V, every layer) on one rank of ``role``."""
+def page_bytes(cfg: TwinConfig, role: str, pp_rank: int = 0) -> int:
+    """Bytes of one KV page (K and V of every layer the rank holds: a prefill PP stage's
+    layers only) on one rank of ``role``."""
     m = cfg.model
-    tp = getattr(cfg, role).attn_tp_size
-    heads = max(1, m.num_kv_heads // tp)
-    return 2 * m.num_layers * cfg.page_size * heads * m.head_dim * m.dtype_bytes
+    side = getattr(cfg, role)
+    heads = max(1, m.num_kv_heads // side.attn_tp_size)
+    first, stop = pp_layer_range(m.num_layers, pp_rank, side.pp_size)
+    return 2 * (stop - first) * cfg.page_size * heads * m.head_dim * m.dtype_bytes
 
 
 def _check_gpu_memory(topo: Topology, per_rank: dict[str, int], options: HwOptions, pages: int,
@@ -186,7 +188,7 @@ def rank_allocations(cfg: TwinConfig, pages: int) -> dict[str, int]:
 
     per_rank: dict[str, int] = {}
     for n in Topology(cfg).nodes.values():
-        nbytes = pages * page_bytes(cfg, n.role)
+        nbytes = pages * page_bytes(cfg, n.role, n.pp_rank)
         if n.role == "decode":
             nbytes += cfg.ring_bytes
         else:
@@ -362,6 +364,7 @@ class Launcher:
         for n in self.topo.nodes.values():
             specs.append(RankSpec(
                 node=n.id, role=n.role, rank=n.rank, unique_rank=n.unique_rank,
+                pp_rank=n.pp_rank,
                 config=self.cfg.to_dict(), defects=self.defects.sorted(), faults=self.faults,
                 coordinator=self.sock.endpoint, device=device_of(n, counters[n.role]),
                 kv_pool_pages=self.options.kv_pool_pages, seed=self.seed,

@@ -47,6 +47,7 @@ from twin.hw.nixl_transport import (
     TransferError,
     TransferTimeout,
     XferState,
+    write_blocks,
 )
 
 if TYPE_CHECKING:
@@ -221,14 +222,8 @@ class MooncakeEndpoint:
             raise TransferError(f"unknown peer {peer_name!r}")
         if remote.agent != peer_name:
             raise TransferError(f"region belongs to {remote.agent!r}, not peer {peer_name!r}")
-        if nbytes <= 0:
-            raise TransferBoundsError(f"nbytes must be positive, got {nbytes}")
-        if remote_offset < 0 or remote_offset + nbytes > remote.length:
-            raise TransferBoundsError(
-                f"remote range [{remote_offset}, {remote_offset + nbytes}) is outside the "
-                f"{remote.length} B region of {remote.agent!r}")
+        parts = write_blocks(nbytes, remote, remote_offset, blocks)
         laddr = self._local(local, nbytes)
-        parts = blocks or [(0, 0, nbytes)]
         srcs = [laddr + lo for lo, _, _ in parts]
         dsts = [remote.addr + remote_offset + ro for _, ro, _ in parts]
         lens = [n for _, _, n in parts]

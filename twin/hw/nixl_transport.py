@@ -143,6 +143,31 @@ class RegionDesc:
         return cls.from_dict(d)
 
 
+def write_blocks(nbytes: int, remote: RegionDesc, remote_offset: int,
+                 blocks: list[tuple[int, int, int]] | None) -> list[tuple[int, int, int]]:
+    """The ``(local offset, remote offset, length)`` pieces of one WRITE of ``nbytes`` to
+    ``remote + remote_offset``: ``blocks`` (relative to the start of the local buffer and to
+    ``remote_offset``; a PP stage's layer slots), or one block of ``nbytes``. Raises
+    :class:`TransferBoundsError` for a piece outside the ``nbytes`` local bytes or the remote
+    region, or pieces that do not add up to ``nbytes``."""
+    if nbytes <= 0:
+        raise TransferBoundsError(f"nbytes must be positive, got {nbytes}")
+    parts = blocks if blocks else [(0, 0, nbytes)]
+    for lo, ro, n in parts:
+        if n <= 0 or lo < 0 or lo + n > nbytes:
+            raise TransferBoundsError(f"block (local {lo}, remote {ro}, {n} B) is outside the "
+                                      f"{nbytes} B being written")
+        start = remote_offset + ro
+        if start < 0 or start + n > remote.length:
+            raise TransferBoundsError(
+                f"remote range [{start}, {start + n}) is outside the {remote.length} B region "
+                f"of {remote.agent!r}")
+    if sum(n for _, _, n in parts) != nbytes:
+        raise TransferBoundsError(f"blocks of {sum(n for _, _, n in parts)} B for a WRITE of "
+                                  f"{nbytes} B")
+    return parts
+
+
 @dataclass(eq=False)
 class TransferHandle:
     """One posted WRITE. ``state`` is the last state observed; owned by its endpoint."""
@@ -362,14 +387,17 @@ class NixlEndpoint:
         remote_offset: int,
         nbytes: int,
         notif: bytes | None = None,
+        blocks: list[tuple[int, int, int]] | None = None,
     ) -> TransferHandle:
         """Post a WRITE of ``nbytes`` from the start of ``local`` to ``remote + remote_offset``.
 
         ``local`` is a contiguous tensor (or view) or an ``(addr, length)`` pair; either must
         lie inside a region registered here. ``notif`` (non-empty) is delivered to the peer
-        once the data has landed. Raises :class:`TransferBoundsError` for out-of-range
-        requests and :class:`TransferError` if NIXL refuses or fails to post. The returned
-        handle must be released (:meth:`release`) or left for :meth:`close`.
+        once the data has landed. ``blocks`` (``(local offset, remote offset, length)``)
+        splits the WRITE into one descriptor per block (a PP stage's layer slots); default
+        one block. Raises :class:`TransferBoundsError` for out-of-range requests and
+        :class:`TransferError` if NIXL refuses or fails to post. The returned handle must be
+        released (:meth:`release`) or left for :meth:`close`.
         """
         agent = self._live_agent()
         self._require_peer(peer_name)
@@ -377,18 +405,13 @@ class NixlEndpoint:
             raise TransferError(f"region belongs to {remote.agent!r}, not peer {peer_name!r}")
         if notif is not None and len(notif) == 0:
             raise ValueError("empty notification; pass None for no notification")
-        if nbytes <= 0:
-            raise TransferBoundsError(f"nbytes must be positive, got {nbytes}")
-        if remote_offset < 0 or remote_offset + nbytes > remote.length:
-            raise TransferBoundsError(
-                f"remote range [{remote_offset}, {remote_offset + nbytes}) is outside the "
-                f"{remote.length} B region of {remote.agent!r}"
-            )
+        parts = write_blocks(nbytes, remote, remote_offset, blocks)
         laddr, lmem, ldev = self._resolve_local(local, nbytes)
         try:
-            ldescs = agent.get_xfer_descs([(laddr, nbytes, ldev)], lmem)
+            ldescs = agent.get_xfer_descs([(laddr + lo, n, ldev) for lo, _, n in parts], lmem)
             rdescs = agent.get_xfer_descs(
-                [(remote.addr + remote_offset, nbytes, remote.dev_id)], remote.mem
+                [(remote.addr + remote_offset + ro, n, remote.dev_id) for _, ro, n in parts],
+                remote.mem,
             )
             xfer = agent.initialize_xfer("WRITE", ldescs, rdescs, peer_name, notif or b"")
         except Exception as e:

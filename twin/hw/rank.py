@@ -1,12 +1,14 @@
 """One rank process of the hardware mode: the core, driven by real sockets, NIXL and kernels.
 
-A rank owns its core (``PrefillRank`` or ``DecodeRank``), a paged KV pool, its staging memory
-(prefill: one buffer per transfer worker, sized to a chunk; decode: the ring), a NIXL agent with
-that memory registered, and a PULL socket. Its loop receives SGLang frames from peers and
-commands from the coordinator, feeds the core, and carries out the effects: frames go out over
-PUSH sockets, a ``StartTransfer`` gathers the head slice and posts one NIXL WRITE into the
-decode ring (polled, never blocking the loop), a ``StartScatter`` scatters a ring region into
-KV pages. Inputs and effects stream to the coordinator, which writes the trace.
+A rank owns its core (``PrefillRank`` or ``DecodeRank``), a paged KV pool (a prefill PP
+stage's: its layers only), its staging memory (prefill: one buffer per transfer worker, sized to
+a chunk; decode: the ring), a NIXL agent or Mooncake engine with that memory registered, and a
+PULL socket. Its loop receives SGLang frames from peers and commands from the coordinator, feeds
+the core, and carries out the effects: frames go out over PUSH sockets, a ``StartTransfer``
+gathers the head slice and posts one WRITE into the decode ring (polled, never blocking the
+loop; a PP stage's WRITE is one block per layer slot, as SGLang's Mooncake staging writes it), a
+``StartScatter`` scatters a ring region into KV pages. Inputs and effects stream to the
+coordinator, which writes the trace.
 
 In replay mode the rank feeds its recorded inputs in order; a real arrival (frame, transfer or
 scatter completion, metadata) is held until it is the next recorded input.
@@ -30,11 +32,11 @@ import torch
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.core.config import TwinConfig
+from twin.core.config import TwinConfig, pp_layer_range
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
-from twin.core.layout import compute_head_slice_params
+from twin.core.layout import compute_head_slice_params, pp_stage_write
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Node, build_rank
 from twin.hw import messages
@@ -94,7 +96,7 @@ class RankProcess:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        node = Node(spec.node, spec.role, 0, 0, spec.rank, spec.unique_rank)
+        node = Node(spec.node, spec.role, 0, 0, spec.rank, spec.unique_rank, spec.pp_rank)
         self.core: PrefillRank | DecodeRank = build_rank(cfg, node, Defects.of(spec.defects))
         self.runtime = Runtime({spec.node: self.core}, self, recorder=self,
                                hooks={ev.RoomConcluded: self._concluded,
@@ -102,11 +104,13 @@ class RankProcess:
                                       ev.RoomReleased: self._torn_down,
                                       ev.RankCrashed: self._crashed},
                                scripted=spec.script is not None)
-        tp = getattr(cfg, spec.role).attn_tp_size
+        side = getattr(cfg, spec.role)
         m = cfg.model
-        self.heads = rank_head_range(tp, spec.rank, m.num_kv_heads)
-        self.pool = KVPool(m.num_layers, spec.kv_pool_pages, cfg.page_size, len(self.heads),
-                           m.head_dim, DTYPES[m.dtype_bytes], self.device)
+        self.heads = rank_head_range(side.attn_tp_size, spec.rank, m.num_kv_heads)
+        # The model layers this rank holds: a prefill PP stage's own slice, else every layer.
+        self.layers = pp_layer_range(m.num_layers, spec.pp_rank, side.pp_size)
+        self.pool = KVPool(self.layers[1] - self.layers[0], spec.kv_pool_pages, cfg.page_size,
+                           len(self.heads), m.head_dim, DTYPES[m.dtype_bytes], self.device)
         self.kernels = get_kernels(self.device, spec.kernels or None)
         # Compile (Triton) before reporting ready, not inside the loop where it looks like a wedge.
         warm_up_rank(self.kernels, self.pool.k, self.pool.v, cfg.page_size, role=spec.role,
@@ -329,7 +333,8 @@ class RankProcess:
             return
         pages = self.pool.pages_of(room)[first:last]
         fill_prefill_pool(self.pool.k, self.pool.v, pages, page, request=req["rid"],
-                          token_offset=first * page, head_offset=self.heads.start)
+                          token_offset=first * page, head_offset=self.heads.start,
+                          layer_offset=self.layers[0])
         self.computed[room] = last * page
 
     # -- feeding the core ----------------------------------------------------------------------
@@ -462,6 +467,14 @@ class RankProcess:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         peer, region = self.rings[e.session]
+        remote_offset, blocks = e.dst_offset, None
+        first, stop = self.layers
+        if stop - first < cfg.model.num_layers:
+            # A PP stage: one write per layer slot of its TP writer's block, as SGLang's
+            # Mooncake staging does (the core's span starts 2 * first slots into the block).
+            remote_offset, slots = pp_stage_write(e.dst_offset, e.nbytes,
+                                                  cfg.model.num_layers, first, stop)
+            blocks = list(slots)
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
         if failed is not None:
             # An injected error, as NIXL reports a WRITE that ended in ERR: settled, not posted.
@@ -472,10 +485,11 @@ class RankProcess:
             return
         try:
             if isinstance(self.nixl, MooncakeEndpoint):  # blocking, on the worker's thread
-                handle: Any = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes,
-                                              worker=e.worker)
+                handle: Any = self.nixl.write(buf, peer, region, remote_offset, e.nbytes,
+                                              worker=e.worker, blocks=blocks)
             else:
-                handle = self.nixl.write(buf, peer, region, e.dst_offset, e.nbytes)
+                handle = self.nixl.write(buf, peer, region, remote_offset, e.nbytes,
+                                         blocks=blocks)
         except TransferError as exc:
             # A rejected post: SGLang cannot prove nothing of it lands, so it poisons the room.
             self.in_flight[e.worker] = ("unsettled", str(exc))

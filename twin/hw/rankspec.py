@@ -44,3 +44,5 @@ class RankSpec:
     env: dict[str, str] | None = None  # the launcher's environment at start (twin.hw.procs)
     # The run's secret key (twin.hw.auth); set by whoever starts the rank, never sent to agents.
     secret: bytes | None = field(default=None, repr=False)
+    # A prefill rank's PP stage (``pp_size > 1``): its pool holds that stage's layers only.
+    pp_rank: int = 0

@@ -40,6 +40,10 @@ class SimParams:
     # Mean of an exponential extra latency per WRITE (0: none); calibrated on hosts where
     # WRITEs wait on process scheduling (the hardware mode on a shared CPU host).
     transfer_jitter_s: float = 0.0
+    # Mooncake: batch_transfer_sync returns -1 when a batch outlives the engine's wall-clock
+    # timeout (MC_TRANSFER_TIMEOUT, 30 s by default), with the batch possibly still writing;
+    # SGLang then poisons the room (mooncake/conn.py ~2478). 0: no timeout. NIXL: none.
+    mooncake_transfer_timeout_s: float = 30.0
     nic_bandwidth_Bps: float = 50e9
     # A room that needs no staging (equal attention TP) is written page by page: one RDMA
     # WRITE per page, layer and K/V, each costing this on top of its bytes (no gather kernel).

@@ -75,6 +75,7 @@ class _DataPlaneCosts:
         self.transfer_jitter_s: float = p.transfer_jitter_s
         self.ranks_per_nic: int = p.ranks_per_nic
         self.direct_write_s: float = p.direct_write_s
+        self.mooncake_transfer_timeout_s: float = p.mooncake_transfer_timeout_s
 
 
 class _Call:
@@ -343,6 +344,8 @@ class Simulation:
         self._zmq_latency_s = p.zmq_latency_s
         self._costs = _DataPlaneCosts(p)
         self._writes_per_page = 2 * cfg.model.num_layers  # K and V of every layer
+        # Mooncake's synchronous write gives up after its timeout (0: never); NIXL polls.
+        self._write_timeout_s = p.mooncake_transfer_timeout_s if cfg.is_mooncake else 0.0
         self._jitter_rate = 1 / p.zmq_jitter_s if p.zmq_jitter_s > 0 else 0.0
         self._expovariate = self.rng_net.expovariate
         self._net_random = self.rng_net.random if _INLINE_EXPOVARIATE else None
@@ -572,7 +575,26 @@ class Simulation:
         done = start + wire_s + p.rdma_latency_s
         if p.transfer_jitter_s > 0:
             done += self.rng_data.expovariate(1 / p.transfer_jitter_s)
+        timeout = self._write_timeout_s
+        if timeout > 0 and done - (now + gather) > timeout:
+            # Mooncake's batch_transfer_sync (called after the gather) returns -1 at its
+            # timeout with the batch still running: the worker is free again then, the room
+            # is poisoned, and the bytes still land when the batch ends (mooncake/conn.py
+            # ~2478 _poison_unsettled_send).
+            self.at(gather + timeout, self._transfer_timed_out, node, e, timeout)
+            self.at(done - now, self._late_write_lands, e)
+            return
         self.at(done - now, self._transfer_done, node, e, now)
+
+    def _transfer_timed_out(self, node: str, e: ev.StartTransfer, timeout: float) -> None:
+        self.feed(node, factories.new_transfer_done(
+            worker=e.worker, ok=False, settled=False,
+            error=f"batch_transfer_sync_write timed out after {timeout:g} s "
+                  f"(MC_TRANSFER_TIMEOUT); the batch may still be writing"))
+
+    def _late_write_lands(self, e: ev.StartTransfer) -> None:
+        """The bytes of a write whose call timed out, landing when its batch ends."""
+        self.integrity.on_transfer(e.session, e)
 
     def _transfer_done(self, node: str, e: ev.StartTransfer, t0: float) -> None:
         failed = self.injector.transfer_fails(node) if self._faulty else None
