@@ -587,7 +587,7 @@ class Simulation:
         self.at(done - now, self._transfer_done, node, e, now)
 
     def _transfer_timed_out(self, node: str, e: ev.StartTransfer, timeout: float) -> None:
-        self.feed(node, factories.new_transfer_done(
+        self.feed(node, ev.TransferDone(
             worker=e.worker, ok=False, settled=False,
             error=f"batch_transfer_sync_write timed out after {timeout:g} s "
                   f"(MC_TRANSFER_TIMEOUT); the batch may still be writing"))
