@@ -685,8 +685,18 @@ class PrefillRank:
                                   reason="send failed (ignored)"))
             return
         room = self._rooms.get(msg.room)
+        reason = f"CHUNK_READY send to {e.dst} failed"
         if room is not None:
-            self._conclude(room, "Failed", f"CHUNK_READY send to {e.dst} failed", out)
+            self._conclude(room, "Failed", reason, out)
+            return
+        # The last chunk's step concluded Success and tore the room down before the driver
+        # fed this failure back. SGLang's send raises inside the worker, before
+        # ``conclude_transfer(Success)`` (nx ~1838-1869), and ``conclude_failure`` tells decode;
+        # so tell the decode rank the frame was for (a driver feeds the failure before it sends
+        # the step's later frames, so this Failed goes out ahead of that Success).
+        out.append(factories.new_send(dst=e.dst, msg=factories.new_transfer_status(
+            room=msg.room, status=wire.KVPoll.Failed, prefill_rank=self.unique_rank,
+            failure_reason=reason)))
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
         """A prefill-side abort (``sender.abort``): fails the room even at Success."""

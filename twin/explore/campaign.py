@@ -27,13 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twin.explore.coverage import coverage_report
+from twin.explore.coverage import FAULT_KEYS, coverage_report
 from twin.explore.oracles import TrialResult, run_trial
 from twin.explore.shrink import shrink
 from twin.explore.strategies import Strategies, generate, mutate
 from twin.explore.trial import Base, Req, Trial
 
 ROUND = 8
+LIVELOCK_SHRINK_RUNS = 16
+"""Runs a livelock's shrink may take (each runs to the trial bound, 200,000 core inputs)."""
 STATE_FILE = "state.json"
 STATE_VERSION = 1
 
@@ -201,15 +203,17 @@ class Campaign:
     # -- trials ------------------------------------------------------------------------------
     def make_round(self, size: int = ROUND) -> list[tuple[int, Trial]]:
         """The next round's trials, numbered from ``runs`` (a pure function of the seed, the
-        round number and the corpus)."""
+        round number, the corpus and the coverage: fault kinds no trial has fired yet are
+        preferred)."""
         out = []
+        prefer = tuple(k for k in FAULT_KEYS if k not in self.coverage)
         for i in range(size):
             rng = random.Random(f"{self.seed}:{self.rounds}:{i}")
             if self.corpus and rng.random() < 0.7:
                 parent = self.corpus[rng.randrange(len(self.corpus))][0]
-                trial = mutate(rng, self.base, parent, self.strategies)
+                trial = mutate(rng, self.base, parent, self.strategies, prefer)
             else:
-                trial = generate(rng, self.base, self.strategies, self.user_requests)
+                trial = generate(rng, self.base, self.strategies, self.user_requests, prefer)
             out.append((self.runs + i, trial))
         return out
 
@@ -256,7 +260,10 @@ class Campaign:
         from twin.explore.artifacts import slug_for
 
         found_at = self.seconds()
-        shrunk = shrink(self.base, trial, sig, max_runs=self.shrink_runs, should_stop=stop)
+        # A livelock's every run goes to the input bound (seconds each): a short shrink.
+        budget = min(self.shrink_runs, LIVELOCK_SHRINK_RUNS) if sig[0] == "livelock" else \
+            self.shrink_runs
+        shrunk = shrink(self.base, trial, sig, max_runs=budget, should_stop=stop)
         needs = list(shrunk.result.needs)
         f = Finding(sig, res.status, index + 1, found_at, trial, shrunk.trial,
                     shrunk.runs, 1, shrunk.result.diagnosis[:12], shrunk.result.corruption[:12],

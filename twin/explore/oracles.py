@@ -35,7 +35,10 @@ _BRACKET = re.compile(r"\s*\[[^\]]*blocked item[^\]]*\]")
 SETTLED = "at its waiting timeout"
 EXPECTED = "crashed by fault"
 BY_DESIGN = ("aborted", "staging allocation oversized", "decode prefix", "unaligned",
-             "not page-aligned", "not aligned")
+             "not page-aligned", "not aligned", "staged transfer cannot fit")
+"""Failure reasons SGLang gives a request by design: an abort, a chunk larger than the decode
+ring, a decode prefix that is not page-aligned, a chunk larger than a fixed-size prefill
+staging buffer (PR #31217: ``_do_staging_transfer`` returns -1 and the room fails)."""
 
 
 def normalise(line: str) -> str:
