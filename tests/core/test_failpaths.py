@@ -417,8 +417,8 @@ def _lost_chunk0_request(cfg: TwinConfig, tokens: int):
 def test_upstream_lost_staging_req_completes_the_room_with_pages_missing():
     """Chunk 0 finds no allocation on d0g0r1 and is re-enqueued; the last chunk is allocated,
     written and concludes Success (prefill's Success does not wait for re-enqueued chunks,
-    nx ~1896-1899), and decode's completion gate counts only the allocations it made (sh
-    ~386-389), so d0g0r1 completes the room with chunk 0's pages never written: silent
+    nx ~1901-1902), and decode's completion gate counts only the allocations it made (sh
+    ~391-393), so d0g0r1 completes the room with chunk 0's pages never written: silent
     corruption, not a wedge."""
     result = _lost_chunk0_request(CFG, 80)
     assert result.status.value == "corrupted"

@@ -691,7 +691,7 @@ class PrefillRank:
             return
         # The last chunk's step concluded Success and tore the room down before the driver
         # fed this failure back. SGLang's send raises inside the worker, before
-        # ``conclude_transfer(Success)`` (nx ~1838-1869), and ``conclude_failure`` tells decode;
+        # ``conclude_transfer(Success)`` (nx ~1838-1902), and ``conclude_failure`` tells decode;
         # so tell the decode rank the frame was for (a driver feeds the failure before it sends
         # the step's later frames, so this Failed goes out ahead of that Success).
         out.append(factories.new_send(dst=e.dst, msg=factories.new_transfer_status(
