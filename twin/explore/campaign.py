@@ -274,13 +274,13 @@ class Campaign:
     def exit_status(self) -> int:
         """1 when the twin itself raised or a worker kept dying on a trial (crashed comes
         first, as in ``RunStatus``), else 4 corruption (or an unsafe allocator state), else 3
-        wedge, else 5 a failure without a cause, else 0."""
+        a wedge, a livelock or a leak (liveness), else 5 a failure without a cause, else 0."""
         kinds = {f.kind.split(":")[0] for f in self.findings.values()}
         if kinds & {"error", "crashed"}:
             return 1
         if kinds & {"corrupted", "unsafe"}:
             return 4
-        if "wedged" in kinds:
+        if kinds & {"wedged", "livelock", "leak"}:
             return 3
         if "failed-without-cause" in kinds:
             return 5
