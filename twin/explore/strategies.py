@@ -126,7 +126,7 @@ def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
             parts.append(f"nth={rng.choice([1, 1, 2, 3])}")
         else:
             parts.append(f"p={rng.choice([0.1, 0.3])}")
-        if rng.random() < 0.4 and rooms:
+        if rng.random() < 0.4 and rooms and kind != "WATERMARK":  # WATERMARK has no room
             parts.append(f"room={rng.randrange(rooms)}")
         if action in ("delay", "reorder"):
             parts.append(f"ms={rng.choice([1, 5, 20, 50])}")
