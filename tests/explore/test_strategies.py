@@ -144,3 +144,9 @@ def test_a_leak_after_every_timeout_is_a_finding() -> None:
     sig = judge("failed", corruption_kinds=[], safety=[], diagnosis=[], failures={},
                 caused=True, leaks=["d0g0r0 still holds 1 live staging allocation(s)"])
     assert sig == ("leak", "RANK still holds N live staging allocation(s)")
+
+
+def test_a_finding_with_no_trace_is_not_replayed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from twin.explore.confirm import confirm_on_hardware
+
+    assert confirm_on_hardware(tmp_path).startswith("no trace")

@@ -55,6 +55,7 @@ class Finding:
     failures: dict[str, int] = field(default_factory=dict)
     needs_defects: list[str] = field(default_factory=list)
     slug: str = ""
+    hw: str = ""  # the hardware replay's verdict (``twin/explore/confirm.py``); "" not tried
 
     @property
     def kind(self) -> str:
@@ -75,7 +76,7 @@ class Finding:
                 "shrink_runs": self.shrink_runs, "hits": self.hits,
                 "diagnosis": self.diagnosis, "corruption": self.corruption,
                 "failures": self.failures, "needs_defects": self.needs_defects,
-                "dir": f"findings/{self.slug}"}
+                "dir": f"findings/{self.slug}", "hw": self.hw}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Finding:
@@ -83,7 +84,7 @@ class Finding:
                    Trial.from_json(d["trial"]), Trial.from_json(d["shrunk"]),
                    d.get("shrink_runs", 0), d.get("hits", 1), d.get("diagnosis", []),
                    d.get("corruption", []), d.get("failures", {}), d.get("needs_defects", []),
-                   d["dir"].split("/", 1)[1])
+                   d["dir"].split("/", 1)[1], d.get("hw", ""))
 
 
 class ExploreJob:
