@@ -150,3 +150,16 @@ def test_a_finding_with_no_trace_is_not_replayed(tmp_path) -> None:  # type: ign
     from twin.explore.confirm import confirm_on_hardware
 
     assert confirm_on_hardware(tmp_path).startswith("no trace")
+
+
+def test_a_finding_that_needs_an_injected_failure_is_not_replayed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A recorded failed transfer cannot happen on real ranks by itself: the finding is marked
+    unsupported without starting any (a dropped frame is only an order, and is replayed)."""
+    from twin.explore.confirm import confirm_on_hardware
+
+    base = Base(SCENARIOS["stale-empty-ring"].config, QUIET)
+    res = run_trial(base, Trial(requests=(Req(0.0, 512),), faults=("fail-transfer:nth=1",)),
+                    trace_out=str(tmp_path / "repro.jsonl.gz"))
+    assert "ft:fail-transfer" in res.coverage
+    assert confirm_on_hardware(tmp_path).startswith("unsupported on hardware: its run needs "
+                                                    "fail-transfer")

@@ -18,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 CONFIRMED = "confirmed"
+INJECTED_ONLY = frozenset({"fail-transfer", "crash", "restart", "dup", "corrupt"})
+"""Fault kinds a replay cannot make happen: the recorded run saw a failed transfer, a rank die
+or come back, a frame twice or rewritten, none of which the replayed ranks do by themselves
+(each diverged when tried). A dropped, delayed or reordered frame is only an order, which
+the replay makes by holding frames (a dropped one is held for good); a failed send is a
+recorded input the replay feeds its rank."""
 
 
 def confirm_on_hardware(folder: Path, options: Any = None) -> str:
@@ -31,6 +37,12 @@ def confirm_on_hardware(folder: Path, options: Any = None) -> str:
     if not path.is_file():
         return "no trace (only a loopback schedule shows it)"
     trace = read_trace(path)
+    needs = sorted({f.split(":", 1)[0] for rec in trace.events
+                    if rec.dir == "sys" and rec.type == "FaultInjected"
+                    for f in str(rec.data.get("fault", "")).split(";")} & INJECTED_ONLY)
+    if needs:
+        return (f"unsupported on hardware: its run needs {', '.join(needs)}, which real "
+                f"sockets and transfers do not do by themselves")
     try:
         result = replay_hw(trace, options or HwOptions())
     except HwInputError as exc:
