@@ -12,9 +12,9 @@ from twin.cli.common import defect_option, deployment_options, emit_json, make_d
 from twin.cli.options import POSITIVE_FLOAT, POSITIVE_INT, BadInput, check_output_dir
 
 EXPLORE_EXIT_HELP = ("0 no findings, 1 interrupted (findings so far are written) or the twin "
-                     "itself raised on a trial, 2 bad input, 3 a wedge was found, 4 corruption "
-                     "(or overlapping allocations, a watermark going back), 5 a request failed "
-                     "with no fault injected and no defect on.")
+                     "itself raised on a trial, 2 bad input, 3 a wedge (or a livelock, a leak) "
+                     "was found, 4 corruption (or overlapping allocations, a watermark going "
+                     "back), 5 a request failed with no fault injected and no defect on.")
 
 
 def _base(kw: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
