@@ -28,7 +28,7 @@ def test_every_fault_drawn_is_valid_and_keyed() -> None:
     decode sends), and each maps to one of the fault keys the coverage counts."""
     cfg = SC.config
     reqs = (Req(0.0, 300), Req(0.01, 20))
-    seen = Counter()
+    seen: Counter[str] = Counter()
     for i in range(600):
         text = gen_fault(random.Random(i), cfg, reqs)
         check_faults([parse_fault(text)], cfg, [r.input_len for r in reqs])
