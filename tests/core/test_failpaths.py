@@ -426,17 +426,34 @@ def test_upstream_lost_staging_req_completes_the_room_with_pages_missing():
     assert "4 of 5 pages not landed" in result.corruption[0]
 
 
-def test_lost_staging_req_corrupts_with_every_proposed_fix_when_the_last_chunk_is_quick():
+def test_lost_staging_req_corrupts_with_every_other_proposed_fix_when_the_last_chunk_is_quick():
     """The default deployment's model with a 256-token grid (17 pages): the last chunk
     concludes before lost-control recovery's re-request (50 ms) reaches decode, which has by
-    then completed and unregistered the room; no proposed fix closes the gap."""
-    from twin.core.fixes import CATALOG
+    then completed and unregistered the room; no other proposed fix closes the gap."""
+    from twin.core.fixes import CATALOG, SUCCESS_AFTER_OUTSTANDING
     from twin.sim.scenarios import SCENARIOS
 
-    cfg = SCENARIOS["default"].config.replace(fixes=tuple(CATALOG), chunked_prefill_size=256)
+    others = tuple(f for f in CATALOG if f != SUCCESS_AFTER_OUTSTANDING)
+    cfg = SCENARIOS["default"].config.replace(fixes=others, chunked_prefill_size=256)
     result = _lost_chunk0_request(cfg, 272)
     assert result.status.value == "corrupted"
     assert "16 of 17 pages not landed" in result.corruption[0]
+
+
+def test_success_after_outstanding_turns_the_corruption_into_a_lost_frame_wedge():
+    """With the room concluded only once no chunk is outstanding, the lost request leaves the
+    room waiting (no page missing); lost-control recovery then sends it again and the room
+    completes with every page."""
+    from twin.core.fixes import LOST_CONTROL_RECOVERY, SUCCESS_AFTER_OUTSTANDING
+    from twin.sim.scenarios import SCENARIOS
+
+    cfg = SCENARIOS["default"].config.replace(chunked_prefill_size=256)
+    alone = _lost_chunk0_request(cfg.replace(fixes=(SUCCESS_AFTER_OUTSTANDING,)), 272)
+    assert alone.status.value == "wedged" and not alone.sim.integrity.violations
+    assert any("STAGING_RSPs never reached prefill" in line for line in alone.diagnosis)
+    both = _lost_chunk0_request(
+        cfg.replace(fixes=(SUCCESS_AFTER_OUTSTANDING, LOST_CONTROL_RECOVERY)), 272)
+    assert both.status.value == "completed" and not both.sim.integrity.violations
 
 
 def test_lost_staging_req_of_the_last_chunk_only_wedges():
