@@ -58,3 +58,24 @@ def test_a_trace_of_another_outcome_is_not_confirmed(tmp_path: Path) -> None:
     with gzip.open(folder / "repro.jsonl.gz", "wt") as fh:
         fh.write("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
     assert confirm_on_hardware(folder).startswith("not confirmed: hardware ended completed")
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["today", "with-the-fix"])
+def test_lost_staging_req_writes_wrong_bytes_on_real_ranks_unless_fixed(fixed: bool) -> None:
+    """The explorer's finding on real processes: a lost STAGING_REQ completes a room whose
+    first chunk never landed (the decode ranks' byte check finds it); with
+    success-after-outstanding and lost-control-recovery every byte lands."""
+    from twin.hw.launcher import HwOptions
+    from twin.hw.run import run_hw
+    from twin.sim.scenarios import SCENARIOS
+
+    sc = SCENARIOS["lost-staging-req"]
+    cfg = sc.config.replace(fixes=sc.fixes) if fixed else sc.config
+    result = run_hw(cfg, sc.workload(), faults=list(sc.faults), params=sc.params,
+                    options=HwOptions(wedge_window_s=15.0, timeout_s=120.0))
+    s = result.summary()
+    if fixed:
+        assert s["status"] == "completed" and s["verified"] == 3, s
+    else:
+        assert s["status"] == "corrupted", s
+        assert any("wrong elements" in c for c in s["corruption"]), s
