@@ -34,11 +34,6 @@ from twin.explore.runner import explore  # noqa: E402
 from twin.explore.trial import Base, Req  # noqa: E402
 from twin.sim.scenarios import SCENARIOS  # noqa: E402
 
-NEEDS = {"silent-slice-fallback": ("no-grid-alignment",)}
-"""Defects whose path only another defect opens (the scenario's ``base_defects``): the slice
-fallback needs a send inflated past the prefill staging buffer, which only a send that is not
-grid-aligned is. Each is also hunted with those on (``--paired``)."""
-
 
 def default_base(defects: tuple[str, ...]) -> tuple[Base, tuple[Req, ...]]:
     """What `twin explore --defect ...` starts from with no other flag."""
@@ -114,8 +109,6 @@ def main() -> None:
     for d in args.defects.split(","):
         if d:
             names.append((d, ()))
-            if d in NEEDS:
-                names.append((d, NEEDS[d]))
     with tempfile.TemporaryDirectory() as tmp:
         for i, (d, with_) in enumerate(names):
             row = hunt(d, args.seed, args.cap_runs, args.cap_seconds, Path(tmp) / str(i),

@@ -401,3 +401,69 @@ def test_pr36707_keeping_the_count_makes_abort_ack_wait():
 def test_pr36707_incident_is_absent_in_0_5_23_which_poisons_the_room():
     assert _abort_then_unsettled_error_with_a_chunk_queued([]) == []
     assert _abort_then_unsettled_error_with_a_chunk_queued(["keep-errored-outstanding"]) == []
+
+
+def _lost_chunk0_request(cfg: TwinConfig, tokens: int):
+    """Prefill TP1 -> decode TP2, one request of two chunks: the third STAGING_REQ the prefill
+    rank sends (chunk 0 to the second decode rank) is lost."""
+    from twin.runtime.faults import parse_fault
+    from twin.sim.runner import run_sim
+    from twin.workloads import fixed
+
+    return run_sim(cfg.replace(prefill=ServerSide(tp_size=1)), fixed([(0.0, tokens, 1, 0)]),
+                   faults=[parse_fault("drop:STAGING_REQ:nth=3")], seed=0)
+
+
+def test_upstream_lost_staging_req_completes_the_room_with_pages_missing():
+    """Chunk 0 finds no allocation on d0g0r1 and is re-enqueued; the last chunk is allocated,
+    written and concludes Success (prefill's Success does not wait for re-enqueued chunks,
+    nx ~1901-1902), and decode's completion gate counts only the allocations it made (sh
+    ~391-393), so d0g0r1 completes the room with chunk 0's pages never written: silent
+    corruption, not a wedge."""
+    result = _lost_chunk0_request(CFG, 80)
+    assert result.status.value == "corrupted"
+    assert [v.kind for v in result.sim.integrity.violations] == ["incomplete"]
+    assert "4 of 5 pages not landed" in result.corruption[0]
+
+
+def test_lost_staging_req_corrupts_with_every_other_proposed_fix_when_the_last_chunk_is_quick():
+    """The default deployment's model with a 256-token grid (17 pages): the last chunk
+    concludes before lost-control recovery's re-request (50 ms) reaches decode, which has by
+    then completed and unregistered the room; no other proposed fix closes the gap."""
+    from twin.core.fixes import CATALOG, SUCCESS_AFTER_OUTSTANDING
+    from twin.sim.scenarios import SCENARIOS
+
+    others = tuple(f for f in CATALOG if f != SUCCESS_AFTER_OUTSTANDING)
+    cfg = SCENARIOS["default"].config.replace(fixes=others, chunked_prefill_size=256)
+    result = _lost_chunk0_request(cfg, 272)
+    assert result.status.value == "corrupted"
+    assert "16 of 17 pages not landed" in result.corruption[0]
+
+
+def test_success_after_outstanding_turns_the_corruption_into_a_lost_frame_wedge():
+    """With the room concluded only once no chunk is outstanding, the lost request leaves the
+    room waiting (no page missing); lost-control recovery then sends it again and the room
+    completes with every page."""
+    from twin.core.fixes import LOST_CONTROL_RECOVERY, SUCCESS_AFTER_OUTSTANDING
+    from twin.sim.scenarios import SCENARIOS
+
+    cfg = SCENARIOS["default"].config.replace(chunked_prefill_size=256)
+    alone = _lost_chunk0_request(cfg.replace(fixes=(SUCCESS_AFTER_OUTSTANDING,)), 272)
+    assert alone.status.value == "wedged" and not alone.sim.integrity.violations
+    assert any("STAGING_RSPs never reached prefill" in line for line in alone.diagnosis)
+    both = _lost_chunk0_request(
+        cfg.replace(fixes=(SUCCESS_AFTER_OUTSTANDING, LOST_CONTROL_RECOVERY)), 272)
+    assert both.status.value == "completed" and not both.sim.integrity.violations
+
+
+def test_lost_staging_req_of_the_last_chunk_only_wedges():
+    """The same loss on the last chunk's request: decode holds chunk 0's allocation until the
+    last chunk is scattered, so nothing completes early (a wedge, the lost-frame kind)."""
+    from twin.runtime.faults import parse_fault
+    from twin.sim.runner import run_sim
+    from twin.workloads import fixed
+
+    cfg = CFG.replace(prefill=ServerSide(tp_size=1))
+    result = run_sim(cfg, fixed([(0.0, 80, 1, 0)]),
+                     faults=[parse_fault("drop:STAGING_REQ:nth=2")], seed=0)
+    assert result.status.value == "wedged" and not result.sim.integrity.violations

@@ -12,9 +12,9 @@ from twin.cli.common import defect_option, deployment_options, emit_json, make_d
 from twin.cli.options import POSITIVE_FLOAT, POSITIVE_INT, BadInput, check_output_dir
 
 EXPLORE_EXIT_HELP = ("0 no findings, 1 interrupted (findings so far are written) or the twin "
-                     "itself raised on a trial, 2 bad input, 3 a wedge was found, 4 corruption "
-                     "(or overlapping allocations, a watermark going back), 5 a request failed "
-                     "with no fault injected and no defect on.")
+                     "itself raised on a trial, 2 bad input, 3 a wedge (or a livelock, a leak) "
+                     "was found, 4 corruption (or overlapping allocations, a watermark going "
+                     "back), 5 a request failed with no fault injected and no defect on.")
 
 
 def _base(kw: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
@@ -78,11 +78,16 @@ def _base(kw: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
               help="Trials kept for mutation at most (memory stays bounded).")
 @click.option("--shrink-runs", type=POSITIVE_INT, default=150, show_default=True,
               help="Runs a finding's shrink may take at most.")
+@click.option("--confirm-hw", is_flag=True,
+              help="At the end, replay each finding's trace not yet tried on real rank "
+                   "processes (`twin replay --mode hw`: zmq, NIXL, the kernels on this host) "
+                   "and say in the table whether it ended the same way.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json at the end.")
 def explore_command(budget: float | None, runs: int | None, seed: int, out: str | None,
                     resume: str | None, executor: str, workers: int, address: str | None,
                     no_deploy: bool, no_workload: bool, no_faults: bool, no_interleave: bool,
-                    corpus_cap: int, shrink_runs: int, as_json: bool, **kw: Any) -> None:
+                    corpus_cap: int, shrink_runs: int, confirm_hw: bool, as_json: bool,
+                    **kw: Any) -> None:
     """Search for wedges, corruption and unexplained failures near a deployment.
 
     Trials vary the deployment (TP layouts, page size, chunk size, ring size down to the
@@ -148,6 +153,8 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
                      progress=not as_json and sys.stderr.isatty(), on_finding=on_finding,
                      on_round=campaign.save)
     campaign.save()
+    if confirm_hw and not report.interrupted:
+        _confirm_findings(campaign, out_dir, echo=not as_json)
     data = write_summary(campaign, out_dir, interrupted=report.interrupted)
     if as_json:
         emit_json(data)
@@ -165,6 +172,20 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
                    f"--resume {out_dir}", err=True)
         sys.exit(1)
     sys.exit(campaign.exit_status())
+
+
+def _confirm_findings(campaign: Any, out_dir: Path, *, echo: bool) -> None:
+    """``--confirm-hw``: replay every finding not yet tried on real ranks; the verdicts go
+    into the table and the campaign's state (a resumed campaign does not replay them again)."""
+    from twin.explore.confirm import confirm_on_hardware
+
+    for f in campaign.findings.values():
+        if f.hw:
+            continue
+        f.hw = confirm_on_hardware(out_dir / "findings" / f.slug)
+        campaign.save()
+        if echo:
+            click.echo(f"hardware    {f.slug}: {f.hw}", err=True)
 
 
 @click.command("shrink", epilog=f"Exit status: {EXPLORE_EXIT_HELP}")

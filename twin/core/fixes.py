@@ -20,6 +20,7 @@ STALE_WATERMARK_SUBSCRIBERS = "stale-watermark-subscribers"
 COUNT_ERRORED_TRANSFERS = "count-errored-transfers"
 KEEP_ERRORED_OUTSTANDING = "keep-errored-outstanding"
 BOUND_STAGING_REQ_CHUNK = "bound-staging-req-chunk"
+SUCCESS_AFTER_OUTSTANDING = "success-after-outstanding"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,17 @@ CATALOG: dict[str, FixInfo] = {
             "ring space for it and padding its per-room chunk_staging_infos list up to that "
             "index (issue #39764: one malformed chunk_idx grows decode's memory without bound)",
             "sglang PR #39792 for issue #39764 (not merged in 0.5.23)",
+        ),
+        FixInfo(
+            SUCCESS_AFTER_OUTSTANDING, "prefill worker",
+            "the room's last chunk concludes Success only once no chunk of the room is still "
+            "outstanding (one re-enqueued because its allocation has not come); the chunk that "
+            "finishes last concludes it. Without it a chunk whose STAGING_REQ was lost is "
+            "re-enqueued behind the last one, the last concludes Success, and decode, whose "
+            "completion gate counts only the allocations it made, completes the room with that "
+            "chunk's pages never written",
+            "the twin's finding (docs/defects.md, 'A lost STAGING_REQ completes a room with "
+            "pages never written'); not in SGLang",
         ),
     )
 }

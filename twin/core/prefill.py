@@ -36,6 +36,7 @@ from twin.core.fixes import (
     KEEP_ERRORED_OUTSTANDING,
     LOST_CONTROL_RECOVERY,
     MULTI_TARGET_RETRY_RESUME,
+    SUCCESS_AFTER_OUTSTANDING,
 )
 from twin.core.grid import (
     chunk_index,
@@ -123,6 +124,7 @@ class PrefillRoom:
     sent_pages: int
     prefetched: bool
     fail_reason: str
+    success_due: bool  # the last chunk finished while another was outstanding (a fix)
 
     def __init__(self, *, room: int, targets: list[PrefillTarget], base: int,
                  start_send_idx: int = 0) -> None:
@@ -135,6 +137,7 @@ class PrefillRoom:
         self.sent_pages = 0
         self.prefetched = False
         self.fail_reason = ""
+        self.success_due = False
 
 
 @dataclass(slots=True)
@@ -189,6 +192,7 @@ class PrefillRank:
         self._recovery = self.fixes.on(LOST_CONTROL_RECOVERY)
         self._count_errored = self.fixes.on(COUNT_ERRORED_TRANSFERS)
         self._keep_outstanding = self.fixes.on(KEEP_ERRORED_OUTSTANDING)
+        self._success_after_outstanding = self.fixes.on(SUCCESS_AFTER_OUTSTANDING)
         self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         # ``needs_staging`` false (equal attention TP): pages go straight to decode's pool
         self._direct = not cfg.stages
@@ -625,6 +629,12 @@ class PrefillRank:
         chunk.counted = False
         room.outstanding -= 1
         if chunk.is_last:
+            if self._success_after_outstanding and room.outstanding > 0:
+                room.success_due = True  # an earlier chunk was re-enqueued: it concludes
+            else:
+                self._conclude(room, "Success", "", out)
+        elif room.success_due and room.outstanding <= 0 and room.state is not _S_FAILED:
+            room.success_due = False
             self._conclude(room, "Success", "", out)
         self._maybe_teardown(room, chunk, out)
         self._maybe_ack(room.room, out)
@@ -685,8 +695,18 @@ class PrefillRank:
                                   reason="send failed (ignored)"))
             return
         room = self._rooms.get(msg.room)
+        reason = f"CHUNK_READY send to {e.dst} failed"
         if room is not None:
-            self._conclude(room, "Failed", f"CHUNK_READY send to {e.dst} failed", out)
+            self._conclude(room, "Failed", reason, out)
+            return
+        # The last chunk's step concluded Success and tore the room down before the driver
+        # fed this failure back. SGLang's send raises inside the worker, before
+        # ``conclude_transfer(Success)`` (nx ~1838-1902), and ``conclude_failure`` tells decode;
+        # so tell the decode rank the frame was for (a driver feeds the failure before it sends
+        # the step's later frames, so this Failed goes out ahead of that Success).
+        out.append(factories.new_send(dst=e.dst, msg=factories.new_transfer_status(
+            room=msg.room, status=wire.KVPoll.Failed, prefill_rank=self.unique_rank,
+            failure_reason=reason)))
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
         """A prefill-side abort (``sender.abort``): fails the room even at Success."""

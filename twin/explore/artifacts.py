@@ -1,7 +1,8 @@
 """What a campaign leaves in its directory.
 
 ``DIR/findings.md`` and ``DIR/findings.json``: one entry per signature (kind, root, smallest
-repro size, first seen after how many runs and seconds, how often hit since). Per finding,
+repro size, first seen after how many runs and seconds, how often hit since, and whether its
+trace replayed to the same outcome on real ranks: ``--confirm-hw``). Per finding,
 ``DIR/findings/NN-kind/``:
 
 * ``repro.jsonl.gz``  the shrunk trial's trace: ``twin replay`` reproduces its verdict (checked
@@ -59,15 +60,17 @@ def write_summary(campaign: Campaign, out: Path, *, interrupted: bool = False) -
     if not campaign.findings:
         lines.append("No findings.")
     else:
-        lines += ["| # | kind | root | smallest repro | first seen | hits | needs | dir |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| # | kind | root | smallest repro | first seen | hits | needs | hardware "
+                  "| dir |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for i, f in enumerate(campaign.findings.values(), 1):
             s = f.shrunk
             size = (f"{len(s.requests)} req, {len(s.faults)} fault(s), "
                     f"{sum(r.input_len for r in s.requests)} tokens")
             lines.append(f"| {i} | {f.kind} | {f.root.replace('|', '/')} | {size} | run "
                          f"{f.first_run}, {f.first_seconds:.1f} s | {f.hits} | "
-                         f"{', '.join(f.needs_defects) or '-'} | findings/{f.slug}/ |")
+                         f"{', '.join(f.needs_defects) or '-'} | "
+                         f"{f.hw.replace('|', '/') or 'not tried'} | findings/{f.slug}/ |")
     (out / "findings.md").write_text("\n".join(lines) + "\n")
     return data
 

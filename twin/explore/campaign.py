@@ -27,13 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twin.explore.coverage import coverage_report
+from twin.explore.coverage import FAULT_KEYS, coverage_report
 from twin.explore.oracles import TrialResult, run_trial
 from twin.explore.shrink import shrink
 from twin.explore.strategies import Strategies, generate, mutate
 from twin.explore.trial import Base, Req, Trial
 
 ROUND = 8
+LIVELOCK_SHRINK_RUNS = 16
+"""Runs a livelock's shrink may take (each runs to the trial bound, 200,000 core inputs)."""
 STATE_FILE = "state.json"
 STATE_VERSION = 1
 
@@ -53,6 +55,7 @@ class Finding:
     failures: dict[str, int] = field(default_factory=dict)
     needs_defects: list[str] = field(default_factory=list)
     slug: str = ""
+    hw: str = ""  # the hardware replay's verdict (``twin/explore/confirm.py``); "" not tried
 
     @property
     def kind(self) -> str:
@@ -73,7 +76,7 @@ class Finding:
                 "shrink_runs": self.shrink_runs, "hits": self.hits,
                 "diagnosis": self.diagnosis, "corruption": self.corruption,
                 "failures": self.failures, "needs_defects": self.needs_defects,
-                "dir": f"findings/{self.slug}"}
+                "dir": f"findings/{self.slug}", "hw": self.hw}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Finding:
@@ -81,7 +84,7 @@ class Finding:
                    Trial.from_json(d["trial"]), Trial.from_json(d["shrunk"]),
                    d.get("shrink_runs", 0), d.get("hits", 1), d.get("diagnosis", []),
                    d.get("corruption", []), d.get("failures", {}), d.get("needs_defects", []),
-                   d["dir"].split("/", 1)[1])
+                   d["dir"].split("/", 1)[1], d.get("hw", ""))
 
 
 class ExploreJob:
@@ -201,15 +204,17 @@ class Campaign:
     # -- trials ------------------------------------------------------------------------------
     def make_round(self, size: int = ROUND) -> list[tuple[int, Trial]]:
         """The next round's trials, numbered from ``runs`` (a pure function of the seed, the
-        round number and the corpus)."""
+        round number, the corpus and the coverage: fault kinds no trial has fired yet are
+        preferred)."""
         out = []
+        prefer = tuple(k for k in FAULT_KEYS if k not in self.coverage)
         for i in range(size):
             rng = random.Random(f"{self.seed}:{self.rounds}:{i}")
             if self.corpus and rng.random() < 0.7:
                 parent = self.corpus[rng.randrange(len(self.corpus))][0]
-                trial = mutate(rng, self.base, parent, self.strategies)
+                trial = mutate(rng, self.base, parent, self.strategies, prefer)
             else:
-                trial = generate(rng, self.base, self.strategies, self.user_requests)
+                trial = generate(rng, self.base, self.strategies, self.user_requests, prefer)
             out.append((self.runs + i, trial))
         return out
 
@@ -256,7 +261,10 @@ class Campaign:
         from twin.explore.artifacts import slug_for
 
         found_at = self.seconds()
-        shrunk = shrink(self.base, trial, sig, max_runs=self.shrink_runs, should_stop=stop)
+        # A livelock's every run goes to the input bound (seconds each): a short shrink.
+        budget = min(self.shrink_runs, LIVELOCK_SHRINK_RUNS) if sig[0] == "livelock" else \
+            self.shrink_runs
+        shrunk = shrink(self.base, trial, sig, max_runs=budget, should_stop=stop)
         needs = list(shrunk.result.needs)
         f = Finding(sig, res.status, index + 1, found_at, trial, shrunk.trial,
                     shrunk.runs, 1, shrunk.result.diagnosis[:12], shrunk.result.corruption[:12],
@@ -267,13 +275,13 @@ class Campaign:
     def exit_status(self) -> int:
         """1 when the twin itself raised or a worker kept dying on a trial (crashed comes
         first, as in ``RunStatus``), else 4 corruption (or an unsafe allocator state), else 3
-        wedge, else 5 a failure without a cause, else 0."""
+        a wedge, a livelock or a leak (liveness), else 5 a failure without a cause, else 0."""
         kinds = {f.kind.split(":")[0] for f in self.findings.values()}
         if kinds & {"error", "crashed"}:
             return 1
         if kinds & {"corrupted", "unsafe"}:
             return 4
-        if "wedged" in kinds:
+        if kinds & {"wedged", "livelock", "leak"}:
             return 3
         if "failed-without-cause" in kinds:
             return 5

@@ -12,7 +12,10 @@ reached of the total:
   the next round, an oversized chunk, the ring filling up (a write deferred behind the
   watermark), freeing to empty, a stale watermark (an allocation into an empty ring that the
   ring's own watermark says is not free yet);
-* ``dr:``  deferral reasons (allocation pending, watermark behind).
+* ``dr:``  deferral reasons (allocation pending, watermark behind);
+* ``ft:``  faults that fired, by action and frame kind (``ft:fail-send:CHUNK_READY``,
+  ``ft:crash``): the fault kinds the explorer draws (``FAULT_KEYS``), so generation can prefer
+  the ones no trial has fired yet.
 
 It also checks two safety properties on the decode effects as they happen: live staging
 allocations never overlap, and a decode rank's watermark never moves backwards.
@@ -27,6 +30,17 @@ from typing import Any
 from twin.core import events as ev
 from twin.core import states
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
+from twin.runtime.faults import SENDER
+
+FRAME_FAULTS = tuple((action, kind) for action in ("drop", "delay", "dup", "reorder",
+                                                   "fail-send")
+                     for kind in sorted(SENDER)
+                     if action != "fail-send" or SENDER[kind] == "prefill")
+"""The frame faults the explorer draws: every message action on every frame kind, except a
+``fail-send`` of a frame decode sends (the twin models only a prefill send that raises) and
+``corrupt`` (a malformed peer, not a fault of the protocol's environment; give it with
+``--fault``-style scenarios instead)."""
+TIMED_FAULTS = ("fail-transfer", "crash", "restart", "abort")
 
 TRANSITION_KEYS = tuple(
     [f"tr:prefill:{s.value}>{t.name}" for s, t in states.PREFILL_TRANSITIONS]
@@ -42,8 +56,17 @@ EFFECT_KEYS = tuple([f"fx:prefill:{n}" for n in PREFILL_EFFECTS]
 ALLOC_KEYS = ("al:alloc-empty", "al:alloc-wrap", "al:alloc-oversized", "al:ring-full",
               "al:free-to-empty", "al:stale-watermark")
 DEFER_KEYS = ("dr:allocation-pending", "dr:watermark-behind")
+FAULT_KEYS = tuple([f"ft:{a}:{k}" for a, k in FRAME_FAULTS] + [f"ft:{a}" for a in TIMED_FAULTS])
 UNIVERSE = {"transitions": TRANSITION_KEYS, "effects": EFFECT_KEYS, "allocator": ALLOC_KEYS,
-            "deferrals": DEFER_KEYS}
+            "deferrals": DEFER_KEYS, "faults": FAULT_KEYS}
+
+
+def fault_key(text: str) -> str:
+    """The ``ft:`` key of a fault spec's text (``drop:STAGING_RSP:nth=2`` -> ``ft:drop:STAGING_RSP``)."""
+    parts = text.split(":")
+    if parts[0] in TIMED_FAULTS or len(parts) < 2:
+        return f"ft:{parts[0]}"
+    return f"ft:{parts[0]}:{parts[1]}"
 
 
 def family(key: str) -> str | None:
@@ -99,6 +122,8 @@ class CoverageRecorder:
                     self.log.append((t, node, text))
 
     def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None:
+        if record.get("type") == "FaultInjected":
+            self.keys.add(fault_key(str(record.get("fault", ""))))
         if self.log_limit and len(self.log) < self.log_limit and \
                 record.get("type") == "FaultInjected":
             self.log.append((t, node, f"fault {record.get('fault')}: "

@@ -24,10 +24,13 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twin.explore.coverage import CoverageRecorder, observe_transitions
 from twin.explore.trial import Base, InvalidTrial, Trial
+
+if TYPE_CHECKING:
+    from twin.explore.schedule import Driver
 
 _NODE = re.compile(r"\b[pd]\d+g\d+r\d+\b")
 _NUM = re.compile(r"\d+(\.\d+)?")
@@ -35,7 +38,10 @@ _BRACKET = re.compile(r"\s*\[[^\]]*blocked item[^\]]*\]")
 SETTLED = "at its waiting timeout"
 EXPECTED = "crashed by fault"
 BY_DESIGN = ("aborted", "staging allocation oversized", "decode prefix", "unaligned",
-             "not page-aligned", "not aligned")
+             "not page-aligned", "not aligned", "staged transfer cannot fit")
+"""Failure reasons SGLang gives a request by design: an abort, a chunk larger than the decode
+ring, a decode prefix that is not page-aligned, a chunk larger than a fixed-size prefill
+staging buffer (PR #31217: ``_do_staging_transfer`` returns -1 and the room fails)."""
 
 
 def normalise(line: str) -> str:
@@ -86,9 +92,10 @@ class TrialResult:
 
 def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
           diagnosis: list[str], failures: dict[str, int], caused: bool,
-          corruption: list[str] | None = None) -> tuple[str, str] | None:
+          corruption: list[str] | None = None, leaks: list[str] | None = None,
+          aborted: set[int] | frozenset[int] = frozenset()) -> tuple[str, str] | None:
     """The signature of what a run found, or None (the oracles' one rule; first match wins:
-    corruption, unsafe, wedge, failure without a cause)."""
+    corruption, unsafe, wedge, a leak once every timeout fired, failure without a cause)."""
     if corruption_kinds:
         kinds = sorted(set(corruption_kinds))
         root = kinds[0]
@@ -103,11 +110,16 @@ def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
         root = normalise(roots[0]) if roots else "no root named"
         if caused and EXPECTED in roots[0] if roots else False:
             return None  # a rank the schedule crashed stops its rooms: that is the fault's
-        if roots and all(SETTLED in r for r in roots):
+        if roots and all(SETTLED in r or _names_only(r, aborted) for r in roots):
             # Every root ends at decode's waiting timeout: the timeouts settle these rooms
             # (Failed). With a fault or a defect that is the cause; without one it is not.
-            return None if caused else ("failed-without-cause", root)
+            # Once they fired nothing may be left behind.
+            if not caused:
+                return ("failed-without-cause", root)
+            return ("leak", normalise(leaks[0])) if leaks else None
         return ("wedged", root)
+    if leaks:
+        return ("leak", normalise(leaks[0]))
     if status == "failed" and not caused:
         unexplained = sorted(r for r in failures
                              if not any(b in r.lower() for b in BY_DESIGN))
@@ -116,17 +128,31 @@ def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
     return None
 
 
+_ROOMS = re.compile(r"\brooms? (\d+(?:, \d+)*)")
+
+
+def _names_only(root: str, rooms: set[int] | frozenset[int]) -> bool:
+    """Whether ``root`` names rooms, all of them in ``rooms`` (an aborted room's wedge: its
+    other side learns of the abort at a timeout, SGLang's way for a one-sided abort)."""
+    named = {int(n) for m in _ROOMS.finditer(root.split(" [", 1)[0])
+             for n in m.group(1).split(", ")}
+    return bool(rooms) and bool(named) and named <= rooms
+
+
 def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
-              log_limit: int = 0, defects: tuple[str, ...] | None = None) -> TrialResult:
-    """Run ``trial`` (in the simulator, or on the loopback cluster when it has a schedule) and
-    judge it. ``defects`` replaces the base's.
+              log_limit: int = 0, defects: tuple[str, ...] | None = None,
+              driver: Driver | None = None, max_steps: int | None = None) -> TrialResult:
+    """Run ``trial`` (in the simulator, or on the loopback cluster when it has a schedule or a
+    ``driver``, which then admits the requests, aborts rooms and picks every step; at most
+    ``max_steps`` steps) and judge it. ``defects`` replaces the base's.
 
     With defects on (and ``defects`` not given), a trial that found something is rerun with
     each defect off alone: the defects whose absence makes its signature go are the ones it
     *needs*, and they become part of the signature (``root [needs NAME]``), so the same symptom
     with and without a defect's help are two findings, not one."""
-    res = _run_trial(base, trial, trace_out=trace_out, log_limit=log_limit, defects=defects)
-    if defects is not None or not base.defects or res.signature is None:
+    res = _run_trial(base, trial, trace_out=trace_out, log_limit=log_limit, defects=defects,
+                     driver=driver, max_steps=max_steps)
+    if defects is not None or not base.defects or res.signature is None or driver is not None:
         return res
     needs = []
     for d in base.defects:
@@ -140,7 +166,8 @@ def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
 
 
 def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
-               log_limit: int = 0, defects: tuple[str, ...] | None = None) -> TrialResult:
+               log_limit: int = 0, defects: tuple[str, ...] | None = None,
+               driver: Driver | None = None, max_steps: int | None = None) -> TrialResult:
     from twin.runtime.faults import parse_fault
     from twin.sim.runner import run_sim
 
@@ -154,8 +181,8 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
     faults = [parse_fault(f) for f in trial.faults]
     keys: set[str] = set()
     ctx = observe_transitions(keys) if base.coverage else _null()
-    if trial.schedule:
-        return _run_loopback(base, trial, cfg, on, recorder, keys, t0)
+    if trial.schedule or driver is not None:
+        return _run_loopback(base, trial, cfg, on, recorder, keys, t0, driver, max_steps)
     try:
         with ctx:
             if trace_out is not None:
@@ -187,31 +214,34 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
 
 
 def _run_loopback(base: Base, trial: Trial, cfg: Any, on: Any, recorder: CoverageRecorder,
-                  keys: set[str], t0: float) -> TrialResult:
-    """``trial`` on the loopback cluster under its schedule (``twin/explore/schedule.py``)."""
-    from twin.explore.schedule import run_loopback
+                  keys: set[str], t0: float, driver: Driver | None = None,
+                  max_steps: int | None = None) -> TrialResult:
+    """``trial`` on the loopback cluster under its schedule or ``driver``
+    (``twin/explore/schedule.py``)."""
+    from twin.explore.schedule import MAX_STEPS, run_loopback
 
     reqs = [(r.input_len, r.decode_prefix, r.prefill_prefix)
             for r in sorted(trial.requests, key=lambda q: q.at)]
     ctx = observe_transitions(keys) if base.coverage else _null()
     try:
         with ctx:
-            run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder)
+            run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder,
+                               driver=driver, max_steps=max_steps or MAX_STEPS)
     except Exception as exc:  # the twin itself raised: a finding of its own
         text = f"{type(exc).__name__}: {exc}"
         return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
                            diagnosis=[text[:400]], wall_s=time.perf_counter() - t0)
-    caused = any(f.startswith("abort") for f in trial.faults) or bool(on.sorted())
+    caused = bool(run.aborted) or bool(on.sorted())
     if run.status == "livelock":
         sig: tuple[str, str] | None = ("livelock", normalise(run.diagnosis[0]))
     else:
         sig = judge(run.status, corruption_kinds=run.corruption_kinds, safety=run.safety,
                     diagnosis=run.diagnosis, failures=run.failures, caused=caused,
-                    corruption=run.corruption)
+                    corruption=run.corruption, leaks=run.leaks, aborted=run.aborted)
     cov = frozenset(recorder.keys | keys | {f"st:{run.status}"})
-    return TrialResult(run.status, sig, cov, run.diagnosis, run.corruption[:20],
-                       run.safety[:20], run.failures, wall_s=time.perf_counter() - t0,
-                       log=recorder.log)
+    return TrialResult(run.status, sig, cov, run.diagnosis + [f"leak: {x}" for x in run.leaks],
+                       run.corruption[:20], run.safety[:20], run.failures,
+                       wall_s=time.perf_counter() - t0, log=recorder.log)
 
 
 MAX_INPUTS = 200_000

@@ -46,6 +46,7 @@ polling; the property tests' trials stay below 50."""
 SCHEDULERS = ("random", "pct")
 
 
+
 def parse_schedule(text: str) -> tuple[str, int, int]:
     """``(kind, seed, depth)`` of ``random:SEED`` or ``pct:SEED:DEPTH``; ``ValueError``."""
     parts = text.split(":")
@@ -165,49 +166,106 @@ class LoopbackRun:
         self.corruption_kinds: list[str] = []
         self.safety: list[str] = []
         self.failures: dict[str, int] = {}
+        self.leaks: list[str] = []
+        self.aborted: set[int] = set()
         self.steps = 0
 
 
+class Driver:
+    """What a loopback run asks at every step: which pending action goes next (``pick``), how
+    many of the requests not yet added arrive now (``admit``) and on which prefill group
+    (``group``), and which rooms to abort now, on which side (``aborts``: ``(room, "decode" |
+    "prefill" | "both")``).
+
+    This one is the explorer's: every request at the start, the trial's ``abort`` faults on both
+    sides once the logical clock reaches them, and ``schedule``'s scheduler. The property tests
+    (``tests/core/test_properties.py``) drive the same run with Hypothesis instead."""
+
+    def __init__(self, schedule: str, faults: tuple[str, ...] = ()) -> None:
+        self.scheduler = make_scheduler(schedule)
+        self.timed = sorted((spec.at or 0.0, spec.room or 0)
+                            for spec in map(parse_fault, faults) if spec.action == "abort")
+
+    def pick(self, cluster: Cluster, choices: list[int]) -> int:
+        return self.scheduler(cluster, choices)
+
+    def admit(self, cluster: Cluster, waiting: int) -> int:
+        return waiting
+
+    def group(self, cluster: Cluster, room: int) -> int:
+        """The prefill group (DP attention group or instance) room ``room`` goes to: round
+        robin, as a load balancer spreads serial requests."""
+        return room % len(cluster.topo.prefill_groups)
+
+    def aborts(self, cluster: Cluster) -> list[tuple[int, str]]:
+        out = []
+        while self.timed and self.timed[0][0] <= cluster.now:
+            out.append((self.timed.pop(0)[1], "both"))
+        return out
+
+    def next_abort_at(self) -> float | None:
+        """When the next timed abort is due (the clock jumps there when nothing else is)."""
+        return self.timed[0][0] if self.timed else None
+
+
 def run_loopback(cfg: object, requests: list[tuple[int, int, int]], faults: tuple[str, ...],
-                 defects: Defects, schedule: str, recorder: CoverageRecorder) -> LoopbackRun:
-    """Run ``requests`` (``(input_len, decode_prefix, prefill_prefix)``, all added at the
-    start) on a loopback cluster under ``schedule``."""
+                 defects: Defects, schedule: str, recorder: CoverageRecorder,
+                 driver: Driver | None = None, max_steps: int = MAX_STEPS,
+                 step_s: float = 1e-3) -> LoopbackRun:
+    """Run ``requests`` (``(input_len, decode_prefix, prefill_prefix)``) on a loopback cluster:
+    ``driver`` (default: ``Driver(schedule, faults)``) admits them, aborts rooms and picks each
+    step, each taking ``step_s`` of logical time. The run ends when nothing is pending and no
+    input is scheduled (every timeout fired); a rank that still holds a room or a live
+    allocation then is a leak."""
     from twin.core.config import TwinConfig
     from twin.runtime.diagnosis import diagnose
 
     assert isinstance(cfg, TwinConfig)
-    c = _Watched(cfg, defects, recorder=recorder)
-    pick = make_scheduler(schedule)
-    aborts = sorted((spec.at or 0.0, spec.room or 0) for spec in map(parse_fault, faults)
-                    if spec.action == "abort")
+    c = _Watched(cfg, defects, recorder=recorder, step_s=step_s)
+    drive = driver if driver is not None else Driver(schedule, faults)
     out = LoopbackRun()
-    for room, (n, dpre, ppre) in enumerate(requests):
-        c.add_request(room, n, decode_prefix_len=dpre, prefill_prefix_len=ppre)
-    aborted: set[int] = set()
+    waiting = list(enumerate(requests))
+    aborted = out.aborted
+
+    def admit(n: int) -> None:
+        for _ in range(min(n, len(waiting))):
+            room, (size, dpre, ppre) = waiting.pop(0)
+            c.add_request(room, size, decode_prefix_len=dpre, prefill_prefix_len=ppre,
+                          prefill_group=drive.group(c, room))
+
+    admit(drive.admit(c, len(waiting)))
     try:
         while True:
-            while aborts and aborts[0][0] <= c.now:
-                _, room = aborts.pop(0)
+            for room, side in drive.aborts(c):
                 if room in c.rooms and room not in aborted:
                     aborted.add(room)
                     plan = c.rooms[room]
-                    nodes = [n.id for n in c.topo.decode_groups[plan.decode_group].nodes]
-                    nodes += [n.id for n in c.topo.prefill_groups[plan.prefill_group].nodes]
+                    nodes = []
+                    if side in ("decode", "both"):
+                        nodes += [n.id for n in c.topo.decode_groups[plan.decode_group].nodes]
+                    if side in ("prefill", "both"):
+                        nodes += [n.id for n in c.topo.prefill_groups[plan.prefill_group].nodes]
                     for node in nodes:
-                        c._feed(node, ev.RoomAborted(room=room, reason="abort fault"))
+                        c._feed(node, ev.RoomAborted(room=room, reason=f"{side} abort"))
             cs = c.choices()
             if cs:
                 if len(c.pending) > MAX_PENDING:
                     raise Livelock(f"{len(c.pending)} actions pending: {c.busy_report()}")
-                if out.steps >= MAX_STEPS:
-                    raise Livelock(f"still busy after {MAX_STEPS} steps: {c.busy_report()}")
-                c.step(pick(c, cs))
+                if out.steps >= max_steps:
+                    raise Livelock(f"still busy after {max_steps} steps: {c.busy_report()}")
+                c.step(drive.pick(c, cs))
                 out.steps += 1
+                if waiting:
+                    admit(drive.admit(c, len(waiting)))
+                continue
+            if waiting:  # nothing to do until the next request arrives: it arrives now
+                admit(max(1, drive.admit(c, len(waiting))))
                 continue
             if c.advance(timeouts=False) is not None:
                 continue  # a re-poll or a registration came due
-            if aborts:
-                c.now = max(c.now, aborts[0][0])
+            due = drive.next_abort_at()
+            if due is not None:
+                c.now = max(c.now, due)
                 continue
             unfinished = set(c.unfinished())
             if unfinished and not out.diagnosis:
@@ -230,6 +288,8 @@ def run_loopback(cfg: object, requests: list[tuple[int, int, int]], faults: tupl
     out.corruption_kinds = [v.kind for v in c.integrity.violations]
     if out.corruption:
         out.status = "corrupted"
+    if out.status in ("completed", "wedged"):
+        out.leaks = leaks(c)
     if out.status == "completed":
         failed = [r for r in c.rooms if c.outcome(r) == "Failed" and r not in aborted]
         if failed or aborted:
@@ -239,4 +299,21 @@ def run_loopback(cfg: object, requests: list[tuple[int, int, int]], faults: tupl
             out.failures[reason] = out.failures.get(reason, 0) + 1
         if aborted:
             out.failures["aborted by fault"] = len(aborted)
+    return out
+
+
+def leaks(c: Cluster) -> list[str]:
+    """What a quiescent cluster still holds: a rank's room state, a decode rank's live staging
+    allocation, a room that never concluded (each is a leak once every timeout has fired)."""
+    from twin.core.snapshot import DecodeSnapshot
+
+    out = [f"room {r} never concluded" for r in sorted(c.rooms) if c.outcome(r) == "pending"]
+    for node, rank in sorted(c.ranks.items()):
+        if node in {x.split(": ", 1)[0] for x in c.crashed}:
+            continue
+        snap = rank.snapshot()
+        if snap.rooms:
+            out.append(f"{node} still holds rooms {sorted(snap.rooms)}")
+        if isinstance(snap, DecodeSnapshot) and snap.live:
+            out.append(f"{node} still holds {len(snap.live)} live staging allocation(s)")
     return out

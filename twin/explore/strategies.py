@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 
 from twin.core.config import TwinConfig
 from twin.core.topology import Topology
+from twin.explore.coverage import FRAME_FAULTS, TIMED_FAULTS
 from twin.explore.trial import Base, Deploy, InvalidTrial, Req, Trial
-from twin.runtime.faults import ACTIONS, MESSAGE_ACTIONS, SENDER
+from twin.runtime.faults import MESSAGE_ACTIONS
 
 NAMES = ("deploy", "workload", "faults", "interleave")
 
@@ -50,6 +51,15 @@ def smallest_ring(cfg: TwinConfig) -> int:
     return max(cfg.region_layout(r, pages)[2] for r in range(cfg.decode.attn_tp_size))
 
 
+def fixed_buffers(cfg: TwinConfig) -> list[int]:
+    """Pages of a fixed-size prefill staging buffer (the pre-fix buffer, sized in bytes, not
+    to the chunk): half a grid slot (a chunk does not fit: today's code fails the room, the
+    silent slice fallback leaks its allocation), one slot, and four slots (an inflated,
+    unaligned send fits)."""
+    full = cfg.full_chunk_pages
+    return sorted({p for p in (full // 2, full, full * 4) if p >= 1})
+
+
 def _halves(n: int) -> list[int]:
     return sorted({max(1, n // 2), n, n * 2})
 
@@ -70,7 +80,7 @@ def gen_deploy(rng: random.Random, base: TwinConfig) -> Deploy:
         return Deploy()
     ring = smallest_ring(cfg)
     factor = rng.choice([1.0, 1.0, 1.5, 2.0, 3.0, 4.0])
-    staging = cfg.full_chunk_pages if rng.random() < 0.25 else None
+    staging = rng.choice(fixed_buffers(cfg)) if rng.random() < 0.25 else None
     return replace(deploy, ring_bytes=int(ring * factor), prefill_staging_pages=staging)
 
 
@@ -97,19 +107,26 @@ def gen_requests(rng: random.Random, cfg: TwinConfig) -> tuple[Req, ...]:
     return tuple(gen_request(rng, cfg, i * gap) for i in range(count))
 
 
-def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...]) -> str:
-    action = rng.choice(ACTIONS)
+def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
+              prefer: tuple[str, ...] = ()) -> str:
+    """One fault. Its kind (a frame fault's action and frame kind, or a timed fault) is drawn
+    from ``FAULT_KEYS``; when ``prefer`` names kinds no trial has fired yet, half the draws
+    take one of those (coverage-guided, as a fuzzer favours rare branches)."""
+    key = rng.choice(prefer) if prefer and rng.random() < 0.5 else \
+        rng.choice(_KIND_DRAW)
+    parts0 = key.split(":")[1:]
+    action = parts0[0]
     topo = Topology(cfg)
     nodes = sorted(topo.nodes)
     rooms = len(requests)
     if action in MESSAGE_ACTIONS:
-        kind = rng.choice(sorted(SENDER))
+        kind = parts0[1]
         parts = [action, kind]
         if rng.random() < 0.7:
             parts.append(f"nth={rng.choice([1, 1, 2, 3])}")
         else:
             parts.append(f"p={rng.choice([0.1, 0.3])}")
-        if rng.random() < 0.4 and rooms:
+        if rng.random() < 0.4 and rooms and kind != "WATERMARK":  # WATERMARK has no room
             parts.append(f"room={rng.randrange(rooms)}")
         if action in ("delay", "reorder"):
             parts.append(f"ms={rng.choice([1, 5, 20, 50])}")
@@ -127,6 +144,12 @@ def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...]) ->
     return f"abort:room={room}:at={at}"
 
 
+_KIND_DRAW = tuple([f"ft:{a}:{k}" for a, k in FRAME_FAULTS]
+                   + [f"ft:{a}" for a in TIMED_FAULTS for _ in range(len(FRAME_FAULTS) // 6)])
+"""Fault kinds with their weights: each frame fault once, each timed fault as often as a
+frame action on one kind of frame (three; frame faults take about two draws in three)."""
+
+
 def gen_schedule(rng: random.Random) -> str:
     """"" (the simulator) two times in three, else a loopback scheduler."""
     roll = rng.random()
@@ -138,16 +161,18 @@ def gen_schedule(rng: random.Random) -> str:
     return f"pct:{seed}:{rng.choice([1, 2, 3])}"
 
 
-def gen_faults(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...]) -> tuple[str, ...]:
+def gen_faults(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
+               prefer: tuple[str, ...] = ()) -> tuple[str, ...]:
     count = rng.choices([0, 1, 2], weights=[5, 4, 1])[0]
-    return tuple(gen_fault(rng, cfg, requests) for _ in range(count))
+    return tuple(gen_fault(rng, cfg, requests, prefer) for _ in range(count))
 
 
 def generate(rng: random.Random, base: Base, strategies: Strategies,
-             user_requests: tuple[Req, ...] = ()) -> Trial:
+             user_requests: tuple[Req, ...] = (), prefer: tuple[str, ...] = ()) -> Trial:
     """A fresh trial. Without ``workload`` it replays the user's requests; without ``deploy``
     it keeps the user's deployment; without ``faults`` it injects none; without
-    ``interleave`` the seed is 0."""
+    ``interleave`` the seed is 0. ``prefer``: fault kinds (``ft:`` keys) no trial has fired
+    yet."""
     for _ in range(20):
         deploy = gen_deploy(rng, base.cfg) if strategies.deploy else Deploy()
         try:
@@ -155,7 +180,7 @@ def generate(rng: random.Random, base: Base, strategies: Strategies,
         except InvalidTrial:
             continue
         requests = gen_requests(rng, cfg) if strategies.workload else user_requests
-        faults = gen_faults(rng, cfg, requests) if strategies.faults else ()
+        faults = gen_faults(rng, cfg, requests, prefer) if strategies.faults else ()
         seed = rng.randrange(1 << 16) if strategies.interleave else 0
         schedule = gen_schedule(rng) if strategies.interleave else ""
         if schedule:
@@ -169,15 +194,17 @@ def generate(rng: random.Random, base: Base, strategies: Strategies,
     return Trial(Deploy(), user_requests or (Req(0.0, base.cfg.grid_tokens),), (), 0)
 
 
-def mutate(rng: random.Random, base: Base, trial: Trial, strategies: Strategies) -> Trial:
+def mutate(rng: random.Random, base: Base, trial: Trial, strategies: Strategies,
+           prefer: tuple[str, ...] = ()) -> Trial:
     """``trial`` with one or two things changed (each from an enabled strategy)."""
     out = trial
     for _ in range(rng.choice([1, 1, 2])):
-        out = _mutate_once(rng, base, out, strategies)
+        out = _mutate_once(rng, base, out, strategies, prefer)
     return out
 
 
-def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies) -> Trial:
+def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies,
+                 prefer: tuple[str, ...]) -> Trial:
     try:
         cfg = base.config(trial)
     except InvalidTrial:
@@ -206,7 +233,7 @@ def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies) ->
         del reqs[rng.randrange(len(reqs))]
         return trial.with_(requests=tuple(reqs), faults=())
     if op == "fault-add" and len(trial.faults) < 4:
-        fault = gen_fault(rng, cfg, trial.requests)
+        fault = gen_fault(rng, cfg, trial.requests, prefer)
         if trial.schedule and not fault.startswith("abort"):
             return trial  # the loopback cluster takes only aborts
         return trial.with_(faults=(*trial.faults, fault))
@@ -216,7 +243,7 @@ def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies) ->
         return trial.with_(faults=tuple(f))
     if op == "fault-swap" and trial.faults:
         f = list(trial.faults)
-        f[rng.randrange(len(f))] = gen_fault(rng, cfg, trial.requests)
+        f[rng.randrange(len(f))] = gen_fault(rng, cfg, trial.requests, prefer)
         return trial.with_(faults=tuple(f))
     if op == "deploy":
         return trial.with_(deploy=gen_deploy(rng, base.cfg))

@@ -33,6 +33,7 @@ from twin.core.fixes import (
     BOUND_STAGING_REQ_CHUNK,
     LOST_CONTROL_RECOVERY,
     MULTI_TARGET_RETRY_RESUME,
+    SUCCESS_AFTER_OUTSTANDING,
 )
 from twin.models.catalog import DEMO_SHAPE
 from twin.runtime.faults import FaultSpec, parse_fault
@@ -221,6 +222,19 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         _cfg(**TP4_TP2), _serial(3, 256, 0.2), symptom="wedge",
         faults=("corrupt:STAGING_REQ:src=p0g0r0:nth=1:field=chunk_idx:value=100000",),
         params=QUIET, finding=True, fixes=(BOUND_STAGING_REQ_CHUNK,),
+    ),
+    Scenario(
+        "lost-staging-req", "a lost STAGING_REQ completes a room with pages never written: "
+        "prefill TP1 -> decode TP2, serial requests of two chunks (16 + 1 pages); the request "
+        "for room 0's first chunk to d0g0r1 is lost. That chunk is re-enqueued behind the last, "
+        "the last concludes Success, and d0g0r1, whose completion gate counts only the "
+        "allocations it made, completes the room with 16 of 17 pages never written. Fixed by "
+        "success-after-outstanding (the room concludes once no chunk is outstanding) with "
+        "lost-control-recovery (the lost request is sent again)",
+        _cfg(prefill=ServerSide(tp_size=1), decode=ServerSide(tp_size=2),
+             staging_pool_size_mb=8), _serial(3, 272, 0.5), symptom="corruption",
+        faults=("drop:STAGING_REQ:nth=3",), params=QUIET, finding=True,
+        fixes=(SUCCESS_AFTER_OUTSTANDING, LOST_CONTROL_RECOVERY),
     ),
 )}
 
