@@ -704,7 +704,7 @@ class PrefillRank:
         # ``conclude_transfer(Success)`` (nx ~1838-1902), and ``conclude_failure`` tells decode;
         # so tell the decode rank the frame was for (a driver feeds the failure before it sends
         # the step's later frames, so this Failed goes out ahead of that Success).
-        out.append(factories.new_send(dst=e.dst, msg=factories.new_transfer_status(
+        out.append(ev.Send(dst=e.dst, msg=wire.TransferStatus(
             room=msg.room, status=wire.KVPoll.Failed, prefill_rank=self.unique_rank,
             failure_reason=reason)))
 
