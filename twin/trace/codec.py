@@ -91,8 +91,7 @@ def _error(where: str, exc: msgspec.ValidationError, path: str = "") -> TraceErr
         detail = (f"expected {' or '.join(_WORDS.get(w, w) for w in want.split(' | '))}, "
                   f"got {_WORDS.get(got.rstrip('`'), got.rstrip('`'))}")
     elif detail.startswith("Invalid enum value"):
-        enum_cls = _ENUM_AT.get(loc.rpartition(".")[2])
-        names = ", ".join(m.value for m in enum_cls) if enum_cls else "the known values"
+        names = ", ".join(_CHOICES.get(loc.rpartition(".")[2], ("the known values",)))
         detail = f"expected one of {names}, got {detail[len('Invalid enum value '):]}"
     loc = f"{path}.{loc}" if path and loc else (path or loc)
     return TraceError(where, detail[:1].lower() + detail[1:], loc or None)
@@ -100,7 +99,8 @@ def _error(where: str, exc: msgspec.ValidationError, path: str = "") -> TraceErr
 
 _WORDS = {"int": "an integer", "float": "a finite number", "str": "a string",
           "bool": "true/false", "array": "a list", "object": "an object", "null": "null"}
-_ENUM_AT = {"status": wire.KVPoll}
+_CHOICES: dict[str, tuple[str, ...]] = {"status": tuple(m.value for m in wire.KVPoll)}
+"""A field holding one of fixed names -> the names, for errors (the records add theirs)."""
 
 
 def decode_event(text: bytes, *, where: str, direction: str | None = None) -> Any:

@@ -55,6 +55,7 @@ from twin.trace.compat import recorded_config
 from twin.trace.encoder import EncoderProcess, can_fork, sigint_deferred
 from twin.trace.index import Block, IndexWriter, index_path
 from twin.trace.lines import DRIVER, JSON_TEXT, Item, LineEncoder, pack_batch
+from twin.trace.records import OUTCOME_STATUSES, SYS_DOCS, SYS_TYPES, check_record
 
 try:
     from orjson import loads as _fast_loads
@@ -98,52 +99,8 @@ FORMAT_VERSION = 4
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
-OUTCOME_STATUSES = ("completed", "failed", "wedged", "corrupted", "interrupted", "crashed",
-                    "until")
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
-SYS_TYPES: dict[str, dict[str, str]] = {
-    "RequestArrived": {
-        "room": "int", "rid": "str", "input_len": "int", "output_len": "int",
-        "decode_prefix_len": "int", "prefill_prefix_len": "int",
-        "prefill_node": "list[str]", "decode_node": "list[str]",
-    },
-    "ForwardStart": {"room": "int", "tokens": "int"},
-    "ForwardEnd": {"room": "int", "tokens": "int"},
-    "FaultInjected": {"fault": "str", "detail": "str"},
-    "Note": {"text": "str"},
-    "Metric": {"name": "str", "value": "number"},
-    "Outcome": {
-        "status": "str", "completed": "int", "failed": "int", "requests": "int",
-        "diagnosis": "list[str]", "corruption": "list[str]",
-    },
-}
-"""Driver records (``dir: "sys"``): type -> required field -> JSON type. Extra keys are kept."""
-
-SYS_DOCS: dict[str, str] = {
-    "RequestArrived": "A request entered the system; introduces ``room`` (its bootstrap room). "
-                      "``prefill_node``/``decode_node`` list the nodes that serve it.",
-    "ForwardStart": "A prefill node started the forward pass that computes ``tokens`` tokens "
-                    "of ``room``.",
-    "ForwardEnd": "That forward pass finished (the matching ``ForwardStart`` has the same room).",
-    "FaultInjected": "The driver injected fault ``fault`` (a fault spec string); ``detail`` "
-                     "says what it hit and ``room`` (an int, only when it touched one) which "
-                     "room: a replay names the fault on that room's wedge root, as the run "
-                     "did.",
-    "Note": "Free text from the driver.",
-    "Metric": "A named number measured by the driver.",
-    "Outcome": "The run's verdict; the last line of a complete trace. ``status`` is one of "
-               + ", ".join(f"``{s}``" for s in OUTCOME_STATUSES) + ".",
-}
-
-_SYS_CHECK = {
-    "int": lambda v: type(v) is int,
-    "str": lambda v: type(v) is str,
-    "number": lambda v: type(v) is int or (type(v) is float and math.isfinite(v)),
-    "list[str]": lambda v: type(v) is list and all(type(x) is str for x in v),
-}
-_SYS_WANT = {"int": "an integer", "str": "a string", "number": "a finite number",
-             "list[str]": "a list of strings"}
 _NODE_RE = re.compile(r"^[pd]\d+g\d+(s\d+)?r\d+$")
 _ENVELOPE = ("seq", "t", "node", "dir")
 
@@ -262,29 +219,7 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
     return config, nodes
 
 
-def _check_sys(record: Any, where: str, nodes: Mapping[str, Any]) -> str:
-    """Validate a driver record; return its type."""
-    if type(record) is not dict:
-        raise TraceError(where, "expected a record object")
-    rtype = record.get("type")
-    fields = SYS_TYPES.get(rtype) if type(rtype) is str else None
-    if fields is None:
-        raise TraceError(where, f"unknown sys record type {rtype!r}; known: "
-                         f"{', '.join(SYS_TYPES)}", "type")
-    for name, kind in fields.items():
-        if name not in record:
-            raise TraceError(where, f"missing (required by {rtype})", name)
-        if not _SYS_CHECK[kind](record[name]):
-            raise TraceError(where, f"expected {_SYS_WANT[kind]}, got {record[name]!r:.40}", name)
-    if rtype == "Outcome" and record["status"] not in OUTCOME_STATUSES:
-        raise TraceError(where, f"expected one of {OUTCOME_STATUSES}, got {record['status']!r}",
-                         "status")
-    if rtype == "RequestArrived":
-        for key in ("prefill_node", "decode_node"):
-            for nid in record[key]:
-                if nid not in nodes:
-                    raise TraceError(where, f"unknown node {nid!r}", key)
-    return rtype
+_check_sys = check_record
 
 
 # ---------------------------------------------------------------------------------------------
