@@ -15,9 +15,10 @@ streams and flushes so that a killed run leaves a readable prefix; ``read_trace`
 ``iter_trace`` validate everything and name ``file:line`` and the field on error. The rules are
 documented in ``docs/trace-format.md`` (whose tables ``markdown_event_tables`` generates).
 
-After changing an event class, run ``python -m twin.trace.format schema`` (regenerates
-``schema.json``) and ``python -m twin.trace.format docs`` (refreshes the field tables in
-``docs/trace-format.md``); tests fail until both are in sync.
+The classes are the schema (``twin.trace.codec``): a new field needs nothing else to be written,
+read, replayed and exported. Its documentation does: ``python -m twin.trace.format docs``
+rewrites ``schema.json`` and the field tables of ``docs/trace-format.md`` from the classes
+(tests fail until both are in sync).
 """
 
 from __future__ import annotations
@@ -1350,9 +1351,10 @@ def _main(argv: Sequence[str]) -> int:
         sys.stdout.write(markdown_event_tables())
         return 0
     if args[:1] == ["docs"] and len(args) <= 2:
+        SCHEMA_PATH.write_text(schema_text(), encoding="utf-8")
         doc = Path(args[1] if len(args) == 2 else "docs/trace-format.md")
         doc.write_text(update_doc_tables(doc.read_text(encoding="utf-8")), encoding="utf-8")
-        print(f"updated {doc}")
+        print(f"wrote {SCHEMA_PATH} and updated {doc}")
         return 0
     print("usage: python -m twin.trace.format schema | tables | docs [PATH]", file=sys.stderr)
     return 2
