@@ -39,8 +39,11 @@ def slow(self, *args, _feed=Replayer.feed):
     time.sleep(0.005)
     return effects
 Replayer.feed = slow
+if sys.argv[1] == "forked":
+    from twin.replay import forked
+    forked.MIN_BYTES = 0  # the reader in a forked process, as for a large trace
 from twin.cli import cli
-cli(sys.argv[1:])
+cli(sys.argv[2:])
 """
 
 SLOW_EXPORT = """
@@ -95,9 +98,15 @@ def _said_ready(proc: subprocess.Popen[str]) -> bool:
     return proc.stderr.readline().strip() == "first input fed"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_signal_ends_a_replay_with_what_it_replayed(trace: Path, sig: signal.Signals) -> None:
-    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, "replay",
+@pytest.mark.parametrize(("reader", "sig"), [
+    ("sequential", signal.SIGTERM),
+    ("sequential", signal.SIGINT),
+    ("forked", signal.SIGHUP),
+    ("forked", signal.SIGTERM),
+])
+def test_a_signal_ends_a_replay_with_what_it_replayed(trace: Path, reader: str,
+                                                      sig: signal.Signals) -> None:
+    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, reader, "replay",
                                  str(trace)], _said_ready, sig)
     why = "Ctrl-C" if sig == signal.SIGINT else sig.name
     assert code == 1, (code, out, err)
@@ -111,7 +120,7 @@ def test_a_signal_ends_a_replay_with_what_it_replayed(trace: Path, sig: signal.S
 
 
 def test_a_signal_ends_a_replay_json(trace: Path) -> None:
-    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, "replay",
+    code, out, err = _interrupt([sys.executable, "-c", SLOW_REPLAY, "sequential", "replay",
                                  str(trace), "--json"], _said_ready, signal.SIGTERM)
     import json
 

@@ -103,7 +103,7 @@ DIAGNOSIS_SINCE = 3
 """The first format version whose wedge diagnosis is worded as today's (version 4 changed the
 codec, not the lines): from it on a replay compares the diagnosis lines too."""
 _FOLLOWED = frozenset({"RequestArrived", "FaultInjected"})
-"""The driver records the replay follows (``Replayer._sys``)."""
+"""The driver records the replay follows (``Replayer.note_sys``)."""
 
 
 def _body(lines: list[str]) -> list[str]:
@@ -151,7 +151,7 @@ class Replayer:
         self.nodes_of: dict[int, tuple[str, ...]] = {}  # room -> the ranks it was placed on
         self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
 
-    def _sys(self, rtype: str, d: dict[str, Any]) -> None:
+    def note_sys(self, rtype: str, d: dict[str, Any]) -> None:
         """Note what the replay follows of a driver record (rooms, crashes and faults)."""
         if rtype == "RequestArrived":
             total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
@@ -165,8 +165,23 @@ class Replayer:
             note_fault_record(self.fault_notes, d)  # named on its room's wedge root
 
     def run(self) -> ReplayResult:
-        """Replay the whole trace in this process, reading it as it goes. Ctrl-C (or SIGTERM
-        and SIGHUP inside ``signals_interrupt``) ends it with what was replayed so far."""
+        """Replay the whole trace: with the trace read in a forked process when that can run
+        (``twin.replay.forked``), else (or when that path hands back) sequentially here.
+        Ctrl-C (or SIGTERM and SIGHUP inside ``signals_interrupt``) ends it with what was
+        replayed so far."""
+        from twin.replay import forked
+
+        if forked.can_run(self):
+            try:
+                return forked.run(self)
+            except forked.Fallback:
+                return Replayer(self.trace).run_here()
+            except KeyboardInterrupt as exc:  # the forked reader is stopped already
+                return self._result(interrupted=exc)
+        return self.run_here()
+
+    def run_here(self) -> ReplayResult:
+        """Replay the whole trace in this process, reading it as it goes."""
         try:
             return self._run_here()
         except KeyboardInterrupt as exc:
@@ -193,11 +208,11 @@ class Replayer:
                     if effects is None:
                         pass
                     elif effects and skip_effects(effects):  # recorded exactly so: checked
-                        self._observe_all(rec.node, effects)
+                        self.observe(rec.node, effects)
                     else:
                         pending, recorded = (rec, effects), []
             elif rec.type in _FOLLOWED:
-                self._sys(rec.type, rec.data)
+                self.note_sys(rec.type, rec.data)
         if pending is not None:
             self._check(*pending, recorded)
         return self._result()
@@ -243,10 +258,10 @@ class Replayer:
                     line, rec.node, rec.t, want[i] if i < len(want) else "(no further effect)",
                     got[i] if i < len(got) else "(no further effect)")
                 return False
-        self._observe_all(rec.node, effects)
+        self.observe(rec.node, effects)
         return True
 
-    def _observe_all(self, node: str, effects: list[ev.Effect]) -> None:
+    def observe(self, node: str, effects: list[ev.Effect]) -> None:
         """Note what the replay tracks (transfers, scatters, conclusions, crashes) of the
         checked ``effects`` of ``node``."""
         observers = self._observers

@@ -218,7 +218,18 @@ def _spec_of(hint: Any) -> Spec:
 
 
 def field_specs(cls: type) -> tuple[FieldSpec, ...]:
-    """The fields of an event or message class, in order, as the trace writes them."""
+    """The fields of an event or message class, in order, as the trace writes them (worked out
+    once per class)."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        specs = _SPECS[cls] = _field_specs(cls)
+    return specs
+
+
+_SPECS: dict[type, tuple[FieldSpec, ...]] = {}
+
+
+def _field_specs(cls: type) -> tuple[FieldSpec, ...]:
     out = []
     for f in msgspec.structs.fields(cls):
         required = f.required

@@ -536,7 +536,7 @@ class Record:
         the parsed object (fields in another order, an older format version)."""
         src = self._src
         where = f"{src.name if src else '?'}:{self.line}"
-        if self._data is None and self._body_at:
+        if self._body_at and self.raw is not None:
             return decode_event(b"{" + self.raw[self._body_at:], where=where,  # type: ignore[index]
                                 direction=self.dir)
         return event_from_json(self.data, where=where)
@@ -744,6 +744,11 @@ class TraceReader:
         part.config, part.nodes = self.config, self.nodes
         part._open_span(span)
         return part
+
+    @property
+    def started(self) -> bool:
+        """Whether iterating has begun (a reader is iterated once)."""
+        return self._started
 
     def __iter__(self) -> Iterator[Record]:
         if self._started:
