@@ -42,6 +42,8 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.runtime",
     "twin.runtime.requests",
     "twin.runtime.placement",
+    "twin.trace.lines",
+    "twin.replay.feeding",
     "twin.workloads.prefix_cache",
     "twin.sim.metrics",
     "twin.sim.decode_loop",

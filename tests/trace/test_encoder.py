@@ -184,7 +184,7 @@ def test_writer_errors_count_the_lines_a_runtime_appended(tmp_path: Path, encode
     w = TraceWriter(path, header, encoder=encoder, flush_every=50)
     run_sim(cfg, workload, recorder=w)
     with pytest.raises(TraceError, match=r"n\.jsonl:(\d+): field 'text'") as info:
-        w.write_sys(w._t, "driver", {"type": "Note"})
+        w.write_sys(1e9, "driver", {"type": "Note"})
     w.flush()
     lines = len(path.read_text().splitlines())
     assert lines > 100

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from twin.trace.codec import TraceError, body, decode_event, room_of
+from twin.replay.feeding import feed_batch
+from twin.trace.codec import TraceError
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import INPUT_NAMES, TraceReader
 
@@ -101,27 +102,11 @@ def run(replayer: Replayer) -> ReplayResult:
 
 
 def _replay(replayer: Replayer, name: str, items: list[Any], introduced: set[int]) -> None:
-    """Feed one batch: inputs ``[1, line, t, node, payload, effects text]`` and followed
-    driver records ``[2, type, data]``; each input's effects must write the recorded text."""
-    ranks = replayer.ranks
-    for item in items:
-        if item[0] == 2:
-            if item[1] == "RequestArrived":
-                introduced.add(item[2]["room"])
-            replayer.note_sys(item[1], item[2])
-            continue
-        _, line, t, node, payload, recorded = item
-        event = decode_event(b"{" + payload, where=f"{name}:{line}", direction="in")
-        room = room_of(event)
-        if room is not None and room not in introduced:
-            raise Fallback("a room never introduced (the sequential reader names it)")
-        try:
-            effects = replayer.feed(ranks[node], node, event, t)
-        except Exception as exc:  # the sequential replay raises it again, or diverges
-            raise Fallback(f"{type(exc).__name__}: {exc}") from exc
-        if b"\n".join([body(e) for e in effects]) != recorded:
-            raise Fallback("not the recorded effects")
-        replayer.observe(node, effects)
+    """Feed one batch (``twin.replay.feeding.feed_batch``); ``Fallback`` when it could not
+    vouch for it."""
+    why = feed_batch(replayer, name, items, introduced)
+    if why is not None:
+        raise Fallback(why)
 
 
 def read_batches(path: str, replayed: frozenset[str], ship: Any) -> TraceReader:

@@ -55,8 +55,14 @@ from twin.trace.codec import (
 from twin.trace.compat import recorded_config
 from twin.trace.encoder import EncoderProcess, can_fork, sigint_deferred
 from twin.trace.index import Block, IndexWriter, index_path
-from twin.trace.lines import DRIVER, JSON_TEXT, Item, LineEncoder, pack_batch
-from twin.trace.records import OUTCOME_STATUSES, SYS_DOCS, SYS_TYPES, check_record
+from twin.trace.lines import DRIVER, JSON_TEXT, Batch, LineEncoder, pack_batch
+from twin.trace.records import (
+    OUTCOME_STATUSES,
+    SYS_DOCS,
+    SYS_TYPES,
+    check_record,
+    forward_record,
+)
 
 try:
     from orjson import loads as _fast_loads
@@ -269,15 +275,10 @@ class TraceWriter:
         self._nodes = nodes
         self._codes = {nid: i for i, nid in enumerate(nodes)}
         self._decode_nodes = {nid for nid, v in nodes.items() if v["role"] == "decode"}
-        self._t = 0.0
         self._closed = False
-        self._items: list[Item] = []
-        self._lines = 0  # lines collected so far, handed on or not
         self.requests = 0
-        self.succeeded: set[int] = set()
-        """Rooms a decode node concluded with ``Success`` so far."""
-        self.failed: set[int] = set()
-        """Rooms a decode node concluded otherwise so far."""
+        self._batch = Batch(str(self.path), self._codes, self._decode_nodes, self.flush_every,
+                            self._ship)
         codec = codec_for_name(self.path.name)
         header_line = (JSON_TEXT(self.header) + "\n").encode("utf-8")
         if index:
@@ -298,94 +299,53 @@ class TraceWriter:
         self._back: LineEncoder | EncoderProcess = (
             EncoderProcess(back) if self.encoder == "process" else back)
 
-    # -- hot path ----------------------------------------------------------------------------
-    def _where(self) -> str:
-        """``path:line`` of the next line."""
-        return f"{self.path}:{self._lines + 2}"
-
-    def _set_time(self, t: float) -> None:
-        t = float(t)
-        if not t >= self._t or not math.isfinite(t):
-            raise TraceError(self._where(),
-                             f"time {t!r} is before {self._t!r} or not finite", "t")
-        self._t = t
-
-    def _code(self, node: str, d: str) -> int:
-        code = self._codes.get(node)
-        if code is None:
-            raise TraceError(self._where(), f"unknown node {node!r} for dir {d!r}", "node")
-        return code
-
-    def _effects(self, node: str, effects: Iterable[Any]) -> list[Any]:
-        """``effects`` as a list, each checked to be a core effect; notes conclusions."""
-        effects = effects if type(effects) is list else list(effects)
-        for e in effects:
-            t = type(e)
-            if t not in _EFFECT_CLASSES:
-                raise TypeError(f"not a core effect: {t.__name__}")
-            if t is ev.RoomConcluded and node in self._decode_nodes:
-                (self.succeeded if e.status == "Success" else self.failed).add(e.room)
-        return effects
-
-    def record(self, t: float, node: str, event: Any, effects: Iterable[Any]) -> None:
-        """Record that ``node`` handled input ``event`` at time ``t`` and returned ``effects``
-        (the runtime's one call per input)."""
-        if t != self._t:
-            self._set_time(t)
-        code = self._code(node, "in")
-        if type(event) not in _INPUT_CLASSES:
-            raise TypeError(f"not a core input: {type(event).__name__}")
-        effects = self._effects(node, effects)
-        self._items.append((t, code, event, effects, None))
-        self._lines += 1 + len(effects)
-        if len(self._items) >= self.flush_every:
-            self._ship()
+    # -- hot path (twin.trace.lines.Batch) -------------------------------------------------
+    @property
+    def record(self) -> Callable[[float, str, Any, Iterable[Any]], None]:
+        """``record(t, node, event, effects)``: ``node`` handled input ``event`` at time ``t``
+        and returned ``effects`` (the runtime's one call per input)."""
+        return self._batch.record
 
     def write_input(self, t: float, node: str, event: Any) -> None:
         """Record that ``node`` handled input ``event`` at time ``t`` (its effects follow with
         ``write_effects``)."""
-        if t != self._t:
-            self._set_time(t)
-        code = self._code(node, "in")
-        if type(event) not in _INPUT_CLASSES:
-            raise TypeError(f"not a core input: {type(event).__name__}")
-        self._items.append((t, code, event, None, None))
-        self._lines += 1
-        if len(self._items) >= self.flush_every:
-            self._ship()
+        self._batch.add_input(t, node, event)
 
     def write_effects(self, t: float, node: str, effects: Iterable[Any]) -> None:
         """Record the effects ``node`` returned for its last input, in order."""
-        if t != self._t:
-            self._set_time(t)
-        code = self._code(node, "out")
-        effects = self._effects(node, effects)
-        self._items.append((t, code, None, effects, None))
-        self._lines += len(effects)
-        if len(self._items) >= self.flush_every:
-            self._ship()
+        self._batch.add_effects(t, node, effects)
+
+    @property
+    def succeeded(self) -> set[int]:
+        """Rooms a decode node concluded with ``Success`` so far."""
+        return self._batch.succeeded
+
+    @property
+    def failed(self) -> set[int]:
+        """Rooms a decode node concluded otherwise so far."""
+        return self._batch.failed
 
     def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
-        """Record a driver record (``SYS_TYPES``); ``node`` is a node id or ``"driver"``."""
-        if t != self._t:
-            self._set_time(t)
-        code = len(self._codes) if node == DRIVER else self._code(node, "sys")
+        """Record a driver record (``twin.trace.records``); ``node`` is a node id or
+        ``"driver"``."""
+        b = self._batch
+        if t != b.t:
+            b.set_time(t)
+        code = len(self._codes) if node == DRIVER else b.code(node, "sys")
         rec = dict(record)
-        try:
-            rtype = _check_sys(rec, "", self._nodes)
-        except TraceError as exc:
-            raise TraceError(self._where(), exc.detail, exc.field) from None
-        try:
-            JSON_TEXT(rec)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
-                            ) from None
-        if rtype == "RequestArrived":
-            self.requests += 1
-        self._items.append((t, code, None, None, rec))
-        self._lines += 1
-        if len(self._items) >= self.flush_every:
-            self._ship()
+        if not forward_record(rec):  # the common ones, checked at a glance
+            try:
+                rtype = _check_sys(rec, "", self._nodes)
+            except TraceError as exc:
+                raise TraceError(b.where(), exc.detail, exc.field) from None
+            try:
+                JSON_TEXT(rec)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
+                                ) from None
+            if rtype == "RequestArrived":
+                self.requests += 1
+        b.add_record(t, code, rec)
 
     # -- blocks and closing --------------------------------------------------------------------
     def _ship(self) -> None:
@@ -393,9 +353,9 @@ class TraceWriter:
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
         with sigint_deferred():  # a Ctrl-C here would drop the batch or send it twice
-            items = self._items
+            items = self._batch.items
             if items:
-                self._items = []
+                self._batch.items = []
                 if isinstance(self._back, EncoderProcess):
                     self._back.feed(pack_batch(items))
                 else:
@@ -419,7 +379,7 @@ class TraceWriter:
             return
         try:
             if outcome is not None:
-                self.write_sys(self._t, DRIVER, {"type": "Outcome", **outcome})
+                self.write_sys(self._batch.t, DRIVER, {"type": "Outcome", **outcome})
             self._ship()
         finally:
             self._closed = True

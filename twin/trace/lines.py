@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Optional
+from types import GenericAlias
+from typing import Any, Final, Optional, Union
 
 import msgspec
 
@@ -26,7 +28,7 @@ from twin.trace.blocks import BlockSink
 from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode, named_room
 from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
 
-__all__ = ["DRIVER", "JSON_TEXT", "Item", "LineEncoder", "LiveState", "float_text",
+__all__ = ["DRIVER", "JSON_TEXT", "Batch", "Item", "LineEncoder", "LiveState", "float_text",
            "pack_batch", "unpack_batch"]
 
 DRIVER: Final = "driver"
@@ -38,8 +40,12 @@ JSON_TEXT: Final[Any] = json.JSONEncoder(separators=(",", ":"), allow_nan=False,
 Item = tuple[float, int, Any, Optional[list[Any]], Optional[dict[str, Any]]]  # noqa: UP045
 """``(t, node code, input or None, effects, driver record or None)``: one entry of a batch.
 Effects None: the input's effects follow in a later item (``TraceWriter.write_input``)."""
-_BATCH = list[tuple[float, int, Optional[_INPUT],  # type: ignore[valid-type]  # noqa: UP045
-                    Optional[list[_EFFECT]], Optional[dict[str, Any]]]]  # type: ignore[valid-type]  # noqa: UP045
+_UNION: Any = Union
+_BATCH: Any = GenericAlias(list, (GenericAlias(tuple, (
+    float, int, _UNION[_INPUT, None], _UNION[GenericAlias(list, (_EFFECT,)), None],
+    _UNION[dict[str, Any], None])),))
+"""A batch's type, as msgpack decodes it: ``list[tuple[float, int, Input | None,
+list[Effect] | None, dict | None]]``."""
 pack_batch = msgspec.msgpack.Encoder().encode
 """A batch of items as msgpack bytes (what crosses the pipe to a forked encoder)."""
 unpack_batch = msgspec.msgpack.Decoder(_BATCH).decode
@@ -260,3 +266,101 @@ class LineEncoder:
         if self._index is not None:
             with contextlib.suppress(Exception):
                 self._index.close()
+
+
+class Batch:
+    """The writer's batch in the making: the hot path of ``TraceWriter`` (compiled with the core).
+
+    ``record`` (the runtime's one call per input), ``add_input`` and ``add_effects`` check each
+    item (times non-decreasing and finite, the node declared, inputs and effects of the core's
+    classes), note the rooms decode nodes conclude, and append it; ``ship()`` is called once
+    ``limit`` items are collected. ``path`` names the file in errors (``path:line``)."""
+
+    def __init__(self, path: str, codes: dict[str, int], decode_nodes: set[str], limit: int,
+                 ship: Any) -> None:
+        self.path = path
+        self.codes = codes
+        self.decode_nodes = decode_nodes
+        self.limit = limit
+        self.ship = ship
+        self.items: list[Any] = []
+        self.lines = 0  # lines collected so far, handed on or not
+        self.t = 0.0
+        self.succeeded: set[int] = set()
+        self.failed: set[int] = set()
+
+    def where(self) -> str:
+        """``path:line`` of the next line."""
+        return f"{self.path}:{self.lines + 2}"
+
+    def set_time(self, t: float) -> None:
+        t = float(t)
+        if not t >= self.t or not math.isfinite(t):
+            raise TraceError(self.where(), f"time {t!r} is before {self.t!r} or not finite", "t")
+        self.t = t
+
+    def code(self, node: str, d: str) -> int:
+        code = self.codes.get(node)
+        if code is None:
+            raise TraceError(self.where(), f"unknown node {node!r} for dir {d!r}", "node")
+        return code
+
+    def effects(self, node: str, effects: Any) -> list[Any]:
+        """``effects`` as a list, each checked to be a core effect; notes conclusions."""
+        out: list[Any] = effects if type(effects) is list else list(effects)
+        for e in out:
+            c = type(e)
+            if c not in _EFFECT_CLASSES:
+                raise TypeError(f"not a core effect: {c.__name__}")
+            if c is ev.RoomConcluded and node in self.decode_nodes:
+                (self.succeeded if e.status == "Success" else self.failed).add(e.room)
+        return out
+
+    def record(self, t: float, node: str, event: Any, effects: Any) -> None:
+        """Record that ``node`` handled input ``event`` at time ``t`` and returned ``effects``."""
+        if t != self.t:
+            self.set_time(t)
+        code = self.codes.get(node)
+        if code is None:
+            code = self.code(node, "in")
+        if type(event) not in _INPUT_CLASSES:
+            raise TypeError(f"not a core input: {type(event).__name__}")
+        out = self.effects(node, effects)
+        self.items.append((t, code, event, out, None))
+        self.lines += 1 + len(out)
+        if len(self.items) >= self.limit:
+            self.ship()
+
+    def add_input(self, t: float, node: str, event: Any) -> None:
+        """An input whose effects follow with ``add_effects``."""
+        if t != self.t:
+            self.set_time(t)
+        code = self.code(node, "in")
+        if type(event) not in _INPUT_CLASSES:
+            raise TypeError(f"not a core input: {type(event).__name__}")
+        self.items.append((t, code, event, None, None))
+        self.lines += 1
+        if len(self.items) >= self.limit:
+            self.ship()
+
+    def add_effects(self, t: float, node: str, effects: Any) -> None:
+        """The effects of ``node``'s last input, in order."""
+        if t != self.t:
+            self.set_time(t)
+        code = self.code(node, "out")
+        out = self.effects(node, effects)
+        self.items.append((t, code, None, out, None))
+        self.lines += len(out)
+        if len(self.items) >= self.limit:
+            self.ship()
+
+    def add_record(self, t: float, code: int, record: dict[str, Any]) -> None:
+        """A driver record already checked."""
+        self.items.append((t, code, None, None, record))
+        self.lines += 1
+        if len(self.items) >= self.limit:
+            self.ship()
+
+
+_INPUT_CLASSES: Final = frozenset(ev.INPUT_TYPES)
+_EFFECT_CLASSES: Final = frozenset(ev.EFFECT_TYPES)
