@@ -31,7 +31,6 @@ __all__ = [
     "encode",
     "event_from_json",
     "event_to_json",
-    "message_from_json",
     "message_to_json",
     "room_of",
 ]
@@ -140,16 +139,6 @@ def event_from_json(d: Any, *, where: str) -> Any:
         return msgspec.convert(d, _EVENT)
     except msgspec.ValidationError as exc:
         raise _error(where, exc) from None
-
-
-def message_from_json(d: Any, *, where: str, path: str = "msg") -> Any:
-    """Inverse of ``message_to_json``; ``path`` names the field in errors."""
-    if type(d) is not dict:
-        raise TraceError(where, f"expected a message object, got {_describe(d)}", path)
-    try:
-        return msgspec.convert(d, _MESSAGE)
-    except msgspec.ValidationError as exc:
-        raise _error(where, exc, path) from None
 
 
 def _describe(value: Any) -> str:

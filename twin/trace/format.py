@@ -577,13 +577,6 @@ def _batches(source: BlockSource) -> Iterator[tuple[list[bytes], bool]]:
         yield [rest], False
 
 
-def _lines(source: BlockSource) -> Iterator[tuple[bytes, bool]]:
-    """``(line, ended)`` pairs; ``ended`` is False for a last line without a newline."""
-    for lines, ended in _batches(source):
-        for line in lines:
-            yield line, ended
-
-
 def _unbatch(batches: Iterator[tuple[list[bytes], bool]]) -> Iterator[tuple[bytes, bool]]:
     for lines, ended in batches:
         for line in lines:

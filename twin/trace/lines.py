@@ -1,15 +1,9 @@
-"""Items in, trace lines, blocks and the index's live state out: the writer's back half.
-
-``TraceWriter`` (``twin.trace.format``) checks each record and collects *items* in a batch:
-``(t, node code, input or None, effects, driver record or None)``. A ``LineEncoder`` turns the
-batches into lines (``twin.trace.codec``: one ``msgspec`` encode per event), cuts the lines into
-blocks, keeps the index's ``LiveState`` and hands the blocks to a ``BlockSink``. It runs in the
-writer's process, or in a forked child (``twin.trace.encoder``) that gets the batches as msgpack
-(``pack_batch`` / ``unpack_batch``), so that a simulation pays for collecting its events and not
-for their text. Fed the same items, it writes the same bytes wherever it runs: a block ends after
-an input's effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` lines after an
-input, after a driver record once ``flush_every`` are buffered, and on ``flush``.
-"""
+"""The trace writer's two halves (compiled with the core by ``twin compile``). ``Batch``
+checks each item and collects it; ``LineEncoder`` turns batches into lines (one msgspec encode
+per event), blocks and the index's ``LiveState``, here or in a forked child that gets them as
+msgpack (``pack_batch``), writing the same bytes either way: a block ends after an input's
+effects once ``flush_every`` lines are buffered, at ``2 * flush_every`` after an input, after a
+driver record once ``flush_every`` are buffered, and on ``flush``."""
 
 from __future__ import annotations
 
