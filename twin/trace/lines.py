@@ -163,8 +163,6 @@ class LineEncoder:
     def feed(self, items: Sequence[Item]) -> None:
         """Encode ``items`` in order, writing every block they complete."""
         buf = self._buf
-        rooms = self._rooms
-        live = self._live
         heads_in, heads_out = self._heads["in"], self._heads["out"]
         for t, code, inp, effects, record in items:
             if t != self._t:
@@ -179,12 +177,7 @@ class LineEncoder:
                 self._blk_seq = seq
                 self._blk_t0 = t
             if inp is not None:
-                line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, heads_in[code], _text(inp))
-                buf.append(line)
-                room = named_room(inp)
-                if room is not None:
-                    rooms.add(room)
-                live.on_event(node, inp, seq, line)
+                self._line(node, inp, seq, heads_in[code])
                 seq += 1
             if effects is None:  # its effects follow in another item: keep them together
                 self._seq = seq
@@ -193,16 +186,20 @@ class LineEncoder:
                 continue
             head = heads_out[code]
             for e in effects:
-                line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, head, _text(e))
-                buf.append(line)
-                room = named_room(e)
-                if room is not None:
-                    rooms.add(room)
-                live.on_event(node, e, seq, line)
+                self._line(node, e, seq, head)
                 seq += 1
             self._seq = seq
             if len(buf) >= self.flush_every:
                 self._drain()
+
+    def _line(self, node: str, e: Any, seq: int, head: bytes) -> None:
+        """Write event ``e`` of ``node`` as line ``seq`` (``head``: its node and dir)."""
+        line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, head, _text(e))
+        self._buf.append(line)
+        room = named_room(e)
+        if room is not None:
+            self._rooms.add(room)
+        self._live.on_event(node, e, seq, line)
 
     def _sys(self, code: int, record: dict[str, Any]) -> None:
         node = self._names[code]
@@ -320,10 +317,7 @@ class Batch:
         if type(event) not in _INPUT_CLASSES:
             raise TypeError(f"not a core input: {type(event).__name__}")
         out = self.effects(node, effects)
-        self.items.append((t, code, event, out, None))
-        self.lines += 1 + len(out)
-        if len(self.items) >= self.limit:
-            self.ship()
+        self.add((t, code, event, out, None), 1 + len(out))
 
     def add_input(self, t: float, node: str, event: Any) -> None:
         """An input whose effects follow with ``add_effects``."""
@@ -332,10 +326,7 @@ class Batch:
         code = self.code(node, "in")
         if type(event) not in _INPUT_CLASSES:
             raise TypeError(f"not a core input: {type(event).__name__}")
-        self.items.append((t, code, event, None, None))
-        self.lines += 1
-        if len(self.items) >= self.limit:
-            self.ship()
+        self.add((t, code, event, None, None), 1)
 
     def add_effects(self, t: float, node: str, effects: Any) -> None:
         """The effects of ``node``'s last input, in order."""
@@ -343,15 +334,17 @@ class Batch:
             self.set_time(t)
         code = self.code(node, "out")
         out = self.effects(node, effects)
-        self.items.append((t, code, None, out, None))
-        self.lines += len(out)
-        if len(self.items) >= self.limit:
-            self.ship()
+        self.add((t, code, None, out, None), len(out))
 
     def add_record(self, t: float, code: int, record: dict[str, Any]) -> None:
         """A driver record already checked."""
-        self.items.append((t, code, None, None, record))
-        self.lines += 1
+        self.add((t, code, None, None, record), 1)
+
+    def add(self, item: tuple[Any, ...], lines: int) -> None:
+        """Append ``item`` (``lines`` trace lines), shipping the batch once it holds ``limit``
+        items."""
+        self.items.append(item)
+        self.lines += lines
         if len(self.items) >= self.limit:
             self.ship()
 
