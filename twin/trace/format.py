@@ -226,9 +226,6 @@ def _check_header(h: Any, where: str, warnings: list[str] | None = None
     return config, nodes
 
 
-_check_sys = check_record
-
-
 # ---------------------------------------------------------------------------------------------
 # Writer
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +332,7 @@ class TraceWriter:
         rec = dict(record)
         if not forward_record(rec):  # the common ones, checked at a glance
             try:
-                rtype = _check_sys(rec, "", self._nodes)
+                rtype = check_record(rec, "", self._nodes)
             except TraceError as exc:
                 raise TraceError(b.where(), exc.detail, exc.field) from None
             try:
@@ -785,7 +782,7 @@ class TraceReader:
         return Record(seq, float(t), node, direction, rtype, d, event, lineno)
 
     def _sys(self, d: dict[str, Any], where: str, node: str) -> tuple[str, int | None]:
-        rtype = _check_sys(d, where, self.nodes)
+        rtype = check_record(d, where, self.nodes)
         room = d.get("room") if rtype in ("ForwardStart", "ForwardEnd") else None
         if rtype == "RequestArrived":
             if d["room"] in self.rooms and not self.partial:
