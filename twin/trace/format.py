@@ -61,7 +61,6 @@ from twin.trace.records import (
     SYS_DOCS,
     SYS_TYPES,
     check_record,
-    forward_record,
 )
 
 try:
@@ -275,7 +274,7 @@ class TraceWriter:
         self._closed = False
         self.requests = 0
         self._batch = Batch(str(self.path), self._codes, self._decode_nodes, self.flush_every,
-                            self._ship)
+                            self._ship, self._check_sys)
         codec = codec_for_name(self.path.name)
         header_line = (JSON_TEXT(self.header) + "\n").encode("utf-8")
         if index:
@@ -322,27 +321,23 @@ class TraceWriter:
         """Rooms a decode node concluded otherwise so far."""
         return self._batch.failed
 
-    def write_sys(self, t: float, node: str, record: Mapping[str, Any]) -> None:
-        """Record a driver record (``twin.trace.records``); ``node`` is a node id or
-        ``"driver"``."""
-        b = self._batch
-        if t != b.t:
-            b.set_time(t)
-        code = len(self._codes) if node == DRIVER else b.code(node, "sys")
-        rec = dict(record)
-        if not forward_record(rec):  # the common ones, checked at a glance
-            try:
-                rtype = check_record(rec, "", self._nodes)
-            except TraceError as exc:
-                raise TraceError(b.where(), exc.detail, exc.field) from None
+    @property
+    def write_sys(self) -> Callable[[float, str, Mapping[str, Any]], None]:
+        """``write_sys(t, node, record)``: a driver record (``twin.trace.records``); ``node``
+        is a node id or ``"driver"``."""
+        return self._batch.write_sys
+
+    def _check_sys(self, rec: dict[str, Any]) -> None:
+        """``Batch.check_sys``: a record other than ``ForwardStart``/``ForwardEnd``."""
+        rtype = check_record(rec, "", self._nodes)
+        if len(rec) > len(SYS_TYPES[rtype]) + 1:  # keys of the driver's own: plain data?
             try:
                 JSON_TEXT(rec)
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"a trace record holds a value that is not plain data: {exc}"
                                 ) from None
-            if rtype == "RequestArrived":
-                self.requests += 1
-        b.add_record(t, code, rec)
+        if rtype == "RequestArrived":
+            self.requests += 1
 
     # -- blocks and closing --------------------------------------------------------------------
     def _ship(self) -> None:

@@ -21,6 +21,7 @@ from twin.core import wire
 from twin.trace.blocks import BlockSink
 from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode, named_room
 from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
+from twin.trace.records import forward_record
 
 __all__ = ["DRIVER", "JSON_TEXT", "Batch", "Item", "LineEncoder", "LiveState", "float_text",
            "pack_batch", "unpack_batch"]
@@ -265,12 +266,16 @@ class Batch:
     ``record`` (the runtime's one call per input), ``add_input`` and ``add_effects`` check each
     item (times non-decreasing and finite, the node declared, inputs and effects of the core's
     classes), note the rooms decode nodes conclude, and append it; ``ship()`` is called once
-    ``limit`` items are collected. ``path`` names the file in errors (``path:line``)."""
+    ``limit`` items are collected. ``path`` names the file in errors (``path:line``).
+    ``check_sys(record)`` checks a driver record other than the common ``ForwardStart`` and
+    ``ForwardEnd`` (``write_sys``), raising ``TraceError`` without a place."""
 
     def __init__(self, path: str, codes: dict[str, int], decode_nodes: set[str], limit: int,
-                 ship: Any) -> None:
+                 ship: Any, check_sys: Any) -> None:
         self.path = path
         self.codes = codes
+        self.driver_code = len(codes)
+        self.check_sys = check_sys
         self.decode_nodes = decode_nodes
         self.limit = limit
         self.ship = ship
@@ -336,9 +341,19 @@ class Batch:
         out = self.effects(node, effects)
         self.add((t, code, None, out, None), len(out))
 
-    def add_record(self, t: float, code: int, record: dict[str, Any]) -> None:
-        """A driver record already checked."""
-        self.add((t, code, None, None, record), 1)
+    def write_sys(self, t: float, node: str, record: Any) -> None:
+        """A driver record of ``node`` (``DRIVER`` for the run's own) at time ``t``: copied,
+        checked (``forward_record`` at a glance, else ``check_sys``), and appended."""
+        if t != self.t:
+            self.set_time(t)
+        code = self.driver_code if node == DRIVER else self.code(node, "sys")
+        rec = dict(record)
+        if not forward_record(rec):
+            try:
+                self.check_sys(rec)
+            except TraceError as exc:
+                raise TraceError(self.where(), exc.detail, exc.field) from None
+        self.add((t, code, None, None, rec), 1)
 
     def add(self, item: tuple[Any, ...], lines: int) -> None:
         """Append ``item`` (``lines`` trace lines), shipping the batch once it holds ``limit``

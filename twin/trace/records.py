@@ -8,7 +8,7 @@ against its class here (``check_record``), with the same strict rules as the eve
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -88,7 +88,6 @@ class Outcome(SysRecord, frozen=True):
 
 SYS_CLASSES: dict[str, type[SysRecord]] = {c.__name__: c for c in (
     RequestArrived, ForwardStart, ForwardEnd, FaultInjected, Note, Metric, Outcome)}
-_RECORD = Union[tuple(SYS_CLASSES.values())]  # type: ignore[valid-type]  # noqa: UP007
 
 
 def _kind(hint: Any) -> str:
@@ -120,7 +119,7 @@ def check_record(record: Any, where: str, nodes: Any) -> str:
         raise TraceError(where, f"unknown sys record type {rtype!r}; known: "
                          f"{', '.join(SYS_CLASSES)}", "type")
     try:
-        rec = msgspec.convert(record, _RECORD, strict=True)
+        rec = msgspec.convert(record, SYS_CLASSES[rtype], strict=True)
     except msgspec.ValidationError as exc:
         err = _error(where, exc)
         if err.field == "status":  # an Outcome's: name the statuses
