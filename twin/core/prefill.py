@@ -61,6 +61,7 @@ from twin.core.states import PrefillRoomState, PrefillTrigger, prefill_next
 # metaclass's __getattr__ hook.
 _S_BOOTSTRAPPING: Final = PrefillRoomState.BOOTSTRAPPING
 _S_FAILED: Final = PrefillRoomState.FAILED
+_S_TRANSFERRING: Final = PrefillRoomState.TRANSFERRING
 _S_SUCCESS: Final = PrefillRoomState.SUCCESS
 _T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
 _T_FAIL: Final = PrefillTrigger.FAIL
@@ -171,8 +172,10 @@ class PrefillRank:
         self._eager = cfg.worker_wake == "eager"
         self._rooms: dict[int, PrefillRoom] = {}
         self._watermarks: dict[str, tuple[int, int]] = {}
-        self._prefetch_requested: set[tuple[int, int, str]] = set()
-        self._requested_at: dict[tuple[int, int, str], float] = {}  # lost-control recovery
+        # Per room (so a teardown drops its entries at once): (chunk_idx, session) requested,
+        # and when it was last requested (lost-control recovery).
+        self._prefetch_requested: dict[int, set[tuple[int, str]]] = {}
+        self._requested_at: dict[int, dict[tuple[int, str], float]] = {}
         self._ack_targets: dict[int, dict[tuple[str, int], int]] = {}
         self._poisoned: set[int] = set()
         self._aborted: set[int] = set()  # failed rooms already torn down here
@@ -182,6 +185,7 @@ class PrefillRank:
         self._grid_tokens = cfg.grid_tokens
         self._full_pages = cfg.full_chunk_pages
         self._ring_bytes = cfg.ring_bytes
+        self._deferral_wait_s = cfg.deferral_wait_s
         # (decode rank, pages) -> (this writer's bytes, its offset in the region, region bytes)
         self._writes: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._writer = writer_index(cfg.prefill.attn_tp_size, cfg.decode.attn_tp_size,
@@ -338,13 +342,15 @@ class PrefillRank:
             return
         room_id = room.room
         grid_pages = self._full_pages
+        requested = self._prefetch_requested.setdefault(room_id, set())
+        requested_at = self._requested_at.setdefault(room_id, {})
         for target in room.targets:
             for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
-                key = (room_id, chunk_idx, target.session)
-                if key in self._prefetch_requested:
+                key = (chunk_idx, target.session)
+                if key in requested:
                     continue
-                self._prefetch_requested.add(key)
-                self._requested_at[key] = self.now
+                requested.add(key)
+                requested_at[key] = self.now
                 out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
                     room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session, pp_rank=self._req_pp_rank)))
@@ -432,7 +438,8 @@ class PrefillRank:
                     self._tear_down(room, out)
                 self._maybe_ack(room.room, out)
                 continue
-            room.state = prefill_next(room.state, _T_DEQUEUE)
+            if room.state is not _S_TRANSFERRING:  # (the table keeps Transferring as it is)
+                room.state = prefill_next(room.state, _T_DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
         out.append(ev.WorkerIdle(worker=index))
@@ -450,7 +457,8 @@ class PrefillRank:
         resume = self._resume
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         while True:
-            pending = [i for i in range(len(room.targets)) if i not in chunk.written]
+            written = chunk.written
+            pending = [i for i in range(len(room.targets)) if i not in written]
             if not pending:
                 break
             if chunk.num_pages == 0:
@@ -502,7 +510,7 @@ class PrefillRank:
             w.blocked_streak += 1
             all_blocked = w.blocked_streak >= len(w.queue)
             w.waiting = True
-            retry = None if all_blocked else self.now + cfg.deferral_wait_s
+            retry = None if all_blocked else self.now + self._deferral_wait_s
             if retry is None and self._recovery:
                 retry = self.now + cfg.control_retry_s
             w.sleeping = retry is None
@@ -517,10 +525,12 @@ class PrefillRank:
                     out: list[ev.Effect]) -> None:
         """Lost-control recovery: ask again for a chunk deferred ``control_retry_s`` after its
         last request; decode answers with the allocation and its current watermark."""
-        key = (room.room, chunk_idx, target.session)
-        if self.now - self._requested_at.get(key, self.now) < self.cfg.control_retry_s:
-            return
-        self._requested_at[key] = self.now
+        key = (chunk_idx, target.session)
+        requested_at = self._requested_at.get(room.room)
+        if requested_at is None or (
+                self.now - requested_at.get(key, self.now) < self.cfg.control_retry_s):
+            return  # never requested: nothing to ask again
+        requested_at[key] = self.now
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
         out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
@@ -652,8 +662,8 @@ class PrefillRank:
 
     def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
         del self._rooms[room.room]
-        self._prefetch_requested = {k for k in self._prefetch_requested if k[0] != room.room}
-        self._requested_at = {k: t for k, t in self._requested_at.items() if k[0] != room.room}
+        self._prefetch_requested.pop(room.room, None)
+        self._requested_at.pop(room.room, None)
         if room.state is _S_FAILED:
             self._aborted.add(room.room)
         out.append(ev.RoomTornDown(room=room.room))

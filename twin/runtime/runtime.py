@@ -51,6 +51,18 @@ def note_dropped(notes: dict[int, list[str]], node: str, e: ev.Dropped) -> None:
             have.append(f"{node} dropped {e.what}: {e.reason}")
 
 
+_WORKER_POLLS: list[ev.WorkerPoll] = []
+
+
+def worker_poll(worker: int) -> ev.WorkerPoll:
+    """``WorkerPoll(worker)``, one shared instance per worker (the input is frozen, and a
+    storm feeds a million of them)."""
+    polls = _WORKER_POLLS
+    while len(polls) <= worker:
+        polls.append(ev.WorkerPoll(worker=len(polls)))
+    return polls[worker]
+
+
 class Driver(Protocol):
     """What a driver supplies to the runtime: clock, transport and data plane."""
 
@@ -106,7 +118,9 @@ class Runtime:
         self.dropped: dict[int, list[str]] = {}
         self.last_progress = 0.0
         self.inputs = 0
-        self._poll_tokens: dict[tuple[str, int], int] = {}
+        # node -> the latest poll token of each of its workers (a list: no key tuple per poll)
+        self._poll_tokens: dict[str, list[int]] = {}
+        self._feed_at = driver.feed_at  # bound once: called on every poll
         self._time = clock or driver.time  # ``clock``: a cheaper reader of the same time
         self._now = 0.0  # the time of the input being handled (effects happen then)
         self.current: ev.Input | None = None  # the input being handled (what a send answers)
@@ -156,16 +170,22 @@ class Runtime:
         """Feed ``WorkerPoll(worker)`` at ``at``, replacing a poll of that worker not yet fed."""
         if self.scripted:
             return
-        key = (node, worker)
-        token = self._poll_tokens.get(key, 0) + 1
-        self._poll_tokens[key] = token
-        self.driver.feed_at(at, node, ev.WorkerPoll(worker=worker), token)
+        tokens = self._poll_tokens.get(node)
+        if tokens is None:
+            tokens = self._poll_tokens[node] = []
+        while len(tokens) <= worker:
+            tokens.append(0)
+        token = tokens[worker] + 1
+        tokens[worker] = token
+        self._feed_at(at, node, worker_poll(worker), token)
 
     def is_current(self, node: str, event: ev.Input, token: int) -> bool:
         """Whether a scheduled input is still wanted: a poll replaced by a newer one is not."""
         if token == 0:
             return True
-        return self._poll_tokens.get((node, event.worker)) == token  # type: ignore[union-attr]
+        tokens = self._poll_tokens.get(node)
+        worker: int = event.worker  # type: ignore[union-attr]
+        return tokens is not None and worker < len(tokens) and tokens[worker] == token
 
     def fire(self, node: str, event: ev.Input, token: int) -> None:
         """A scheduled input's time came: feed it unless a newer poll replaced it."""
