@@ -6,11 +6,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from twin.core.config import TwinConfig
 from twin.core.defects import RAISE_ON_UNALIGNED_PREFIX, Defects
 from twin.runtime.diagnosis import diagnose
 from twin.runtime.faults import parse_fault
@@ -22,6 +25,7 @@ from twin.runtime.outcome import (
     EXIT_WEDGE,
 )
 from twin.runtime.params import SimParams
+from twin.runtime.signals import Interrupted
 from twin.sim.engine import Simulation, next_tick_after
 from twin.sim.plots import write_plots
 from twin.sim.runner import SimResult, run_sim
@@ -550,3 +554,23 @@ def test_a_restarted_prefill_rank_is_one_root_for_its_lost_rooms_and_names_pr360
                "empty state at t=1.5 s: the rooms it held when it crashed are lost" in x
                for x in roots)
     assert any("stale WATERMARK subscriber, sglang PR #36049" in x for x in roots)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_run_between_two_events(signum: int) -> None:
+    """A signal during ``Simulation.run`` only notes itself; the run returns before the next
+    event and raises there (``KeyboardInterrupt``, ``Interrupted`` for SIGTERM), and the
+    handlers from before the run are back."""
+    cfg = TwinConfig()
+    sim = Simulation(cfg, poisson(50, rate_per_s=20, input_len=3000, output_len=8, seed=3))
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    fed_after: list[float] = []
+    sim.at(0.5, os.kill, os.getpid(), signum)
+    sim.at(0.5, fed_after.append, 0.5)  # the same time, scheduled after the signal
+    expected = KeyboardInterrupt if signum == signal.SIGINT else Interrupted
+    with pytest.raises(expected) as info:
+        sim.run()
+    assert type(info.value) is expected
+    assert sim.calendar.now == 0.5 and fed_after == []  # nothing ran after the signal
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert sim.calendar.stop_signal == 0

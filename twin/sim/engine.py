@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
@@ -36,6 +37,7 @@ from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
 from twin.runtime.runtime import Recorder, Runtime
+from twin.runtime.signals import HANDLED, Interrupted, signals_handled
 from twin.sim.clock import CalendarEnvironment
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
@@ -177,7 +179,7 @@ class Calendar:
     come from the counter ``eids`` that SimPy draws from too, so calls of one time run in the
     order they were scheduled."""
 
-    __slots__ = ("now", "soon", "later", "edge", "horizon", "eids")
+    __slots__ = ("now", "soon", "later", "edge", "horizon", "eids", "stop_signal")
 
     def __init__(self, eids: EventIds, horizon: float = 1.0) -> None:
         self.now = 0.0
@@ -187,6 +189,9 @@ class Calendar:
         self.edge = 0.0
         self.horizon = horizon
         self.eids = eids
+        self.stop_signal = 0
+        """A signal (SIGINT, SIGTERM, ...) that asked the run to stop; ``_run_until`` returns
+        before the next call once it is set."""
 
     def __len__(self) -> int:
         return len(self.soon) + len(self.later)
@@ -268,6 +273,8 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
     step = env.step
     try:
         while True:
+            if calendar.stop_signal:
+                return
             if soon or calendar.refill():
                 call = soon[-1]
                 t = call.t
@@ -898,13 +905,23 @@ class Simulation:
         if monitor:
             env.process(self._monitor(self.params.wedge_window_s))
         stop = self.done if until is None else (self.done | env.timeout(until))
+        calendar = self.calendar
+
+        def note_signal(signum: int, frame: Any) -> None:
+            calendar.stop_signal = signum
+
         try:
-            with paced_collector():
-                _run_until(env, self.calendar, stop)
+            # Ctrl-C, SIGTERM and SIGHUP stop the run between two events: an exception raised
+            # by a signal handler inside compiled code could land where it expects none.
+            with paced_collector(), signals_handled(note_signal, (signal.SIGINT, *HANDLED)):
+                _run_until(env, calendar, stop)
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
                 raise
             self.stop_reason = "event queue empty"
+        if calendar.stop_signal:
+            signum, calendar.stop_signal = calendar.stop_signal, 0
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
         if not self.stop_reason:
             self.stop_reason = "until"
         self.metrics.prefill_pools = [s.series for s in self.schedulers]
