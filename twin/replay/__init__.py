@@ -28,6 +28,7 @@ from twin.runtime.diagnosis import crash_reason, diagnose, note_fault_record, re
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
+from twin.runtime.signals import STOPPING, Noted, signals_handled
 from twin.trace.codec import body, event_to_json
 from twin.trace.compat import comparable
 from twin.trace.format import (
@@ -193,26 +194,30 @@ class Replayer:
         pending: tuple[Record, list[ev.Effect]] | None = None  # fed; its effect lines follow
         recorded: list[Record] = []
         feeding = True
-        for rec in records:
-            d = rec.dir
-            if d == "out":
-                if pending is not None and rec.node == pending[0].node:
-                    recorded.append(rec)
-                continue
-            if pending is not None:
-                feeding = self._check(*pending, recorded)
-            pending = None
-            if d == "in":
-                if feeding:
-                    effects = self._feed(rec)
-                    if effects is None:
-                        pass
-                    elif effects and skip_effects(effects):  # recorded exactly so: checked
-                        self.observe(rec.node, effects)
-                    else:
-                        pending, recorded = (rec, effects), []
-            elif rec.type in _FOLLOWED:
-                self.note_sys(rec.type, rec.data)
+        noted = Noted()  # a stopping signal ends the replay between two inputs
+        with signals_handled(noted, STOPPING):
+            for rec in records:
+                d = rec.dir
+                if d == "out":
+                    if pending is not None and rec.node == pending[0].node:
+                        recorded.append(rec)
+                    continue
+                if pending is not None:
+                    feeding = self._check(*pending, recorded)
+                pending = None
+                if d == "in":
+                    if noted.signum:
+                        noted.check()
+                    if feeding:
+                        effects = self._feed(rec)
+                        if effects is None:
+                            pass
+                        elif effects and skip_effects(effects):  # recorded exactly so
+                            self.observe(rec.node, effects)
+                        else:
+                            pending, recorded = (rec, effects), []
+                elif rec.type in _FOLLOWED:
+                    self.note_sys(rec.type, rec.data)
         if pending is not None:
             self._check(*pending, recorded)
         return self._result()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from twin.replay.feeding import feed_batch
+from twin.runtime.signals import STOPPING, Noted, signals_handled
 from twin.trace.codec import TraceError
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import INPUT_NAMES, TraceReader
@@ -72,21 +73,24 @@ def run(replayer: Replayer) -> ReplayResult:
     os.close(w)
     src = os.fdopen(r, "rb")
     introduced: set[int] = set()
+    noted = Noted()  # a stopping signal ends the replay between two batches
     try:
-        while True:
-            payload = read_frame(src)
-            if payload is None:
-                raise Fallback("the trace reader ended early")
-            msg = _unpack(payload)
-            if msg[0] == "items":
-                _replay(replayer, trace.name, msg[1], introduced)
-            elif msg[0] == "end":
-                _, outcome, warnings, truncated, counts, first_t, last_t = msg
-                break
-            elif msg[0] == "error":  # a TraceError, as the sequential replay raises it
-                raise TraceError(*msg[1])
-            else:
-                raise Fallback(f"the trace reader failed: {msg[1]}")
+        with signals_handled(noted, STOPPING):
+            while True:
+                payload = read_frame(src)
+                noted.check()  # (a signal to the group may have ended the reader too)
+                if payload is None:
+                    raise Fallback("the trace reader ended early")
+                msg = _unpack(payload)
+                if msg[0] == "items":
+                    _replay(replayer, trace.name, msg[1], introduced)
+                elif msg[0] == "end":
+                    _, outcome, warnings, truncated, counts, first_t, last_t = msg
+                    break
+                elif msg[0] == "error":  # a TraceError, as the sequential replay raises it
+                    raise TraceError(*msg[1])
+                else:
+                    raise Fallback(f"the trace reader failed: {msg[1]}")
     finally:
         src.close()
         with contextlib.suppress(ProcessLookupError):

@@ -51,6 +51,38 @@ def signals_handled(handler: Any, signums: tuple[int, ...] = HANDLED) -> Iterato
             signal.signal(s, old)
 
 
+STOPPING = (signal.SIGINT, *HANDLED)
+"""The signals that end a run: Ctrl-C, and those ``signals_interrupt`` turns into it."""
+
+
+def interrupt_for(signum: int) -> KeyboardInterrupt:
+    """The exception a run raises for a stopping signal it noted: ``KeyboardInterrupt`` for
+    SIGINT, ``Interrupted`` for the others."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+
+
+class Noted:
+    """A handler that only notes the first stopping signal (``signum``, 0 while none).
+
+    A loop that feeds compiled code installs it (``signals_handled(noted, STOPPING)``) and
+    checks ``signum`` between two steps: an exception a handler raised inside compiled code
+    could be left pending where that code expects none (the process then aborts)."""
+
+    __slots__ = ("signum",)
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.signum:
+            self.signum = signum
+
+    def check(self) -> None:
+        """Raise ``interrupt_for`` the noted signal, if there is one."""
+        if self.signum:
+            raise interrupt_for(self.signum)
+
+
 def signals_interrupt() -> contextlib.AbstractContextManager[None]:
     """Within the block, SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``).
     Outside the main thread it does nothing."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import random
-import signal
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
@@ -37,7 +36,7 @@ from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
 from twin.runtime.runtime import Recorder, Runtime
-from twin.runtime.signals import HANDLED, Interrupted, signals_handled
+from twin.runtime.signals import STOPPING, interrupt_for, signals_handled
 from twin.sim.clock import CalendarEnvironment
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
@@ -911,9 +910,9 @@ class Simulation:
             calendar.stop_signal = signum
 
         try:
-            # Ctrl-C, SIGTERM and SIGHUP stop the run between two events: an exception raised
-            # by a signal handler inside compiled code could land where it expects none.
-            with paced_collector(), signals_handled(note_signal, (signal.SIGINT, *HANDLED)):
+            # Ctrl-C, SIGTERM and SIGHUP stop the run between two events (``Noted`` says why;
+            # the flag is the calendar's own field, read before every call).
+            with paced_collector(), signals_handled(note_signal, STOPPING):
                 _run_until(env, calendar, stop)
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
@@ -921,7 +920,7 @@ class Simulation:
             self.stop_reason = "event queue empty"
         if calendar.stop_signal:
             signum, calendar.stop_signal = calendar.stop_signal, 0
-            raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+            raise interrupt_for(signum)
         if not self.stop_reason:
             self.stop_reason = "until"
         self.metrics.prefill_pools = [s.series for s in self.schedulers]
