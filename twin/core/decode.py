@@ -456,10 +456,6 @@ class DecodeRank:
             self._submit_scatter(room, msg.chunk_idx, msg.page_start, msg.num_pages, out)
             del room.arrivals[msg.chunk_idx]
 
-    def _num_writers(self, room: DecodeRoom) -> int:
-        return num_tp_writers(room.prefill_attn_tp, self.cfg.decode.attn_tp_size) * \
-            self._pp_writers
-
     def _submit_scatter(self, room: DecodeRoom, chunk_idx: int, page_start: int, num_pages: int,
                         out: list[ev.Effect], blind: bool = False) -> bool:
         info = room.chunks.pop(chunk_idx, None)
