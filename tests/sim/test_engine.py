@@ -25,7 +25,7 @@ from twin.runtime.outcome import (
     EXIT_WEDGE,
 )
 from twin.runtime.params import SimParams
-from twin.runtime.signals import Interrupted
+from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.sim.engine import Simulation, next_tick_after
 from twin.sim.plots import write_plots
 from twin.sim.runner import SimResult, run_sim
@@ -559,18 +559,39 @@ def test_a_restarted_prefill_rank_is_one_root_for_its_lost_rooms_and_names_pr360
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_the_run_between_two_events(signum: int) -> None:
     """A signal during ``Simulation.run`` only notes itself; the run returns before the next
-    event and raises there (``KeyboardInterrupt``, ``Interrupted`` for SIGTERM), and the
-    handlers from before the run are back."""
-    cfg = TwinConfig()
-    sim = Simulation(cfg, poisson(50, rate_per_s=20, input_len=3000, output_len=8, seed=3))
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    event and the handler from before the run acts there (Ctrl-C's raises
+    ``KeyboardInterrupt``, ``signals_interrupt``'s ``Interrupted``); the handlers are back."""
+    sim = Simulation(TwinConfig(), poisson(50, rate_per_s=20, input_len=3000, output_len=8,
+                                           seed=3))
     fed_after: list[float] = []
     sim.at(0.5, os.kill, os.getpid(), signum)
     sim.at(0.5, fed_after.append, 0.5)  # the same time, scheduled after the signal
     expected = KeyboardInterrupt if signum == signal.SIGINT else Interrupted
-    with pytest.raises(expected) as info:
-        sim.run()
+    with signals_interrupt():
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        with pytest.raises(expected) as info:
+            sim.run()
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert type(info.value) is expected
     assert sim.calendar.now == 0.5 and fed_after == []  # nothing ran after the signal
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert sim.calendar.stop_signal == 0
+
+
+def test_a_handler_that_returns_lets_the_run_go_on() -> None:
+    """A handler that only takes note (``twin explore``'s first Ctrl-C) is called at the
+    signal's event, and the run then ends as it would have without the signal."""
+    def make() -> Simulation:
+        return Simulation(TwinConfig(), poisson(20, rate_per_s=20, input_len=3000,
+                                                output_len=8, seed=3))
+    quiet = make()
+    quiet.run()
+    sim = make()
+    seen: list[tuple[int, float]] = []
+    sim.at(0.3, os.kill, os.getpid(), signal.SIGHUP)
+    previous = signal.signal(signal.SIGHUP, lambda s, f: seen.append((s, sim.calendar.now)))
+    try:
+        assert sim.run() == quiet.stop_reason == "all requests ended"
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert seen == [(signal.SIGHUP, 0.3)]
+    assert sim.calendar.now == quiet.calendar.now and sim.inputs == quiet.inputs

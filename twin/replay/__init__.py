@@ -28,7 +28,7 @@ from twin.runtime.diagnosis import crash_reason, diagnose, note_fault_record, re
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
-from twin.runtime.signals import STOPPING, Noted, signals_handled
+from twin.runtime.signals import held_for_safe_points
 from twin.trace.codec import body, event_to_json
 from twin.trace.compat import comparable
 from twin.trace.format import (
@@ -194,8 +194,7 @@ class Replayer:
         pending: tuple[Record, list[ev.Effect]] | None = None  # fed; its effect lines follow
         recorded: list[Record] = []
         feeding = True
-        noted = Noted()  # a stopping signal ends the replay between two inputs
-        with signals_handled(noted, STOPPING):
+        with held_for_safe_points() as noted:  # a signal is acted on between two inputs
             for rec in records:
                 d = rec.dir
                 if d == "out":
@@ -207,7 +206,7 @@ class Replayer:
                 pending = None
                 if d == "in":
                     if noted.signum:
-                        noted.check()
+                        noted.deliver()
                     if feeding:
                         effects = self._feed(rec)
                         if effects is None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from twin.replay.feeding import feed_batch
-from twin.runtime.signals import STOPPING, Noted, signals_handled
+from twin.runtime.signals import held_for_safe_points
 from twin.trace.codec import TraceError
 from twin.trace.encoder import can_fork, open_pipe, read_frame, write_frame
 from twin.trace.format import INPUT_NAMES, TraceReader
@@ -73,12 +73,12 @@ def run(replayer: Replayer) -> ReplayResult:
     os.close(w)
     src = os.fdopen(r, "rb")
     introduced: set[int] = set()
-    noted = Noted()  # a stopping signal ends the replay between two batches
     try:
-        with signals_handled(noted, STOPPING):
+        with held_for_safe_points() as noted:  # a signal is acted on between two batches
             while True:
                 payload = read_frame(src)
-                noted.check()  # (a signal to the group may have ended the reader too)
+                if noted.signum:  # (before judging the read: it may have ended the reader)
+                    noted.deliver()
                 if payload is None:
                     raise Fallback("the trace reader ended early")
                 msg = _unpack(payload)

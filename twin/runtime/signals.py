@@ -9,9 +9,10 @@ run stops through the same path as Ctrl-C: its verdict says ``interrupted``, the
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
@@ -55,32 +56,60 @@ STOPPING = (signal.SIGINT, *HANDLED)
 """The signals that end a run: Ctrl-C, and those ``signals_interrupt`` turns into it."""
 
 
-def interrupt_for(signum: int) -> KeyboardInterrupt:
-    """The exception a run raises for a stopping signal it noted: ``KeyboardInterrupt`` for
-    SIGINT, ``Interrupted`` for the others."""
-    return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
-
-
 class Noted:
-    """A handler that only notes the first stopping signal (``signum``, 0 while none).
+    """Stopping signals held for a safe point (``held_for_safe_points``): ``signum`` is the
+    first one noted (0 while none); ``on_note(signum)``, if given, is told at once (a compiled
+    loop's own flag). ``deliver`` hands it to the handler from before the block."""
 
-    A loop that feeds compiled code installs it (``signals_handled(noted, STOPPING)``) and
-    checks ``signum`` between two steps: an exception a handler raised inside compiled code
-    could be left pending where that code expects none (the process then aborts)."""
+    __slots__ = ("signum", "previous", "on_note")
 
-    __slots__ = ("signum",)
-
-    def __init__(self) -> None:
+    def __init__(self, on_note: Callable[[int], None] | None = None) -> None:
         self.signum = 0
+        self.previous: dict[int, Any] = {}
+        self.on_note = on_note
 
     def __call__(self, signum: int, frame: Any) -> None:
         if not self.signum:
             self.signum = signum
+            if self.on_note is not None:
+                self.on_note(signum)
 
-    def check(self) -> None:
-        """Raise ``interrupt_for`` the noted signal, if there is one."""
-        if self.signum:
-            raise interrupt_for(self.signum)
+    def deliver(self) -> None:
+        """Act on the noted signal as the previous handler would have, here: it may raise
+        (``KeyboardInterrupt``, ``Interrupted``) or return, and then the loop goes on. With
+        the default action the process gets the signal again, as it would have."""
+        signum, self.signum = self.signum, 0
+        old = self.previous.get(signum)
+        if callable(old):
+            old(signum, None)
+        elif old == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def held_for_safe_points(on_note: Callable[[int], None] | None = None,
+                         signums: tuple[int, ...] = STOPPING) -> Iterator[Noted]:
+    """Within the block, the stopping signals only note themselves; the loop inside calls
+    ``noted.deliver()`` between two steps, where no compiled code is running (an exception a
+    handler raised inside compiled code could be left pending where that code expects none,
+    and the process then aborts). A signal still noted when the block ends is delivered then.
+    Ignored signals stay ignored; outside the main thread nothing changes."""
+    noted = Noted(on_note)
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    for s in signums:
+        old = signal.getsignal(s)
+        if old != signal.SIG_IGN:
+            noted.previous[s] = signal.signal(s, noted)
+    try:
+        yield noted
+    finally:
+        for s, old in noted.previous.items():
+            signal.signal(s, old)
+    if noted.signum:
+        noted.deliver()
 
 
 def signals_interrupt() -> contextlib.AbstractContextManager[None]:

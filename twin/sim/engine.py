@@ -36,7 +36,7 @@ from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
 from twin.runtime.runtime import Recorder, Runtime
-from twin.runtime.signals import STOPPING, interrupt_for, signals_handled
+from twin.runtime.signals import held_for_safe_points
 from twin.sim.clock import CalendarEnvironment
 from twin.sim.decode_loop import DecodeLoop
 from twin.sim.metrics import Metrics
@@ -266,7 +266,8 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
     if stop is not None:
         if stop.callbacks is None:
             return
-        stop.callbacks.append(StopSimulation.callback)
+        if StopSimulation.callback not in stop.callbacks:  # (a run resumed after a signal)
+            stop.callbacks.append(StopSimulation.callback)
     queue: Any = env._queue
     soon = calendar.soon
     step = env.step
@@ -906,21 +907,24 @@ class Simulation:
         stop = self.done if until is None else (self.done | env.timeout(until))
         calendar = self.calendar
 
-        def note_signal(signum: int, frame: Any) -> None:
+        def note_signal(signum: int) -> None:
             calendar.stop_signal = signum
 
         try:
-            # Ctrl-C, SIGTERM and SIGHUP stop the run between two events (``Noted`` says why;
-            # the flag is the calendar's own field, read before every call).
-            with paced_collector(), signals_handled(note_signal, STOPPING):
-                _run_until(env, calendar, stop)
+            # Ctrl-C, SIGTERM and SIGHUP are acted on between two events: the loop returns
+            # before the next call once one is noted (the calendar's own field), and the
+            # handler from before the run decides here (it raises, or the run goes on).
+            with paced_collector(), held_for_safe_points(note_signal) as noted:
+                while True:
+                    _run_until(env, calendar, stop)
+                    if not calendar.stop_signal:
+                        break
+                    calendar.stop_signal = 0
+                    noted.deliver()
         except RuntimeError as exc:  # SimPy: no scheduled events left before ``stop``
             if "No scheduled events left" not in str(exc):
                 raise
             self.stop_reason = "event queue empty"
-        if calendar.stop_signal:
-            signum, calendar.stop_signal = calendar.stop_signal, 0
-            raise interrupt_for(signum)
         if not self.stop_reason:
             self.stop_reason = "until"
         self.metrics.prefill_pools = [s.series for s in self.schedulers]

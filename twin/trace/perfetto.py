@@ -768,6 +768,10 @@ def write_perfetto(trace: TraceSource, out_path: str | os.PathLike[str], *,
     fmt = fmt or _format_of(path)
     if fmt not in ("proto", "json"):
         raise ValueError(f"format must be 'proto' or 'json', got {fmt!r}")
+    if fmt == "proto":  # imported before the temporary exists: an interrupt during an
+        # import may be raised in the import system's clean-up callback, which swallows it
+        import perfetto.protos.perfetto.trace.perfetto_trace_pb2  # noqa: F401
+        import perfetto.trace_builder.proto_builder  # noqa: F401
     src = open_trace(trace)
     gz = path.name.endswith(".gz")
     window = {"t_from": t_from, "t_to": t_to, "room": room}
