@@ -160,3 +160,21 @@ def test_killed_run_leaves_a_readable_trace(tmp_path: Path) -> None:
     assert summary(t).strip()
     r = CliRunner().invoke(cli, ["trace", "summary", str(trace)])
     assert r.exit_code == 0 and "warning:" in r.stderr and r.stdout.strip()
+
+
+def test_a_run_stopped_at_until_replays_without_a_wedge_diagnosis(tmp_path: Path) -> None:
+    """A run stopped with rooms in flight (``--until``, or interrupted) is not a wedge: the
+    replay names the rooms in flight instead of diagnosing them."""
+    path = tmp_path / "until.jsonl"
+    r = CliRunner().invoke(cli, ["sim", "--workload",
+                                 "poisson:n=40,rate=20,input=6000,output=64,seed=2",
+                                 "--until", "0.5", "--trace-out", str(path)])
+    assert r.exit_code == 0, r.output
+    result = replay_sim(path)
+    assert result.status == "until" and result.same_outcome
+    assert result.diagnosis == []
+    assert result.ended_early is not None
+    assert "records a run that was stopped (until)" in result.ended_early
+    assert "room(s) in flight" in result.ended_early
+    out = CliRunner().invoke(cli, ["replay", str(path)]).output
+    assert "\nwedge" not in out and "input       the trace records a run that was stopped" in out

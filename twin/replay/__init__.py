@@ -75,8 +75,9 @@ class ReplayResult:
     """Why the replay stopped before the trace's end (Ctrl-C, SIGTERM, SIGHUP), and how far it
     got; None when it read the whole trace."""
     ended_early: str | None = None
-    """The trace ends before its ``Outcome`` (truncated, or a recording that never finished):
-    what was still in flight there. Its rooms are not diagnosed as a wedge."""
+    """The trace ends before its ``Outcome`` (truncated, or a recording that never finished),
+    or its run was stopped (interrupted, or ``--until``): what was still in flight there. Its
+    rooms are not diagnosed as a wedge."""
 
     @property
     def same_outcome(self) -> bool:
@@ -316,9 +317,12 @@ class Replayer:
                              "replayed"))
         status = _status(len(unfinished), corruption, self.trace.outcome, self.failed)
         ended_early = None
-        if self.trace.outcome is None:  # the recording stops here; its ranks are not stuck
+        recorded = self.trace.outcome
+        stopped = recorded is not None and recorded.get("status") in _STOPPED
+        if recorded is None or stopped:  # the recording stops here; its ranks are not stuck
             diagnosis: list[str] = []
-            ended_early = _ended_early(self.trace, unfinished)
+            ended_early = _ended_early(self.trace, unfinished,
+                                       recorded["status"] if stopped else None)
         else:
             snapshots = {n: r.snapshot() for n, r in self.ranks.items()}
             diagnosis = (diagnose(snapshots, self.crashed, unfinished, self.dropped,
@@ -329,10 +333,17 @@ class Replayer:
                             ended_early=ended_early)
 
 
-def _ended_early(trace: Trace | TraceReader, unfinished: set[int]) -> str:
-    """What a replay of a trace without its ``Outcome`` says instead of a wedge diagnosis."""
+_STOPPED = (RunStatus.INTERRUPTED.value, RunStatus.UNTIL.value)
+"""Recorded statuses of a run stopped with rooms in flight: nothing to diagnose as a wedge."""
+
+
+def _ended_early(trace: Trace | TraceReader, unfinished: set[int],
+                 stopped: str | None = None) -> str:
+    """What a replay of a trace without its ``Outcome``, or of a run that was stopped
+    (``stopped``: its recorded status), says instead of a wedge diagnosis."""
     lines = (len(trace.events) if isinstance(trace, Trace) else sum(trace.counts.values())) + 1
-    why = ("is cut short (truncated)" if trace.truncated else
+    why = (f"records a run that was stopped ({stopped})" if stopped else
+           "is cut short (truncated)" if trace.truncated else
            "has no Outcome record (the recording did not finish)")
     rooms = sorted(unfinished)
     shown = ", ".join(map(str, rooms[:12])) + (f", ... ({len(rooms) - 12} more)"
