@@ -15,6 +15,8 @@ largest sustained and first failing rate scale), ``extra seed`` (another seed of
 quoted failure is on one seed: run beside it while a slot was free), ``search`` (every other
 probe: the verdicts that steer a bisection). A probe's
 ``wall_s`` is its own process's time, inflated when the workers share a loaded machine.
+Last, the floor: the answer's own probes spread over the cores, which no search order can
+beat at this simulator speed.
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ def main() -> None:
     print("\n| role | outcome | probes | probe wall (s) | share |\n|---|---|---|---|---|")
     for (role, outcome), (n, w) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         print(f"| {role} | {outcome} | {n:.0f} | {w:.1f} | {w / total:.0%} |")
+    # The answer's own probes bound any search from below: even one that knew in advance
+    # which probes to run must run these (at this simulator speed, on these cores).
+    quoted = sum(w for (role, _), (_, w) in table.items() if role == "answer")
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nfloor    the answer's own probes: {quoted:.1f} s of probe time, {quoted / cores:.1f} s "
+          f"wall on {cores} core(s) even for a search that ran nothing else")
 
 
 if __name__ == "__main__":
