@@ -189,8 +189,9 @@ class Calendar:
         self.horizon = horizon
         self.eids = eids
         self.stop_signal = 0
-        """A signal (SIGINT, SIGTERM, ...) that asked the run to stop; ``_run_until`` returns
-        before the next call once it is set."""
+        """A stopping signal (SIGINT, SIGTERM, SIGHUP) noted during ``Simulation.run``, 0 while
+        none: ``_run_until`` returns before the next call once it is set, so that the run acts
+        on it between two events (``twin.runtime.signals.held_for_safe_points``)."""
 
     def __len__(self) -> int:
         return len(self.soon) + len(self.later)
