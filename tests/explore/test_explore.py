@@ -88,6 +88,8 @@ def test_run_trial_finds_the_stale_watermark_wedge_and_needs_the_defect() -> Non
     assert on.status == "wedged" and on.signature is not None
     assert "stale" in on.signature[1]
     assert "tr:decode:Waiting>ALL_RANKS_SUCCESS" in on.coverage
+    # every dequeue goes through the table, the one that leaves a room Transferring included
+    assert {"tr:prefill:Bootstrapping>DEQUEUE", "tr:prefill:Transferring>DEQUEUE"} <= on.coverage
     assert {"al:alloc-wrap", "al:free-to-empty", "al:stale-watermark"} <= on.coverage
     off = run_trial(Base(SC.config, QUIET, ()), trial)
     assert (off.status, off.signature) == ("completed", None)

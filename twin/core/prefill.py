@@ -61,7 +61,6 @@ from twin.core.states import PrefillRoomState, PrefillTrigger, prefill_next
 # metaclass's __getattr__ hook.
 _S_BOOTSTRAPPING: Final = PrefillRoomState.BOOTSTRAPPING
 _S_FAILED: Final = PrefillRoomState.FAILED
-_S_TRANSFERRING: Final = PrefillRoomState.TRANSFERRING
 _S_SUCCESS: Final = PrefillRoomState.SUCCESS
 _T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
 _T_FAIL: Final = PrefillTrigger.FAIL
@@ -438,8 +437,7 @@ class PrefillRank:
                     self._tear_down(room, out)
                 self._maybe_ack(room.room, out)
                 continue
-            if room.state is not _S_TRANSFERRING:  # (the table keeps Transferring as it is)
-                room.state = prefill_next(room.state, _T_DEQUEUE)
+            room.state = prefill_next(room.state, _T_DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
         out.append(ev.WorkerIdle(worker=index))
