@@ -171,9 +171,8 @@ class PrefillRank:
         self._eager = cfg.worker_wake == "eager"
         self._rooms: dict[int, PrefillRoom] = {}
         self._watermarks: dict[str, tuple[int, int]] = {}
-        # Per room (so a teardown drops its entries at once): (chunk_idx, session) requested,
-        # and when it was last requested (lost-control recovery).
-        self._prefetch_requested: dict[int, set[tuple[int, str]]] = {}
+        # Per room (so a teardown drops its entries at once): each (chunk_idx, session) asked
+        # for, and when it was last asked (lost-control recovery re-asks after a while).
         self._requested_at: dict[int, dict[tuple[int, str], float]] = {}
         self._ack_targets: dict[int, dict[tuple[str, int], int]] = {}
         self._poisoned: set[int] = set()
@@ -341,14 +340,12 @@ class PrefillRank:
             return
         room_id = room.room
         grid_pages = self._full_pages
-        requested = self._prefetch_requested.setdefault(room_id, set())
         requested_at = self._requested_at.setdefault(room_id, {})
         for target in room.targets:
             for chunk_idx, chunk_pages in prefetch_chunks(target.total_pages, grid_pages):
                 key = (chunk_idx, target.session)
-                if key in requested:
+                if key in requested_at:
                     continue
-                requested.add(key)
                 requested_at[key] = self.now
                 out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
                     room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
@@ -660,7 +657,6 @@ class PrefillRank:
 
     def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
         del self._rooms[room.room]
-        self._prefetch_requested.pop(room.room, None)
         self._requested_at.pop(room.room, None)
         if room.state is _S_FAILED:
             self._aborted.add(room.room)

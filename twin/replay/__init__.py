@@ -41,6 +41,10 @@ from twin.trace.format import (
     open_trace,
 )
 
+_STOPPED = (RunStatus.INTERRUPTED, RunStatus.UNTIL)
+"""Recorded statuses of a run stopped with rooms in flight: the replay stops there too, and
+nothing is diagnosed as a wedge."""
+
 
 @dataclass
 class Divergence:
@@ -96,7 +100,7 @@ class ReplayResult:
         if self.divergence is not None or self.interrupted is not None:
             return EXIT_ERROR
         status = RunStatus(self.status)
-        if status in (RunStatus.INTERRUPTED, RunStatus.UNTIL):
+        if status in _STOPPED:
             return EXIT_OK  # the recording stopped there too; the replay reproduced it
         return exit_code(status)
 
@@ -318,7 +322,7 @@ class Replayer:
         status = _status(len(unfinished), corruption, self.trace.outcome, self.failed)
         ended_early = None
         recorded = self.trace.outcome
-        stopped = recorded is not None and recorded.get("status") in _STOPPED
+        stopped = recorded is not None and RunStatus(recorded["status"]) in _STOPPED
         if recorded is None or stopped:  # the recording stops here; its ranks are not stuck
             diagnosis: list[str] = []
             ended_early = _ended_early(self.trace, unfinished,
@@ -331,10 +335,6 @@ class Replayer:
         return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
                             diagnosis, corruption, self.trace.outcome, version=self.version,
                             ended_early=ended_early)
-
-
-_STOPPED = (RunStatus.INTERRUPTED.value, RunStatus.UNTIL.value)
-"""Recorded statuses of a run stopped with rooms in flight: nothing to diagnose as a wedge."""
 
 
 def _ended_early(trace: Trace | TraceReader, unfinished: set[int],
@@ -359,7 +359,7 @@ def _status(unfinished: int, corruption: list[str], recorded: dict[str, Any] | N
     otherwise the replay stopped where the recording stopped."""
     rec = RunStatus(recorded["status"]) if recorded is not None else RunStatus.INTERRUPTED
     wedged = bool(unfinished) and rec in (RunStatus.WEDGED, RunStatus.CORRUPTED)
-    if rec in (RunStatus.INTERRUPTED, RunStatus.UNTIL):
+    if rec in _STOPPED:
         # The recording stopped with requests in flight; some may have been decoding after
         # their transfer ended, which is all a replay sees of them.
         unfinished = max(unfinished, 1)

@@ -13,9 +13,9 @@ import os
 import signal
 import struct
 import threading
-from collections.abc import Iterator
 from typing import Any
 
+from twin.runtime.signals import Noted, held_for_safe_points
 from twin.trace.lines import DRIVER, JSON_TEXT, LineEncoder
 
 __all__ = ["DRIVER", "JSON_TEXT", "EncoderProcess", "LineEncoder", "can_fork"]
@@ -132,34 +132,13 @@ def read_frame(src: Any) -> bytes | None:
     return payload if len(payload) == n else None
 
 
-_deferring = False
-"""A ``sigint_deferred`` block is running (a nested one has nothing to add)."""
-
-
-@contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
+def sigint_deferred() -> contextlib.AbstractContextManager[Noted]:
     """Hold a Ctrl-C (SIGINT) off for the block, then act on it as the handler before would
-    have (``KeyboardInterrupt`` by default). An interrupt raised between bytecodes could
-    otherwise land between a write and the bookkeeping of what it wrote (a batch sent twice, or
-    dropped). Outside the main thread (no handler can be set there), and inside another such
-    block, the block runs as is."""
-    global _deferring
-    if _deferring or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[Any] = []
-    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    _deferring = True
-    try:
-        yield
-    finally:
-        _deferring = False
-        signal.signal(signal.SIGINT, old)
-        if caught:
-            if callable(old):
-                old(signal.SIGINT, caught[0])  # default_int_handler: KeyboardInterrupt
-            elif old == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
+    have (``KeyboardInterrupt`` by default): ``held_for_safe_points`` for SIGINT alone. An
+    interrupt raised between bytecodes could otherwise land between a write and the
+    bookkeeping of what it wrote (a batch sent twice, or dropped). Outside the main thread the
+    block runs as is; inside another such block, the inner one hands the signal on to it."""
+    return held_for_safe_points(signums=(signal.SIGINT,))
 
 
 def _write_all(fd: int, *parts: bytes) -> None:

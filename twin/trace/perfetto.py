@@ -233,9 +233,7 @@ class _ProtoEmitter(_Emitter):
                 if k not in defaults or v != defaults[k]}
 
     def __init__(self, nodes: dict[str, dict[str, Any]], out: IO[bytes]) -> None:
-        from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
-        from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
-
+        pb, StreamingTraceProtoBuilder = _proto_modules()  # noqa: N806 - a class
         self._pb = pb
         self._b = StreamingTraceProtoBuilder(out)
         self._te = pb.TrackEvent
@@ -752,6 +750,14 @@ def _format_of(path: Path) -> str:
     return "json" if name.endswith((".json", ".json.gz")) else "proto"
 
 
+def _proto_modules() -> tuple[Any, Any]:
+    """Perfetto's protobuf classes and its streaming builder (imported on first use)."""
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+    from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
+
+    return pb, StreamingTraceProtoBuilder
+
+
 def write_perfetto(trace: TraceSource, out_path: str | os.PathLike[str], *,
                    fmt: str | None = None, t_from: float | None = None,
                    t_to: float | None = None, room: int | None = None) -> Path:
@@ -770,8 +776,7 @@ def write_perfetto(trace: TraceSource, out_path: str | os.PathLike[str], *,
         raise ValueError(f"format must be 'proto' or 'json', got {fmt!r}")
     if fmt == "proto":  # imported before the temporary exists: an interrupt during an
         # import may be raised in the import system's clean-up callback, which swallows it
-        import perfetto.protos.perfetto.trace.perfetto_trace_pb2  # noqa: F401
-        import perfetto.trace_builder.proto_builder  # noqa: F401
+        _proto_modules()
     src = open_trace(trace)
     gz = path.name.endswith(".gz")
     window = {"t_from": t_from, "t_to": t_to, "room": room}
