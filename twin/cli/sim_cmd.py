@@ -51,7 +51,9 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
     click.echo(f"requests    {s['requests']}: {s['completed']} completed, {s['failed']} failed, "
                f"{s['unfinished']} unfinished")
     click.echo(f"simulated   {s['sim_seconds']:.3f} s in {s['wall_seconds']:.3f} s wall, "
-               f"{s['events']} core events")
+               f"{s['events']} core events" + (
+                   f" (+ {s['polls_accounted']} coalesced deferral polls)"
+                   if s.get("polls_accounted") else ""))
     click.echo(core_line())
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         lat = s["latency"].get(key, {})

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twin.core.fixes import Fixes
+from twin.core.fixes import LOST_CONTROL_RECOVERY, MULTI_TARGET_RETRY_RESUME, Fixes
 from twin.core.grid import staging_grid_tokens
 from twin.core.layout import num_tp_writers, staging_layout
 
@@ -121,6 +121,11 @@ class TwinConfig:
     nothing else (a STAGING_RSP or a queued chunk is found when the bounded wait ends);
     ``"eager"`` is the twin's model before trace format 3 (a STAGING_RSP, a queued chunk or
     an abort woke it at once, a WATERMARK only when it advanced), kept so older traces replay.
+    ``worker_polls``: ``"fed"`` feeds every deferral's 1 ms re-poll to the core as a
+    ``WorkerPoll``; ``"coalesced"`` (the simulator's default, where ``polls_coalescible``
+    allows) accounts the re-polls that can only defer again inside the core, at the rank's
+    next input, and has the driver feed one poll where a chunk becomes ready: the same
+    dequeues, re-puts, deferral counts and transfers at the same times (docs/simulator.md).
     """
 
     model: ModelShape = field(default_factory=ModelShape)
@@ -142,6 +147,7 @@ class TwinConfig:
     fixes: tuple[str, ...] = ()
     control_retry_s: float = 0.05
     worker_wake: str = "sglang"
+    worker_polls: str = "fed"
     stage_equal_tp: bool = False
     disaggregation_transfer_backend: str = "mooncake"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -435,6 +441,13 @@ def validate(cfg: TwinConfig) -> None:
     if cfg.worker_wake not in ("sglang", "eager"):
         raise ConfigError(f"field 'worker_wake': expected 'sglang' or 'eager', got "
                           f"{cfg.worker_wake!r}")
+    if cfg.worker_polls not in ("fed", "coalesced"):
+        raise ConfigError(f"field 'worker_polls': expected 'fed' or 'coalesced', got "
+                          f"{cfg.worker_polls!r}")
+    if cfg.worker_polls == "coalesced" and not polls_coalescible(cfg):
+        raise ConfigError("field 'worker_polls': 'coalesced' needs worker_wake 'sglang' and "
+                          f"neither fix {MULTI_TARGET_RETRY_RESUME!r} nor "
+                          f"{LOST_CONTROL_RECOVERY!r} (their re-polls act without an input)")
     try:
         Fixes.of(cfg.fixes)
     except ValueError as exc:
@@ -442,3 +455,11 @@ def validate(cfg: TwinConfig) -> None:
     if not cfg.late_register_delay_s >= 0:
         raise ConfigError(f"field 'late_register_delay_s': must be >= 0, got "
                           f"{cfg.late_register_delay_s}")
+
+
+def polls_coalescible(cfg: TwinConfig) -> bool:
+    """Whether ``cfg``'s deferral re-polls can be coalesced (``worker_polls = "coalesced"``):
+    with SGLang's wake rule, and without the fixes whose re-poll may act with no new input
+    (a resumed multi-target chunk, a lost-control re-request)."""
+    return (cfg.worker_wake == "sglang" and MULTI_TARGET_RETRY_RESUME not in cfg.fixes
+            and LOST_CONTROL_RECOVERY not in cfg.fixes)

@@ -118,6 +118,12 @@ class WorkerPoll(Event, frozen=True):
     worker: int
 
 
+class PollsDue(Event, frozen=True):
+    """The driver's clock reached ``now`` with nothing to feed: a prefill rank with coalesced
+    polls (``TwinConfig.worker_polls``) accounts the deferral polls due before it. A
+    simulation feeds it once per prefill rank where it stops (``--until``, a wedge)."""
+
+
 class TransferDone(Event, frozen=True):
     """The staged WRITE posted by ``worker`` ended.
 
@@ -269,6 +275,16 @@ class Deferred(Event, frozen=True):
     retry_at: float | None = None
 
 
+class DeferralsCounted(Event, frozen=True):
+    """Coalesced polls of ``worker`` that each deferred a chunk, counted instead of reported
+    one ``Deferred`` each (a run that records no effects): ``counts[i]`` deferrals of room
+    ``rooms[i]``."""
+
+    worker: int
+    rooms: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
 class WorkerIdle(Event, frozen=True):
     worker: int
 
@@ -368,11 +384,12 @@ class RankCrashed(Event, frozen=True):
 
 INPUT_TYPES = (
     MessageArrived, DecodeRoomInit, DecodeRoomRegister, ScatterDone, Tick, RoomAborted,
-    RoomBootstrapped, Prefetch, SendKV, WorkerPoll, TransferDone, SendFailed, PeerPolled,
+    RoomBootstrapped, Prefetch, SendKV, WorkerPoll, TransferDone, SendFailed, PeerPolled, PollsDue,
 )
 EFFECT_TYPES = (
     Send, SendMetadata, AbortNotice, Allocated, Freed, WatermarkMoved, StartScatter,
-    StartTransfer, Deferred, WorkerIdle, WakeWorkers, TargetsKnown, ChunkQueued, ChunkSkipped,
+    StartTransfer, Deferred, DeferralsCounted, WorkerIdle, WakeWorkers, TargetsKnown, ChunkQueued,
+    ChunkSkipped,
     RoomConcluded, RoomTornDown, Dropped, SetTimer, RankCrashed, GroupPoll, RoomHeld,
     RoomReleased,
 )
@@ -380,10 +397,12 @@ EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (*INPUT_TYPES, *EFFECT_TY
 Input = (
     MessageArrived | DecodeRoomInit | DecodeRoomRegister | ScatterDone | Tick | RoomAborted
     | RoomBootstrapped | Prefetch | SendKV | WorkerPoll | TransferDone | SendFailed | PeerPolled
+    | PollsDue
 )
 Effect = (
     Send | SendMetadata | AbortNotice | Allocated | Freed | WatermarkMoved | StartScatter
-    | StartTransfer | Deferred | WorkerIdle | WakeWorkers | TargetsKnown | ChunkQueued
+    | StartTransfer | Deferred | DeferralsCounted | WorkerIdle | WakeWorkers | TargetsKnown
+    | ChunkQueued
     | ChunkSkipped | RoomConcluded | RoomTornDown | Dropped | SetTimer | RankCrashed | GroupPoll
     | RoomHeld | RoomReleased
 )

@@ -14,6 +14,7 @@ could not be proven to have stopped (a *poisoned* room never acknowledges).
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any, Final
 from twin.core import events as ev
 from twin.core import wire
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
-from twin.core.config import TwinConfig, pp_layer_range
+from twin.core.config import TwinConfig, polls_coalescible, pp_layer_range
 from twin.core.defects import (
     COMPLETION_BEFORE_LAST_SCATTER,
     NO_GRID_ALIGNMENT,
@@ -66,6 +67,12 @@ _T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
 _T_FAIL: Final = PrefillTrigger.FAIL
 _T_LAST_CHUNK_DONE: Final = PrefillTrigger.LAST_CHUNK_DONE
 
+# What a queued chunk's next poll does (coalesced polls): act (post, skip, fail or finish it),
+# or defer again until its first target's allocation arrives or its watermark moves past it.
+_ACTS: Final = 0
+_WAITS_ALLOC: Final = 1
+_WAITS_WATERMARK: Final = 2
+
 
 @dataclass(slots=True)
 class TransferChunk:
@@ -83,6 +90,14 @@ class TransferChunk:
     written: set[int]  # indices of targets written and announced
     current: int  # the target whose write is in flight
     staged: bool
+    # Coalesced polls: the chunk's place in its worker's queue (``seq``, consecutive from
+    # the head), whether it is queued, what its next poll does and which classification
+    # the index entries naming it belong to (``token``; older entries are stale).
+    worker: int
+    seq: int
+    queued: bool
+    wait: int
+    token: int
 
     def __init__(self, *, room: int, page_start: int, num_pages: int, is_last: bool) -> None:
         self.room = room
@@ -93,6 +108,11 @@ class TransferChunk:
         self.written = set()
         self.current = 0
         self.staged = True
+        self.worker = 0
+        self.seq = 0
+        self.queued = False
+        self.wait = _ACTS
+        self.token = 0
 
 
 @dataclass(slots=True)
@@ -147,6 +167,14 @@ class Worker:
     waiting: bool = False
     sleeping: bool = False  # waiting with no poll scheduled: every chunk in its queue blocked
     blocked_streak: int = 0
+    # Coalesced polls: the time of the worker's next poll (-1: none), the time of the poll
+    # the driver feeds (the polls before it are accounted here), the next queue ``seq``, and
+    # the queued chunks whose next poll acts, by ``seq`` (entries checked when read).
+    poll_at: float = -1.0
+    fed_at: float = -1.0
+    next_seq: int = 0
+    acting: list[tuple[int, int, TransferChunk]] = field(default_factory=list)
+    planned: tuple[float, int] = (-1.0, -1)  # (poll_at, steps) that ``fed_at`` was worked out for
 
 
 class PrefillRank:
@@ -204,6 +232,22 @@ class PrefillRank:
         buf_pages = pages if pages is not None else cfg.full_chunk_pages
         self.buffer_bytes = (buf_pages * cfg.page_size * heads * cfg.bytes_per_head_token
                              * (self._layers[1] - self._layers[0]) * 2)
+        # Coalesced polls (``worker_polls``): the queued chunks that wait, by what they wait
+        # for: (room, chunk_idx) -> (token, chunk) waiting for an allocation; session ->
+        # heap of (round - 1, end, uid, token, chunk) waiting for that session's watermark.
+        self.coalesced = cfg.worker_polls == "coalesced" and polls_coalescible(cfg)
+        self._alloc_wait: dict[tuple[int, int], list[tuple[int, TransferChunk]]] = {}
+        self._wm_wait: dict[str, list[tuple[int, int, int, int, TransferChunk]]] = {}
+        self._uid = 0
+        self._accounting = False
+        # Set by a driver that records no effects: accounted polls are reported as one
+        # ``DeferralsCounted`` per worker and input instead of a ``Deferred`` each.
+        self.count_deferrals = False
+        self.accounted = 0  # polls the last input accounted
+        # The workers whose chain of polls began with the last input (a deferral outside the
+        # accounted polls, a wake): a driver orders a chain's polls by when it began, as the
+        # engine orders fed polls that fall on the same instant.
+        self.chain_starts: list[int] = []
 
     @property
     def num_workers(self) -> int:
@@ -244,8 +288,195 @@ class PrefillRank:
         handler = _PREFILL_HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"prefill rank cannot handle {type(event).__name__}")
+        if self.coalesced:
+            self.chain_starts.clear()
+            self.accounted = 0
+            self._accounting = True
+            self._account(event, now, out)
+            self._accounting = False
         handler(self, event, out)
+        if self.coalesced:
+            self._schedule_polls(out)
         return out
+
+    # -- coalesced polls -----------------------------------------------------------------------
+    def _account(self, event: ev.Input, now: float, out: list[ev.Effect]) -> None:
+        """Run, in time order, each worker's polls due before this input that the driver was
+        not asked to feed: each one only defers its head chunk again (checked). A poll at
+        exactly ``now`` goes first, except behind a fed poll of a later worker and for
+        ``PollsDue``. The polls run the fed polls' code at their own times."""
+        workers = self._workers
+        if isinstance(event, ev.WorkerPoll):
+            limit = event.worker
+        elif isinstance(event, ev.PollsDue):
+            limit = -1
+        else:
+            limit = len(workers)
+        if self.count_deferrals:
+            for i in range(len(workers)):
+                self._count_polls(i, now, i < limit, out)
+            return
+        while True:
+            best = -1
+            best_at = 0.0
+            for i, w in enumerate(workers):
+                at = w.poll_at
+                if at < 0 or at >= w.fed_at or at > now or (at == now and i >= limit):
+                    continue
+                if best < 0 or at < best_at:
+                    best, best_at = i, at
+            if best < 0:
+                break
+            w = workers[best]
+            head = w.queue[0] if w.queue else None
+            if head is None or head.wait == _ACTS or w.busy is not None:
+                raise AssertionError(f"{self.node}: coalesced poll of worker {best} at "
+                                     f"{best_at!r} would act; it should have been fed")
+            self.now = best_at
+            fed_at = w.fed_at
+            self.accounted += 1
+            self._poll_worker(best, out)
+            w.fed_at = fed_at  # the fed poll stays asked for
+            if not w.waiting:
+                raise AssertionError(f"{self.node}: coalesced poll of worker {best} at "
+                                     f"{best_at!r} acted; it should have been fed")
+        self.now = now
+
+    def _count_polls(self, index: int, now: float, tie: bool, out: list[ev.Effect]) -> None:
+        """The accounted polls of worker ``index`` due before ``now`` (at ``now`` too when
+        ``tie``), each doing what ``_run_worker`` does with a chunk that waits: dequeue it
+        (counting it and moving its room to Transferring), re-put it, lengthen the blocked
+        streak and sleep once every queued chunk deferred; counted per room."""
+        w = self._workers[index]
+        at = w.poll_at
+        if at < 0 or at >= w.fed_at or at > now or (at == now and not tie):
+            return
+        queue = w.queue
+        wait_s = self._deferral_wait_s
+        rooms: dict[int, int] = {}
+        while at >= 0 and at < w.fed_at and (at < now or (at == now and tie)):
+            chunk = queue[0] if queue else None
+            room = None if chunk is None else self._rooms.get(chunk.room)
+            if chunk is None or room is None or chunk.wait == _ACTS or w.busy is not None:
+                raise AssertionError(f"{self.node}: coalesced poll of worker {index} at "
+                                     f"{at!r} would act; it should have been fed")
+            queue.popleft()
+            if not chunk.counted:
+                room.outstanding += 1
+                chunk.counted = True
+            room.state = prefill_next(room.state, _T_DEQUEUE)
+            chunk.written.clear()
+            chunk.seq = w.next_seq
+            w.next_seq += 1
+            queue.append(chunk)
+            rooms[chunk.room] = rooms.get(chunk.room, 0) + 1
+            self.accounted += 1
+            w.blocked_streak += 1
+            if w.blocked_streak >= len(queue):
+                w.sleeping = True
+                at = -1.0
+            else:
+                at += wait_s
+        w.poll_at = at
+        out.append(ev.DeferralsCounted(worker=index, rooms=tuple(rooms),
+                                       counts=tuple(rooms.values())))
+
+    def _schedule_polls(self, out: list[ev.Effect]) -> None:
+        """Ask the driver to feed each waiting worker's first poll that acts or sleeps (a
+        ``WakeWorkers`` at its time; a newer one replaces an older). The polls before it
+        each defer a chunk that waits, one ``deferral_wait_s`` apart."""
+        wait_s = self._deferral_wait_s
+        for i, w in enumerate(self._workers):
+            if w.poll_at < 0 or not w.waiting or w.sleeping or w.busy is not None:
+                continue
+            queue = w.queue
+            steps = max(0, len(queue) - w.blocked_streak - 1)  # the poll that sleeps
+            if queue:
+                acting = w.acting
+                head_seq = queue[0].seq
+                while acting:
+                    seq, token, chunk = acting[0]
+                    if chunk.queued and chunk.seq == seq and chunk.token == token:
+                        steps = min(steps, seq - head_seq)
+                        break
+                    heapq.heappop(acting)
+            at = w.poll_at
+            if w.fed_at >= 0 and w.planned == (at, steps):
+                continue  # nothing it depends on moved
+            w.planned = (at, steps)
+            for _ in range(steps):
+                at += wait_s  # as a fed poll adds its wait to the time it ran at
+            if at != w.fed_at:
+                w.fed_at = at
+                out.append(ev.WakeWorkers(workers=(i,), at=at))
+
+    def _enqueue(self, index: int, chunk: TransferChunk, fresh: bool) -> None:
+        """Append ``chunk`` to worker ``index``'s queue; a ``fresh`` chunk (not a re-put) or
+        one whose poll was expected to act is classified for coalesced polls."""
+        w = self._workers[index]
+        chunk.worker = index
+        chunk.seq = w.next_seq
+        w.next_seq += 1
+        chunk.queued = True
+        w.queue.append(chunk)
+        if self.coalesced and (fresh or chunk.wait == _ACTS):
+            self._classify(chunk)
+
+    def _classify(self, chunk: TransferChunk) -> None:
+        """Index what a queued chunk's next poll does, as ``_step_chunk`` would decide it
+        (without resume, a retry starts at the first target). Anything unusual acts: a poll
+        fed where it only defers is harmless, one accounted where it acts is not."""
+        chunk.token += 1
+        token = chunk.token
+        room = self._rooms.get(chunk.room)
+        chunk.wait = _ACTS
+        if (room is not None and room.state is not _S_FAILED and chunk.num_pages > 0
+                and not self._direct and room.targets and not chunk.written):
+            target = room.targets[0]
+            chunk_idx = chunk_index(chunk.page_start, self._full_pages)
+            info = target.staging.get(chunk_idx)
+            if info is None or (info[0] < 0 and info[0] != ALLOC_OVERSIZED):
+                chunk.wait = _WAITS_ALLOC
+                self._alloc_wait.setdefault((chunk.room, chunk_idx), []).append((token, chunk))
+                return
+            _offset, rnd, end = info
+            if info[0] >= 0 and not is_watermark_ready(
+                    self._watermarks.get(target.session, (0, 0)), rnd, end):
+                chunk.wait = _WAITS_WATERMARK
+                self._uid += 1
+                heapq.heappush(self._wm_wait.setdefault(target.session, []),
+                               (rnd - 1, end, self._uid, token, chunk))
+                return
+        heapq.heappush(self._workers[chunk.worker].acting, (chunk.seq, token, chunk))
+
+    def _reclassify_rooms(self, rooms: set[int] | None) -> None:
+        """Classify again the queued chunks of ``rooms`` (all when None): their room failed,
+        went or gained targets."""
+        for w in self._workers:
+            for chunk in w.queue:
+                if rooms is None or chunk.room in rooms:
+                    self._classify(chunk)
+
+    def _watermark_advanced(self, session: str, wm: tuple[int, int]) -> None:
+        """The chunks waiting for ``session``'s watermark that ``wm`` admits now act."""
+        heap = self._wm_wait.get(session)
+        while heap and (heap[0][0], heap[0][1]) <= wm:
+            _r, _e, _uid, token, chunk = heapq.heappop(heap)
+            if chunk.queued and chunk.token == token:
+                chunk.token += 1
+                chunk.wait = _ACTS
+                heapq.heappush(self._workers[chunk.worker].acting,
+                               (chunk.seq, chunk.token, chunk))
+
+    def _allocation_known(self, room: int, chunk_idx: int, first: bool) -> None:
+        """A STAGING_RSP arrived for ``(room, chunk_idx)``: classify its waiting chunks again
+        (every chunk of the room when it replaced an allocation already known)."""
+        if not first:
+            self._reclassify_rooms({room})
+            return
+        for token, chunk in self._alloc_wait.pop((room, chunk_idx), ()):
+            if chunk.queued and chunk.token == token:
+                self._classify(chunk)
 
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
@@ -254,6 +485,8 @@ class PrefillRank:
             advanced = (msg.round, msg.tail) > prev
             if advanced:
                 self._watermarks[msg.session_id] = (msg.round, msg.tail)
+                if self.coalesced:
+                    self._watermark_advanced(msg.session_id, (msg.round, msg.tail))
             if advanced or not self._eager:
                 self._wake(out)  # handle_watermark_msg notifies the condition, advancing or not
         elif isinstance(msg, wire.StagingRsp):
@@ -262,7 +495,10 @@ class PrefillRank:
             if target is None:
                 out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
                 return
+            first = msg.chunk_idx not in target.staging
             target.staging[msg.chunk_idx] = (msg.offset, msg.round, msg.end)
+            if self.coalesced:
+                self._allocation_known(msg.room, msg.chunk_idx, first)
             self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
         elif isinstance(msg, wire.Abort):
             self._on_decode_abort(msg, out)
@@ -277,6 +513,10 @@ class PrefillRank:
             w = self._workers[i]
             w.waiting = w.sleeping = False
             w.blocked_streak = 0
+            w.poll_at = w.fed_at = self.now  # a fed poll replaces the pending one
+            w.planned = (-1.0, -1)
+            if self.coalesced:
+                self.chain_starts.append(i)
         if waiting:
             out.append(ev.WakeWorkers(workers=waiting, at=self.now))
 
@@ -305,8 +545,13 @@ class PrefillRank:
                 w.sleeping = False
                 sleeping.append(i)
         if sleeping:
-            out.append(ev.WakeWorkers(workers=tuple(sleeping),
-                                      at=self.now + self.cfg.deferral_wait_s))
+            at = self.now + self.cfg.deferral_wait_s
+            for i in sleeping:
+                self._workers[i].poll_at = self._workers[i].fed_at = at
+                self._workers[i].planned = (-1.0, -1)
+                if self.coalesced:
+                    self.chain_starts.append(i)
+            out.append(ev.WakeWorkers(workers=tuple(sleeping), at=at))
 
     # -- rooms and sends ---------------------------------------------------------------------
     def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
@@ -322,7 +567,10 @@ class PrefillRank:
                                                      start_send_idx=base)
         else:
             known = {t.session for t in room.targets}
+            had_targets = bool(room.targets)
             room.targets.extend(t for t in targets if t.session not in known)
+            if self.coalesced and not had_targets:
+                self._reclassify_rooms({e.room})
         out.append(ev.TargetsKnown(room=e.room,
                                    sessions=tuple(t.session for t in room.targets)))
 
@@ -378,7 +626,7 @@ class PrefillRank:
                                   is_last=False)
             room.sent_pages += num_pages
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
-            self._workers[worker].queue.append(chunk)
+            self._enqueue(worker, chunk, True)
             out.append(ev.ChunkQueued(worker=worker, room=e.room,
                                       chunk_idx=chunk_index(chunk.page_start, self._full_pages),
                                       page_start=chunk.page_start, num_pages=num_pages,
@@ -401,16 +649,25 @@ class PrefillRank:
 
     # -- transfer worker ---------------------------------------------------------------------
     def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:
-        w = self._workers[e.worker]
+        self._poll_worker(e.worker, out)
+
+    def _on_polls_due(self, e: ev.PollsDue, out: list[ev.Effect]) -> None:
+        del e, out  # the polls due were accounted before the handler
+
+    def _poll_worker(self, index: int, out: list[ev.Effect]) -> None:
+        w = self._workers[index]
         w.waiting = w.sleeping = False
+        w.poll_at = w.fed_at = -1.0
+        w.planned = (-1.0, -1)
         if w.busy is None:
-            self._run_worker(e.worker, out)
+            self._run_worker(index, out)
 
     def _run_worker(self, index: int, out: list[ev.Effect]) -> None:
         """Pop chunks until one is posted, one defers, or the queue is empty."""
         w = self._workers[index]
         while w.queue:
             chunk = w.queue.popleft()
+            chunk.queued = False
             room = self._rooms.get(chunk.room)
             if room is None:
                 out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
@@ -501,7 +758,7 @@ class PrefillRank:
             target, reason = blocked
             if not resume:
                 chunk.written.clear()  # the retry re-processes every target of the chunk
-            w.queue.append(chunk)
+            self._enqueue(index, chunk, False)
             w.blocked_streak += 1
             all_blocked = w.blocked_streak >= len(w.queue)
             w.waiting = True
@@ -509,6 +766,9 @@ class PrefillRank:
             if retry is None and self._recovery:
                 retry = self.now + cfg.control_retry_s
             w.sleeping = retry is None
+            w.poll_at = -1.0 if retry is None else retry
+            if retry is not None and self.coalesced and not self._accounting:
+                self.chain_starts.append(index)
             out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
                                    session=target.session, reason=reason,
                                    all_blocked=all_blocked, retry_at=retry))
@@ -660,6 +920,8 @@ class PrefillRank:
         self._requested_at.pop(room.room, None)
         if room.state is _S_FAILED:
             self._aborted.add(room.room)
+        if self.coalesced:
+            self._reclassify_rooms({room.room})  # its queued chunks are skipped
         out.append(ev.RoomTornDown(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
@@ -682,6 +944,8 @@ class PrefillRank:
         room.state = prefill_next(room.state,
                                   _T_LAST_CHUNK_DONE if status == "Success" else _T_FAIL)
         room.fail_reason = reason
+        if self.coalesced and status != "Success":
+            self._reclassify_rooms({room.room})  # its queued chunks are skipped
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
         out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
         if notify:
@@ -741,6 +1005,8 @@ class PrefillRank:
     def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T_FAIL)
         room.fail_reason = reason
+        if self.coalesced:
+            self._reclassify_rooms({room.room})  # its queued chunks are skipped
         out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
             self._tear_down(room, out)
@@ -779,6 +1045,7 @@ _PREFILL_HANDLERS: dict[type, Callable[[PrefillRank, Any, list[ev.Effect]], None
     ev.SendFailed: PrefillRank._on_send_failed,
     ev.RoomAborted: PrefillRank._on_abort,
     ev.Tick: PrefillRank._on_tick,
+    ev.PollsDue: PrefillRank._on_polls_due,
 }
 
 

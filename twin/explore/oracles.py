@@ -254,7 +254,7 @@ class _EventBudget:
     every = 0.05
 
     def __call__(self, sim: Any) -> str:
-        return "event budget" if sim.inputs > MAX_INPUTS else ""
+        return "event budget" if sim.polls > MAX_INPUTS else ""
 
 
 class _null:

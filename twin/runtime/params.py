@@ -77,6 +77,11 @@ class SimParams:
     # torch copies in the process's loop) rather than on a device stream: while one runs, the
     # process handles nothing else, and the frames its input produced leave after it.
     blocking_kernels: bool = False
+    # Coalesced polls (TwinConfig.worker_polls): the cores account the deferral re-polls that
+    # can only defer again and the engine runs one poll where a chunk can move; the same run,
+    # several times faster in a deferral storm. False feeds every re-poll (and so do runs
+    # with process stalls, blocking kernels or a fix that coalescing excludes).
+    coalesce_polls: bool = True
     # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
     # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,
     # staging freed and requests admitted once per iteration. With no batch to run the loop

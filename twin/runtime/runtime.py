@@ -118,6 +118,8 @@ class Runtime:
         self.dropped: dict[int, list[str]] = {}
         self.last_progress = 0.0
         self.inputs = 0
+        self.polls_accounted = 0  # coalesced polls the cores ran without an input of their own
+        self.settles = 0  # PollsDue inputs fed (no fed run has them)
         # node -> the latest poll token of each of its workers (a list: no key tuple per poll)
         self._poll_tokens: dict[str, list[int]] = {}
         self._feed_at = driver.feed_at  # bound once: called on every poll
@@ -127,6 +129,16 @@ class Runtime:
         self._local: deque[tuple[str, ev.Input]] = deque()
         self._draining = False
         self._table = self._dispatch_table(hooks or {})
+        # Prefill ranks whose cores account their own deferral re-polls (worker_polls
+        # "coalesced"): their Deferred effects schedule nothing, their WakeWorkers do.
+        self._coalesced = {n for n, r in ranks.items()
+                                     if isinstance(r, PrefillRank) and r.coalesced}
+        # node -> the event id each worker's chain of polls began with (a driver with
+        # ``take_id`` and ``feed_at_id`` orders them so; others in the order they are asked)
+        self._chain_ids: dict[str, list[int]] = {}
+        self._take_id: Callable[[], int] | None = getattr(driver, "take_id", None)
+        for node in self._coalesced:
+            self._count_deferrals(ranks[node])
 
     # -- feeding -------------------------------------------------------------------------------
     def feed(self, node: str, event: ev.Input) -> list[ev.Effect]:
@@ -153,6 +165,14 @@ class Runtime:
         self._now = now
         self.current = event
         effects = rank.handle(event, now)
+        if isinstance(rank, PrefillRank) and rank.coalesced:
+            self.polls_accounted += rank.accounted
+        if isinstance(rank, PrefillRank) and rank.chain_starts and self._take_id is not None:
+            ids = self._chain_ids.get(node)
+            if ids is None:
+                ids = self._chain_ids[node] = [0] * rank.num_workers
+            for w in rank.chain_starts:
+                ids[w] = self._take_id()
         record = self._record
         if record is not None:
             record(now, node, event, effects)
@@ -177,7 +197,17 @@ class Runtime:
             tokens.append(0)
         token = tokens[worker] + 1
         tokens[worker] = token
-        self._feed_at(at, node, worker_poll(worker), token)
+        ids = self._chain_ids.get(node) if self._take_id is not None else None
+        if ids is not None:
+            self.driver.feed_at_id(at, ids[worker], node, worker_poll(worker), token)  # type: ignore[attr-defined]
+        else:
+            self._feed_at(at, node, worker_poll(worker), token)
+
+    def _count_deferrals(self, rank: Rank) -> None:
+        """A run that records nothing takes a coalesced rank's accounted deferrals as counts
+        (``DeferralsCounted``); a recorded one gets each ``Deferred``."""
+        if isinstance(rank, PrefillRank):
+            rank.count_deferrals = self.recorder is None
 
     def is_current(self, node: str, event: ev.Input, token: int) -> bool:
         """Whether a scheduled input is still wanted: a poll replaced by a newer one is not."""
@@ -196,6 +226,9 @@ class Runtime:
         """Replace ``node``'s core with a fresh one (a restarted rank) and let it run again."""
         self.ranks[node] = rank
         self.crashed.pop(node, None)
+        if isinstance(rank, PrefillRank) and rank.coalesced:
+            self._coalesced.add(node)
+            self._count_deferrals(rank)
 
     # -- effects -------------------------------------------------------------------------------
     def _dispatch_table(self, hooks: Mapping[type, Hook]) -> dict[type, Hook]:
@@ -262,8 +295,16 @@ class Runtime:
         self.driver.start_scatter(node, e)
 
     def _deferred(self, node: str, e: ev.Deferred) -> None:
-        if e.retry_at is not None:
+        if e.retry_at is not None and node not in self._coalesced:
             self.poll(node, e.worker, e.retry_at)
+
+    def settle(self) -> None:
+        """Feed ``PollsDue`` now to every live rank with coalesced polls, so the deferrals due
+        before a stop are accounted (a run stopped at ``--until`` or for a wedge)."""
+        for node in sorted(self._coalesced):
+            if node not in self.crashed:
+                self.settles += 1
+                self.feed(node, ev.PollsDue())
 
     def _wake(self, node: str, e: ev.WakeWorkers) -> None:
         for w in e.workers:

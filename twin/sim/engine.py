@@ -21,7 +21,7 @@ from simpy.core import EmptySchedule, StopSimulation
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.core.config import TwinConfig
+from twin.core.config import TwinConfig, polls_coalescible
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
 from twin.core.fixes import STALE_WATERMARK_SUBSCRIBERS
@@ -198,7 +198,13 @@ class Calendar:
 
     def add(self, t: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` at time ``t``, after every call and event scheduled before."""
-        call = _Call(t, self.eids.take(), fn, args)
+        self.add_as(t, self.eids.take(), fn, args)
+
+    def add_as(self, t: float, eid: int, fn: Callable[..., object],
+               args: tuple[Any, ...]) -> None:
+        """Call ``fn(*args)`` at time ``t`` in the place of event id ``eid`` (one taken
+        earlier: a coalesced chain of polls keeps the place its first poll had)."""
+        call = _Call(t, eid, fn, args)
         if t >= self.edge:
             _push(self.later, call)
             return
@@ -303,6 +309,16 @@ def _run_until(env: simpy.Environment, calendar: Calendar, stop: simpy.Event | N
                            f"{stop}") from None
 
 
+def sim_config(cfg: TwinConfig, params: SimParams) -> TwinConfig:
+    """``cfg`` as a simulation with ``params`` runs it: its deferral re-polls coalesced
+    where ``params.coalesce_polls`` asks and nothing rules it out (stalled or blocked rank
+    processes handle inputs late; ``polls_coalescible``), else as they are."""
+    if (params.coalesce_polls and cfg.worker_polls == "fed" and polls_coalescible(cfg)
+            and params.process_stall_s <= 0 and not params.blocking_kernels):
+        return cfg.replace(worker_polls="coalesced")
+    return cfg
+
+
 class Simulation:
     """One simulated run: ``run()`` returns when every request ended, a wedge is found, or
     ``until`` is reached. It is the runtime's driver: SimPy's clock, modelled links and NICs."""
@@ -313,10 +329,10 @@ class Simulation:
                  request_overrides: dict[int, dict[str, int]] | None = None,
                  max_concurrency: int | None = None,
                  deployment: Deployment | None = None) -> None:
-        self.cfg = cfg
+        self.params = params or SimParams()
+        cfg = self.cfg = sim_config(cfg, self.params)
         self.workload = workload
         self.defects = defects or Defects()
-        self.params = params or SimParams()
         self.deployment = deployment or Deployment.build(cfg, self.params)
         self.seed = seed
         self.recorder = recorder
@@ -331,6 +347,7 @@ class Simulation:
                                    ev.Freed: self._on_freed,
                                    ev.WatermarkMoved: self._on_watermark,
                                    ev.Deferred: self._on_deferred,
+                                   ev.DeferralsCounted: self._on_deferrals_counted,
                                    ev.TargetsKnown: self._on_targets_known,
                                    ev.RoomConcluded: self._on_concluded,
                                    ev.RankCrashed: self._on_rank_crashed,
@@ -409,7 +426,15 @@ class Simulation:
 
     @property
     def inputs(self) -> int:
+        """Inputs fed to the cores (a coalesced poll is not one)."""
         return self.runtime.inputs
+
+    @property
+    def polls(self) -> int:
+        """Inputs fed plus the coalesced polls the cores accounted: the fed run's input
+        count, whichever form of polls ran (what an event budget counts)."""
+        rt = self.runtime
+        return rt.inputs + rt.polls_accounted - rt.settles
 
     @property
     def last_dropped(self) -> dict[int, list[str]]:
@@ -459,6 +484,15 @@ class Simulation:
             self.calendar.add(t, self._fire, (node, event, token))
         else:
             self.calendar.add(t, self.feed, (node, event))
+
+    def take_id(self) -> int:
+        """An event id for a call scheduled later with ``feed_at_id``."""
+        return self.calendar.eids.take()
+
+    def feed_at_id(self, at: float, eid: int, node: str, event: ev.Input, token: int) -> None:
+        """``feed_at`` ordered among calls at the same time as event id ``eid``."""
+        now = self.calendar.now
+        self.calendar.add_as(at if at > now else now, eid, self._fire, (node, event, token))
 
     def sys(self, node: str, record: dict[str, Any]) -> None:
         if self.recorder is not None:
@@ -644,6 +678,16 @@ class Simulation:
         if req is not None:
             req.deferrals += 1
         self.metrics.deferral(node)
+
+    def _on_deferrals_counted(self, node: str, e: ev.DeferralsCounted) -> None:
+        requests = self.requests
+        total = 0
+        for room, n in zip(e.rooms, e.counts, strict=True):
+            req = requests.get(room)
+            if req is not None:
+                req.deferrals += n
+            total += n
+        self.metrics.deferrals[node] += total
 
     def _on_targets_known(self, node: str, e: ev.TargetsKnown) -> None:
         req = self.requests.get(e.room)
@@ -928,6 +972,7 @@ class Simulation:
             self.stop_reason = "event queue empty"
         if not self.stop_reason:
             self.stop_reason = "until"
+        self.runtime.settle()  # coalesced polls due before the stop are counted
         self.metrics.prefill_pools = [s.series for s in self.schedulers]
         self.metrics.serving = self.serving_summary()
         self.metrics.send_blocked_s = self.sockets.totals(self.calendar.now)

@@ -17,7 +17,7 @@ from twin.runtime.header import trace_header
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import Recorder
-from twin.sim.engine import Simulation
+from twin.sim.engine import Simulation, sim_config
 from twin.workloads import Workload
 
 
@@ -92,6 +92,8 @@ class SimResult:
             "sim_seconds": round(sim.env.now, 6),
             "wall_seconds": round(self.wall_seconds, 3),
             "events": sim.inputs,
+            "worker_polls": sim.cfg.worker_polls,
+            "polls_accounted": sim.runtime.polls_accounted,
             "seed": sim.seed,
             "defects": sim.defects.sorted(),
             "faults": [f.text for f in sim.injector.specs],
@@ -158,7 +160,8 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     if trace_out is not None:
         from twin.trace.format import TraceWriter
 
-        header = trace_header(with_cost_source(cfg, params or SimParams()), workload, defects=defects or Defects(),
+        header = trace_header(with_cost_source(sim_config(cfg, params or SimParams()),
+                                               params or SimParams()), workload, defects=defects or Defects(),
                               faults=list(faults or []), seed=seed, params=params or SimParams(),
                               request_overrides=request_overrides or {},
                               max_concurrency=max_concurrency)
