@@ -146,17 +146,32 @@ def test_an_explore_campaigns_trials_judge_the_same() -> None:
 
 
 def test_both_forms_traces_replay_clean(tmp_path: Path) -> None:
+    """A trace file written by ``trace_out`` feeds every poll (real ranks replay it too); a
+    coalesced run's own recording says so in its header and replays clean in simulation,
+    while the hardware replay refuses it with a clear error."""
+    from twin.hw.replay import replay_hw
+    from twin.hw.run import HwInputError
     from twin.replay import replay_sim
-    from twin.trace.format import open_trace
+    from twin.runtime.header import trace_header
+    from twin.sim.runner import outcome_record
+    from twin.trace.format import TraceWriter, open_trace, read_trace
 
-    for params, form in ((FED, "fed"), (CO, "coalesced")):
-        path = tmp_path / f"{form}.jsonl.gz"
-        run_sim(STORM_CFG, parse_workload_spec(STORM), params=params, until=4.0,
-                trace_out=path)
+    wl = parse_workload_spec(STORM)
+    fed_path = tmp_path / "fed.jsonl.gz"
+    run_sim(STORM_CFG, wl, params=CO, until=4.0, trace_out=fed_path)
+    co_path = tmp_path / "coalesced.jsonl.gz"
+    header = trace_header(sim_config(STORM_CFG, CO), wl, defects=Defects(), faults=[], seed=0,
+                          params=CO, request_overrides={}, max_concurrency=None)
+    with TraceWriter(co_path, header) as writer:
+        writer.close(outcome_record(run_sim(STORM_CFG, wl, params=CO, until=4.0,
+                                            recorder=writer)))
+    for path, form in ((fed_path, "fed"), (co_path, "coalesced")):
         assert open_trace(str(path)).config.worker_polls == form
         result = replay_sim(str(path))
         assert result.divergence is None, (form, result.divergence)
         assert result.status == "until"
+    with pytest.raises(HwInputError, match="coalesced deferral polls"):
+        replay_hw(read_trace(co_path))
 
 
 def test_coalescing_is_off_where_it_cannot_be_exact() -> None:

@@ -297,16 +297,15 @@ class _Tee:
 def _traced(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any], path: str,
             recorder: CoverageRecorder) -> Any:
     """``run_sim`` writing the trace to ``path`` while the coverage recorder watches."""
-    from twin.runtime.header import trace_header
-    from twin.sim.runner import outcome_record, run_sim, with_cost_source
+    from twin.sim.runner import outcome_record, recorded_run, run_sim
     from twin.trace.format import TraceWriter
 
-    header = trace_header(with_cost_source(cfg, base.params), trial.workload(), defects=on,
-                          faults=faults, seed=trial.seed, params=base.params,
-                          request_overrides=trial.overrides(), max_concurrency=None)
+    params, header = recorded_run(cfg, trial.workload(), base.params, defects=on,
+                                  faults=faults, seed=trial.seed,
+                                  request_overrides=trial.overrides(), max_concurrency=None)
     with TraceWriter(path, header) as writer:
         result = run_sim(cfg, trial.workload(), defects=on, faults=faults, seed=trial.seed,
-                         params=base.params, request_overrides=trial.overrides(),
+                         params=params, request_overrides=trial.overrides(),
                          recorder=_Tee(writer, recorder), stop_check=_EventBudget())
         writer.close(outcome_record(result))
     return result

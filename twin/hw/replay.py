@@ -57,6 +57,11 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     options = options or HwOptions()
     defects = Defects.of(trace.header.get("defects", []))
     check_supported(defects, [])
+    if trace.config.worker_polls != "fed":
+        raise HwInputError("the trace was recorded with coalesced deferral polls (its header's "
+                           "worker_polls); the hardware mode feeds real polls: record it again "
+                           "with --trace-out (a traced run feeds every poll) or replay it with "
+                           "--mode sim")
     if not trace.config.stages:
         raise HwInputError("the trace writes equal-TP rooms page by page (no staging); the "
                            "hardware mode has no direct page-write path: replay it with "

@@ -80,7 +80,8 @@ class SimParams:
     # Coalesced polls (TwinConfig.worker_polls): the cores account the deferral re-polls that
     # can only defer again and the engine runs one poll where a chunk can move; the same run,
     # several times faster in a deferral storm. False feeds every re-poll (and so do runs
-    # with process stalls, blocking kernels or a fix that coalescing excludes).
+    # with process stalls, blocking kernels or a fix that coalescing excludes, and runs that
+    # write a trace file, which must replay on real ranks too).
     coalesce_polls: bool = True
     # Decode loop: one decode step for the running batch lasts decode_step_s + batch *
     # decode_s_per_seq + context tokens * decode_s_per_ctx_token; scatter events are polled,

@@ -146,6 +146,20 @@ def outcome_record(result: SimResult) -> dict[str, Any]:
     return v.record(note)
 
 
+def recorded_run(cfg: TwinConfig, workload: Workload, params: SimParams | None, *,
+                 defects: Defects, faults: list[FaultSpec], seed: int,
+                 request_overrides: dict[int, dict[str, int]],
+                 max_concurrency: int | None) -> tuple[SimParams, dict[str, Any]]:
+    """The params and trace header of a simulation that writes a trace file. Every deferral
+    re-poll is fed (``TwinConfig.worker_polls = "fed"``): a trace file replays on real ranks
+    too, which feed real polls."""
+    params = (params or SimParams()).replace(coalesce_polls=False)
+    header = trace_header(with_cost_source(sim_config(cfg, params), params), workload,
+                          defects=defects, faults=faults, seed=seed, params=params,
+                          request_overrides=request_overrides, max_concurrency=max_concurrency)
+    return params, header
+
+
 def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = None,
             faults: list[FaultSpec] | None = None, seed: int = 0,
             params: SimParams | None = None, until: float | None = None,
@@ -160,11 +174,10 @@ def run_sim(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = No
     if trace_out is not None:
         from twin.trace.format import TraceWriter
 
-        header = trace_header(with_cost_source(sim_config(cfg, params or SimParams()),
-                                               params or SimParams()), workload, defects=defects or Defects(),
-                              faults=list(faults or []), seed=seed, params=params or SimParams(),
-                              request_overrides=request_overrides or {},
-                              max_concurrency=max_concurrency)
+        params, header = recorded_run(cfg, workload, params, defects=defects or Defects(),
+                                      faults=list(faults or []), seed=seed,
+                                      request_overrides=request_overrides or {},
+                                      max_concurrency=max_concurrency)
         with TraceWriter(trace_out, header) as writer:
             result = run_sim(cfg, workload, defects=defects, faults=faults, seed=seed,
                              params=params, until=until, recorder=writer, progress=progress,
