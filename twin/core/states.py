@@ -86,8 +86,25 @@ PREFILL_CONCLUDED = frozenset({P.SUCCESS, P.FAILED})
 DECODE_CONCLUDED = frozenset({D.SUCCESS, D.FAILED})
 
 
+_observed: set[tuple[object, object]] | None = None
+"""Where ``observe`` collects the (state, trigger) pairs taken; None when nobody watches."""
+
+
+def observe(pairs: set[tuple[object, object]] | None) -> set[tuple[object, object]] | None:
+    """Collect every (state, trigger) pair that ``prefill_next`` / ``decode_next`` take into
+    ``pairs`` from now on (None stops); returns the set collected into before. A module
+    variable, not a wrapper, so compiled callers report too (``twin explore``'s coverage)."""
+    global _observed
+    before = _observed
+    _observed = pairs
+    return before
+
+
 def prefill_next(state: PrefillRoomState, trigger: PrefillTrigger) -> PrefillRoomState:
     """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
+    seen = _observed
+    if seen is not None:
+        seen.add((state, trigger))
     nxt = PREFILL_TRANSITIONS.get((state, trigger))
     if nxt is None:
         raise ProtocolError(f"prefill room in state {state.value}: {trigger.value} is not allowed")
@@ -96,6 +113,9 @@ def prefill_next(state: PrefillRoomState, trigger: PrefillTrigger) -> PrefillRoo
 
 def decode_next(state: DecodeRoomState, trigger: DecodeTrigger) -> DecodeRoomState:
     """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
+    seen = _observed
+    if seen is not None:
+        seen.add((state, trigger))
     nxt = DECODE_TRANSITIONS.get((state, trigger))
     if nxt is None:
         raise ProtocolError(f"decode room in state {state.value}: {trigger.value} is not allowed")

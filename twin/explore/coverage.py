@@ -5,8 +5,8 @@ collects keys in four families, each with a known universe so a campaign can say
 reached of the total:
 
 * ``tr:``  room state x trigger pairs of ``twin/core/states.py`` (both transition tables),
-  observed by wrapping ``prefill_next`` / ``decode_next`` for the run (``observe_transitions``;
-  a compiled core keeps its own binding, and this family then stays empty);
+  observed through ``states.observe`` for the run (``observe_transitions``; compiled ranks
+  report too);
 * ``fx:``  effect kinds, per side;
 * ``al:``  allocator situations on a decode ring: allocating into an empty ring, wrapping to
   the next round, an oversized chunk, the ring filling up (a write deferred behind the
@@ -202,27 +202,14 @@ def _fields(obj: Any) -> str:
 
 @contextlib.contextmanager
 def observe_transitions(keys: set[str]) -> Iterator[None]:
-    """Within the block, every room transition the ranks take adds its ``tr:`` key."""
-    from twin.core import decode as dmod
-    from twin.core import prefill as pmod
-
-    p_ns, d_ns = vars(pmod), vars(dmod)
-    p_orig, d_orig = p_ns["prefill_next"], d_ns["decode_next"]
-
-    def p_next(state: states.PrefillRoomState,
-               trigger: states.PrefillTrigger) -> states.PrefillRoomState:
-        keys.add(f"tr:prefill:{state.value}>{trigger.name}")
-        nxt: states.PrefillRoomState = p_orig(state, trigger)
-        return nxt
-
-    def d_next(state: states.DecodeRoomState,
-               trigger: states.DecodeTrigger) -> states.DecodeRoomState:
-        keys.add(f"tr:decode:{state.value}>{trigger.name}")
-        nxt: states.DecodeRoomState = d_orig(state, trigger)
-        return nxt
-
-    p_ns["prefill_next"], d_ns["decode_next"] = p_next, d_next
+    """Within the block, every room transition the ranks take (compiled or pure) adds its
+    ``tr:`` key."""
+    pairs: set[tuple[object, object]] = set()
+    before = states.observe(pairs)
     try:
         yield
     finally:
-        p_ns["prefill_next"], d_ns["decode_next"] = p_orig, d_orig
+        states.observe(before)
+        for state, trigger in pairs:
+            side = "prefill" if isinstance(state, states.PrefillRoomState) else "decode"
+            keys.add(f"tr:{side}:{state.value}>{trigger.name}")  # type: ignore[attr-defined]
