@@ -13,9 +13,9 @@ with the pure-Python suite: the byte-identical traces hold the compiled path to 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import json
 import subprocess
 import sys
 from pathlib import Path

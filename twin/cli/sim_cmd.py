@@ -73,6 +73,8 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
         click.echo(f"defects on  {', '.join(s['defects'])}")
     for reason, n in s["failures"].items():
         click.echo(f"failed      {n} x {reason}")
+    for line in s.get("roots", []):
+        click.echo(f"root        {line}")
     print_faults(s["fault_report"])
     print_diagnosis(s["diagnosis"])
     for line in s["corruption"][:20]:

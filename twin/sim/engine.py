@@ -400,6 +400,7 @@ class Simulation:
         self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
         self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
         self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
+        self.crash_times: dict[str, float] = {}  # node -> when it (last) died
         self.unfinished = len(workload.requests)
         self.arrived = 0
         self.done = self.env.event()
@@ -593,6 +594,7 @@ class Simulation:
 
     def _on_rank_crashed(self, node: str, e: ev.RankCrashed) -> None:
         self._dead_peers = True
+        self.crash_times[node] = self.calendar.now
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
@@ -829,6 +831,7 @@ class Simulation:
         if node not in self.ranks:
             return
         self.runtime.crashed[node] = crash_reason(spec.text)
+        self.crash_times[node] = self.calendar.now
         self._dead_peers = True
         if spec.action == "restart":
             self.restarted[node] = restart_reason(spec.text)

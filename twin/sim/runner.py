@@ -17,6 +17,7 @@ from twin.runtime.header import trace_header
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import Recorder
+from twin.sim.causes import root_causes
 from twin.sim.engine import Simulation, sim_config
 from twin.workloads import Workload
 
@@ -99,6 +100,7 @@ class SimResult:
             "faults": [f.text for f in sim.injector.specs],
             "fault_report": fault_report(sim.injector.specs, _fired(sim)),
             "failures": _failure_reasons(sim),
+            "roots": root_causes(sim),
             **sim.metrics.summary(),
             # Entries of decode's per-room chunk_staging_infos at their peak, per decode rank
             # (each a 5-tuple in SGLang): a malformed STAGING_REQ chunk_idx grows them (#39764).

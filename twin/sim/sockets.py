@@ -120,8 +120,9 @@ def thread_of(role: str, msg: wire.Message | None, cause: ev.Input | None,
 class SendBlocking:
     """Per-socket queues to dead peers and per-thread blocked time of one simulation."""
 
-    __slots__ = ("blocked_s", "busy", "by_frame", "by_thread", "died", "forever", "hwm",
-                 "lost", "prune", "queued", "receiver_timeout_s", "reset", "watermark_sender")
+    __slots__ = ("blocked_s", "busy", "by_frame", "by_peer", "by_thread", "died", "first_full",
+                 "forever", "busy_peer", "hwm", "lost", "prune", "queued",
+                 "receiver_timeout_s", "reset", "watermark_sender")
 
     def __init__(self, *, send_timeout_s: float, sndhwm: int, fix: bool) -> None:
         self.receiver_timeout_s = send_timeout_s
@@ -133,6 +134,10 @@ class SendBlocking:
         self.blocked_s: dict[str, float] = {}  # node -> seconds its threads sat in sends
         self.by_frame: dict[str, float] = {}  # frame kind -> blocked seconds (all ranks)
         self.by_thread: dict[str, float] = {}  # thread (scheduler, ...) -> seconds (all ranks)
+        # (src, dead peer, thread) -> seconds blocked in sends to that peer (timed-out sends)
+        self.by_peer: dict[tuple[str, str, str], float] = {}
+        self.first_full: dict[tuple[str, str], float] = {}  # (src, peer) -> first blocked send
+        self.busy_peer: dict[tuple[str, str], str] = {}  # (node, thread) -> peer it blocks on
         self.queued: dict[tuple[str, str, str], int] = {}  # (src, dst, socket) -> frames
         self.died: dict[str, float] = {}  # dead prefill server -> when first seen all gone
         self.reset: set[tuple[str, str, str]] = set()  # sockets the heartbeat re-created
@@ -182,15 +187,31 @@ class SendBlocking:
             return -1.0
         wait = self.timeout_of(spec)
         self.busy[key] = start + wait
+        self.first_full.setdefault((src, dst), start)
+        name = thread.split(":", 1)[0]
+        self.busy_peer[key] = dst
         if math.isinf(wait):
             self.forever.setdefault(key, start)
         else:
+            peer = (src, dst, name)
+            self.by_peer[peer] = self.by_peer.get(peer, 0.0) + wait
             self.blocked_s[src] = self.blocked_s.get(src, 0.0) + wait
             kind = wire.tag_of(msg).decode() if msg is not None else "metadata/notice"
             self.by_frame[kind] = self.by_frame.get(kind, 0.0) + wait
-            name = thread.split(":", 1)[0]
             self.by_thread[name] = self.by_thread.get(name, 0.0) + wait
         return -1.0
+
+    def blocked_on(self, end: float) -> dict[tuple[str, str, str], float]:
+        """Seconds each (rank, dead peer, thread) sat in sends to that peer by ``end``, as
+        ``totals`` counts them (a send blocked forever counts from its start)."""
+        out = dict(self.by_peer)
+        for key, until in self.busy.items():
+            peer = (key[0], self.busy_peer.get(key, "?"), key[1].split(":", 1)[0])
+            if math.isinf(until):
+                out[peer] = out.get(peer, 0.0) + max(0.0, end - self.forever[key])
+            elif until > end:
+                out[peer] = out.get(peer, 0.0) - (until - end)
+        return {k: v for k, v in out.items() if v > 0}
 
     def blocked_until(self, node: str, thread: str = SCHEDULER) -> float:
         return self.busy.get((node, thread), 0.0)
@@ -205,6 +226,7 @@ class SendBlocking:
         for key in [k for k in self.busy if k[0] == node]:
             self.busy.pop(key)
             self.forever.pop(key, None)
+            self.busy_peer.pop(key, None)
 
     def totals(self, end: float) -> dict[str, float]:
         """Seconds each rank's threads sat in blocked sends by ``end``: a send still blocked
