@@ -45,9 +45,12 @@ ENV_FIELDS = {
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": ("bootstrap_timeout_s", float),
     "SGLANG_DISAGGREGATION_QUEUE_SIZE": ("transfer_queue_size", int),
 }
-#: Environment variable -> ``SimParams`` field (a driver behaviour, not the core's config).
-ENV_PARAMS = {
-    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "early_send_cached_prefix",
+#: Environment variable -> (``SimParams`` field, type): a driver behaviour, not the core's
+#: config.
+ENV_PARAMS: dict[str, tuple[str, type]] = {
+    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": ("early_send_cached_prefix", bool),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": ("heartbeat_interval_s", float),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": ("heartbeat_max_failure", int),
 }
 STAGING_SWITCH = "SGLANG_DISAGG_STAGING_BUFFER"
 KNOWN_ENV = (STAGING_SWITCH, *ENV_FIELDS, *ENV_PARAMS)
@@ -215,16 +218,14 @@ def env_changes(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]
                 raise ConfigError(f"field {key!r}: the twin models the staging path; set it "
                                   f"to 1")
             continue
-        if key in ENV_PARAMS:
-            params[ENV_PARAMS[key]] = _bool_env(key, value)
-            continue
-        if key not in ENV_FIELDS:
+        if key not in ENV_FIELDS and key not in ENV_PARAMS:
             raise ConfigError(f"field {key!r}: not an environment variable the twin "
                               f"models{did_you_mean(key, KNOWN_ENV)} (known: "
                               f"{', '.join(KNOWN_ENV)})")
-        name, kind = ENV_FIELDS[key]
+        into = params if key in ENV_PARAMS else changes
+        name, kind = ENV_PARAMS[key] if key in ENV_PARAMS else ENV_FIELDS[key]
         if kind is bool:
-            changes[name] = _bool_env(key, value)
+            into[name] = _bool_env(key, value)
             continue
         try:
             number = kind(value)
@@ -234,7 +235,9 @@ def env_changes(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]
                               f"{value!r}") from None
         if number != number or number in (float("inf"), float("-inf")):
             raise ConfigError(f"field {key!r}: expected a finite number, got {value!r}")
-        changes[name] = number
+        if into is params and number <= 0:
+            raise ConfigError(f"field {key!r}: must be positive, got {value!r}")
+        into[name] = number
     if "staging_pool_size_mb" in changes:
         changes["staging_pool_size_bytes"] = None  # the pool size in MB is what was asked
     return changes, params

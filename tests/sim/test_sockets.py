@@ -80,7 +80,7 @@ def test_below_the_high_water_mark_nothing_blocks() -> None:
 
 
 def test_send_blocking_queues_then_blocks_for_the_timeout() -> None:
-    s = SendBlocking(send_timeout_s=1.0, sndhwm=2, fix=False)
+    s = SendBlocking(send_timeout_s=1.0, sndhwm=2, fix=False, heartbeat_s=10.0)
     wm = wire.Watermark(round=0, tail=0, session_id="s")
     # two frames queue on the socket to the dead peer, the third blocks the scheduler 1 s
     assert s.send(5.0, "d0g0r0", "decode", "p0g1r0", True, wm, None) < 0
@@ -95,7 +95,7 @@ def test_send_blocking_queues_then_blocks_for_the_timeout() -> None:
 
 
 def test_prefetch_socket_has_no_send_timeout() -> None:
-    s = SendBlocking(send_timeout_s=1.0, sndhwm=1, fix=False)
+    s = SendBlocking(send_timeout_s=1.0, sndhwm=1, fix=False, heartbeat_s=10.0)
     req = wire.StagingReq(room=1, chunk_idx=0, chunk_pages=4, session_id="s")
     s.send(1.0, "p0g0r0", "prefill", "d0g0r0", True, req, None)
     s.send(1.0, "p0g0r0", "prefill", "d0g0r0", True, req, None)
@@ -122,7 +122,7 @@ def test_threads_follow_sglang() -> None:
 def test_heartbeat_prunes_a_dead_servers_subscriber_only_with_the_fix() -> None:
     wm = wire.Watermark(round=0, tail=0, session_id="s")
     for fix, blocks in ((False, True), (True, False)):
-        s = SendBlocking(send_timeout_s=1.0, sndhwm=1, fix=fix)
+        s = SendBlocking(send_timeout_s=1.0, sndhwm=1, fix=fix, heartbeat_s=10.0)
         s.send(0.0, "d0g0r0", "decode", "p0g0r0", True, wm, None, server_dead=True)
         # past the heartbeat's detection: the socket was re-created; with the fix the
         # subscriber is gone and nothing is sent at all

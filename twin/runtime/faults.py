@@ -10,6 +10,9 @@ A spec is ``ACTION:TARGET[:key=value]...``::
     fail-send:CHUNK_READY:nth=1   the sender's socket raises: the frame is not sent
     fail-transfer:p=0.01          a staged WRITE ends in error (node=ID to restrict)
     crash:d0g0r0:at=2.5           the rank stops handling anything at t=2.5 s
+    crash:p0g1r0:at=2:scope=server  ... and takes its whole server with it, as SGLang's
+                                  scheduler does when it raises (SIGQUIT to the server's
+                                  launcher, which kills the process tree)
     restart:d0g0r0:at=2.5:down=1  ... and comes back empty after 1 s
     abort:room=3:at=1.5           the request is aborted everywhere at t=1.5 s
     corrupt:STAGING_REQ:field=chunk_idx:value=100000
@@ -48,7 +51,8 @@ ACTIONS = (*MESSAGE_ACTIONS, "fail-transfer", "crash", "restart", "abort")
 KINDS = tuple(t.decode() for t in wire.MESSAGE_TYPES) + ("*",)
 _FLOAT_KEYS = {"p", "ms", "at", "down"}
 _INT_KEYS = {"nth", "room", "chunk", "value"}
-_STR_KEYS = {"src", "dst", "node", "field"}
+_STR_KEYS = {"src", "dst", "node", "field", "scope"}
+SCOPES = ("rank", "server")
 #: The keys each action reads (any other key would be silently ignored, so it is rejected).
 KEYS = {
     "drop": {"p", "nth", "room", "chunk", "src", "dst"},
@@ -58,8 +62,8 @@ KEYS = {
     "delay": {"p", "nth", "ms", "room", "chunk", "src", "dst"},
     "reorder": {"p", "nth", "ms", "room", "chunk", "src", "dst"},
     "fail-transfer": {"p", "nth", "node"},
-    "crash": {"at"},
-    "restart": {"at", "down"},
+    "crash": {"at", "scope"},
+    "restart": {"at", "down", "scope"},
     "abort": {"room", "at"},
 }
 #: Which side sends each frame kind, and which fields it carries.
@@ -89,6 +93,7 @@ class FaultSpec:
     node: str | None = None
     field: str | None = None
     value: int | None = None
+    scope: str | None = None  # crash/restart: "rank" (the default) or "server"
     text: str = ""
 
     def __str__(self) -> str:
@@ -164,6 +169,9 @@ def parse_fault(text: str) -> FaultSpec:
         raise FaultSpecError(f"fault {text!r}: {action} needs at=SECONDS")
     if action == "abort" and spec.room is None:
         raise FaultSpecError(f"fault {text!r}: abort needs room=N")
+    if spec.scope is not None and spec.scope not in SCOPES:
+        raise FaultSpecError(f"fault {text!r}: key 'scope': expected one of "
+                             f"{', '.join(SCOPES)}, got {spec.scope!r}")
     if action == "restart" and spec.down is None:
         raise FaultSpecError(f"fault {text!r}: restart needs down=SECONDS")
     target = spec.target

@@ -35,6 +35,12 @@ class SimParams:
     # timeout of decode's sockets (SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT, 1 s).
     zmq_send_timeout_s: float = 1.0
     zmq_sndhwm: int = 1000
+    # Decode's heartbeat (common/conn.py ~2004-2083): it probes each prefill server's
+    # bootstrap endpoint every SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL seconds and, after
+    # SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE failed probes in a row, fails the rooms of
+    # that server (_handle_node_failure) and closes its cached sockets.
+    heartbeat_interval_s: float = 5.0
+    heartbeat_max_failure: int = 2
     # Data plane (RDMA WRITE): latency plus bytes / NIC bandwidth; ranks share NICs.
     rdma_latency_s: float = 8e-6
     # Mean of an exponential extra latency per WRITE (0: none); calibrated on hosts where
@@ -164,7 +170,7 @@ RADIX_FIELDS = frozenset({"prefill_radix_tokens", "decode_radix_tokens"})
 #: ``SimParams`` fields that must be positive (divisors, cadences, the wedge window).
 POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_bandwidth_Bps",
                       "ranks_per_nic", "decode_poll_interval_s", "wedge_window_s",
-                      "process_run_s"})
+                      "process_run_s", "heartbeat_interval_s", "heartbeat_max_failure"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,23 +49,31 @@ def root_causes(sim: Simulation) -> list[str]:
     explained: set[int] = set()
     scheduler_blocked = False
     lines = []
-    for node, t in sorted(sim.crash_times.items(), key=lambda kv: (kv[1], kv[0])):
+    dead: dict[tuple[str, int, int], list[str]] = {}  # group -> its dead ranks, as they died
+    for node, _t in sorted(sim.crash_times.items(), key=lambda kv: (kv[1], kv[0])):
         n = topo.nodes[node]
-        group = _group_name(n.role, n.instance, n.dp)
-        mine = [r for r in failed if _served(sim, r, n.role, n.instance, n.dp)]
-        stuck = sum(_served(sim, r, n.role, n.instance, n.dp) for r in waiting)
+        dead.setdefault((n.role, n.instance, n.dp), []).append(node)
+    for (role, instance, dp), nodes in dead.items():
+        mine = [r for r in failed if _served(sim, r, role, instance, dp)]
+        stuck = sum(_served(sim, r, role, instance, dp) for r in waiting)
         explained.update(r.room for r in mine)
-        how = sim.runtime.crashed.get(node) or restarted.get(node) or "crashed"
-        died = how if "at t=" in how else f"died at t={t:,.1f} s ({how})"
-        parts = [f"{node} {died}", f"its {n.role} group {group} served {len(mine)} of the "
-                 f"failed request(s)" + (f" and {stuck} unfinished one(s)" if stuck else "")]
-        sends = sorted(((src, thread, s) for (src, peer, thread), s in blocked.items()
-                        if peer == node), key=lambda x: -x[2])
+        deaths: dict[str, list[str]] = {}  # how they died -> the ranks, in order
+        for node in nodes:
+            how = sim.runtime.crashed.get(node) or restarted.get(node) or "crashed"
+            t = sim.crash_times[node]
+            deaths.setdefault(how if "at t=" in how else f"died at t={t:,.1f} s ({how})",
+                              []).append(node)
+        parts = ["; ".join(f"{', '.join(ns)} {how}" for how, ns in deaths.items()), f"its {role} group {_group_name(role, instance, dp)} "
+                 f"served {len(mine)} of the failed request(s)"
+                 + (f" and {stuck} unfinished one(s)" if stuck else "")]
+        sends = sorted(((src, node, thread, s) for (src, node, thread), s in blocked.items()
+                        if node in nodes), key=lambda x: -x[3])
         if sends:
-            scheduler_blocked |= any(thread == "scheduler" for _, thread, _ in sends)
+            scheduler_blocked |= any(thread == "scheduler" for _, _, thread, _ in sends)
             held = ", ".join(
-                f"{src}'s {thread} {s:,.1f} s from t="
-                f"{sim.sockets.first_full.get((src, node), 0.0):,.1f} s" for src, thread, s in sends)
+                f"{src}'s {thread} {s:,.1f} s on {node} from t="
+                f"{sim.sockets.first_full.get((src, node), 0.0):,.1f} s"
+                for src, node, thread, s in sends)
             parts.append(f"sends to it filled their queues and then blocked {held}")
         lines.append("; ".join(parts))
     rest = [r for r in failed if r.room not in explained]

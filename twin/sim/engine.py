@@ -379,7 +379,8 @@ class Simulation:
         self._faulty = bool(self.injector.specs)  # read on every frame
         # Sends that block on a dead peer (twin/sim/sockets.py); checked once a rank died
         self.sockets = SendBlocking(send_timeout_s=p.zmq_send_timeout_s, sndhwm=p.zmq_sndhwm,
-                                    fix=cfg.fix_set.on(STALE_WATERMARK_SUBSCRIBERS))
+                                    fix=cfg.fix_set.on(STALE_WATERMARK_SUBSCRIBERS),
+                                    heartbeat_s=p.heartbeat_interval_s * p.heartbeat_max_failure)
         self._dead_peers = False
         self.integrity = IntegrityModel(cfg.ring_bytes, cfg.prefill.pp_size)
         self.metrics = Metrics(self.topo)
@@ -595,6 +596,41 @@ class Simulation:
     def _on_rank_crashed(self, node: str, e: ev.RankCrashed) -> None:
         self._dead_peers = True
         self.crash_times[node] = self.calendar.now
+        self._check_server(node)
+
+    def _server_dead(self, instance: int) -> bool:
+        """Whether every rank of prefill server ``instance`` is gone (its bootstrap endpoint,
+        which decode's bootstrap queries and heartbeat probe, with it)."""
+        crashed = self.runtime.crashed
+        return all(n.id in crashed for g in self.topo.prefill_groups if g.instance == instance
+                   for n in g.nodes)
+
+    def _check_server(self, node: str) -> None:
+        """``node`` died: if that took its whole prefill server, decode's heartbeat gives up
+        on the server ``heartbeat_interval_s x heartbeat_max_failure`` later."""
+        n = self.topo.nodes[node]
+        if n.role == "prefill" and self._server_dead(n.instance):
+            p = self.params
+            self.at(p.heartbeat_interval_s * p.heartbeat_max_failure, self._heartbeat_failed,
+                    n.instance)
+
+    def _heartbeat_failed(self, instance: int) -> None:
+        """SGLang's ``_handle_node_failure`` (common/conn.py ~2057-2083): the heartbeat
+        failed ``heartbeat_max_failure`` probes in a row, so decode fails every room of that
+        prefill server (unless the server came back meanwhile)."""
+        if not self._server_dead(instance):
+            return
+        p = self.params
+        reason = (f"prefill server p{instance} failed decode's heartbeat "
+                  f"({p.heartbeat_max_failure} probes {p.heartbeat_interval_s:g} s apart)")
+        self.sys("driver", {"type": "Note", "text": (
+            f"{reason}: SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL {p.heartbeat_interval_s:g} s, "
+            f"SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE {p.heartbeat_max_failure}; decode "
+            f"fails the server's rooms")})
+        for req in list(self.requests.values()):
+            if not req.finished and \
+                    self.topo.prefill_groups[req.prefill_group].instance == instance:
+                self.abort(req.room, reason)
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
@@ -744,8 +780,14 @@ class Simulation:
         self.at(self.cfg.bootstrap_timeout_s, self._bootstrap_deadline, req)
 
     def _decode_arrive(self, req: RequestState) -> None:
-        if not req.finished:
-            self.decode_loops[req.decode_group].arrived(req)
+        if req.finished:
+            return
+        self.decode_loops[req.decode_group].arrived(req)
+        instance = self.topo.prefill_groups[req.prefill_group].instance
+        if self._dead_peers and self._server_dead(instance):
+            # decode's bootstrap query to the server's endpoint is refused: the receiver fails
+            self.abort(req.room, f"prefill server p{instance} is gone: its bootstrap endpoint "
+                                 f"refused decode's query")
 
     def decode_admitted(self, req: RequestState) -> None:
         """The decode loop pre-allocated the request's KV: register the room on every decode
@@ -827,15 +869,28 @@ class Simulation:
             if req is not None:
                 self.abort(req.room, f"aborted by fault {spec.text}")
             return
-        node = spec.target
-        if node not in self.ranks:
+        if spec.target not in self.ranks:
             return
-        self.runtime.crashed[node] = crash_reason(spec.text)
-        self.crash_times[node] = self.calendar.now
-        self._dead_peers = True
-        if spec.action == "restart":
-            self.restarted[node] = restart_reason(spec.text)
-            self.at(spec.down or 0.0, self._restart, node)
+        for node in self._fault_scope(spec):
+            self.runtime.crashed[node] = crash_reason(spec.text)
+            self.crash_times[node] = self.calendar.now
+            self._dead_peers = True
+            self._check_server(node)
+            if spec.action == "restart":
+                self.restarted[node] = restart_reason(spec.text)
+                self.at(spec.down or 0.0, self._restart, node)
+
+    def _fault_scope(self, spec: FaultSpec) -> list[str]:
+        """The ranks a crash or restart takes down: its target, or with ``scope=server``
+        every live rank of the target's server (its role and instance)."""
+        target = self.topo.nodes[spec.target]
+        if spec.scope != "server":
+            return [target.id]
+        groups = self.topo.prefill_groups if target.role == "prefill" else \
+            self.topo.decode_groups
+        return [target.id] + [n.id for g in groups if g.instance == target.instance
+                              for n in g.nodes
+                              if n.id != target.id and n.id not in self.runtime.crashed]
 
     def _restart(self, node: str) -> None:
         self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))

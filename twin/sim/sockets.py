@@ -90,8 +90,6 @@ PREFETCH = SocketSpec("prefetch", 1000, math.inf, math.inf, 0.1,
                       "common/staging_handler.py ~1000-1007")
 SOCKETS: Final = (RECEIVER, MANAGER, PREFETCH)
 
-#: Detection of a dead prefill by decode's heartbeat: interval x allowed failures (5 s x 2).
-HEARTBEAT_DETECT_S: Final = 10.0
 
 
 def socket_of(role: str, msg: wire.Message | None) -> SocketSpec:
@@ -121,11 +119,13 @@ class SendBlocking:
     """Per-socket queues to dead peers and per-thread blocked time of one simulation."""
 
     __slots__ = ("blocked_s", "busy", "by_frame", "by_peer", "by_thread", "died", "first_full",
-                 "forever", "busy_peer", "hwm", "lost", "prune", "queued",
+                 "forever", "busy_peer", "heartbeat_s", "hwm", "lost", "prune", "queued",
                  "receiver_timeout_s", "reset", "watermark_sender")
 
-    def __init__(self, *, send_timeout_s: float, sndhwm: int, fix: bool) -> None:
+    def __init__(self, *, send_timeout_s: float, sndhwm: int, fix: bool,
+                 heartbeat_s: float) -> None:
         self.receiver_timeout_s = send_timeout_s
+        self.heartbeat_s = heartbeat_s  # a dead prefill server's detection by the heartbeat
         self.hwm = sndhwm
         self.watermark_sender = fix
         self.prune = fix
@@ -154,7 +154,7 @@ class SendBlocking:
 
         ``server_dead``: every rank of ``dst``'s prefill server is gone, so decode's heartbeat
         (an HTTP probe of the server's bootstrap endpoint, ``common/conn.py`` ~2004-2050) fails
-        and, ``HEARTBEAT_DETECT_S`` later, ``_handle_node_failure`` closes the cached sockets
+        and, ``heartbeat_s`` later (interval x allowed failures), ``_handle_node_failure`` closes the cached sockets
         (~2057-2083: a re-created socket queues afresh) and, with the fix, drops the
         subscriber. One dead rank of a server that still answers its probe is never
         detected: its sockets stay, and so does its subscriber."""
@@ -174,7 +174,7 @@ class SendBlocking:
         spec = socket_of(role, msg)
         sock = (src, dst, spec.name)
         if server_dead and role == "decode":
-            detected = self.died.setdefault(dst, now) + HEARTBEAT_DETECT_S
+            detected = self.died.setdefault(dst, now) + self.heartbeat_s
             if start >= detected:
                 if self.prune and type(msg) is wire.Watermark:
                     return -1.0  # the subscriber was dropped: nothing is sent
