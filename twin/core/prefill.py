@@ -313,8 +313,10 @@ class PrefillRank:
         else:
             limit = len(workers)
         if self.count_deferrals:
-            for i in range(len(workers)):
-                self._count_polls(i, now, i < limit, out)
+            for i, w in enumerate(workers):
+                at = w.poll_at  # most inputs find no poll due: no call for those
+                if at >= 0 and at < w.fed_at and at <= now:
+                    self._count_polls(i, now, i < limit, out)
             return
         while True:
             best = -1
