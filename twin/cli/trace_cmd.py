@@ -206,7 +206,7 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
 
         emit_json({"inputs": result.inputs, "core": core_path(), "status": result.status,
                    "completed": result.completed, "failed": result.failed,
-                   "same_outcome": result.same_outcome,
+                   "same_outcome": result.same_outcome, "differences": result.differences(),
                    "divergence": str(result.divergence) if result.divergence else None,
                    "diagnosis": result.diagnosis, "corruption": result.corruption,
                    "timing": result.timing, "interrupted": result.interrupted,
@@ -228,6 +228,9 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
             verdict = "same outcome as recorded" if result.same_outcome else "DIFFERENT outcome"
             click.echo(f"recorded: {rec['status']}, {rec['completed']} completed, "
                        f"{rec['failed']} failed -> {verdict}")
+            if result.divergence is None:
+                for line in result.differences():
+                    click.echo(f"differs     {line}")
         print_diagnosis(result.diagnosis)
         for line in result.corruption[:20]:
             click.echo(f"corruption  {line}")

@@ -25,6 +25,7 @@ from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
 from twin.runtime.diagnosis import crash_reason, diagnose, note_fault_record, restart_reason
+from twin.runtime.faults import parse_fault, scope_nodes
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
 from twin.runtime.params import SimParams
 from twin.runtime.runtime import note_dropped
@@ -95,6 +96,27 @@ class ReplayResult:
             same = same and _body(rec.get("diagnosis", [])) == _body(self.diagnosis)
         return same
 
+    def differences(self, limit: int = 6) -> list[str]:
+        """What differs from the recorded outcome, a line each (empty when the outcome is the
+        same): the status, the counts, then the diagnosis lines only one side has."""
+        rec = self.recorded
+        if rec is None or self.same_outcome:
+            return []
+        out = [f"{key}: recorded {rec[key]}, replayed {getattr(self, key)}"
+               for key in ("status", "completed", "failed") if rec[key] != getattr(self, key)]
+        if self.status == "wedged" and self.version >= DIAGNOSIS_SINCE:
+            want, got = _body(rec.get("diagnosis", [])), _body(self.diagnosis)
+            only_rec = [x for x in want if x not in got]
+            only_rep = [x for x in got if x not in want]
+            out += [f"diagnosis only recorded: {x}" for x in only_rec[:limit]]
+            out += [f"diagnosis only replayed: {x}" for x in only_rep[:limit]]
+            hidden = max(0, len(only_rec) - limit) + max(0, len(only_rep) - limit)
+            if hidden:
+                out.append(f"... {hidden} more differing diagnosis line(s)")
+            if not only_rec and not only_rep and want != got:
+                out.append("diagnosis: the same lines in another order")
+        return out
+
     @property
     def exit_code(self) -> int:
         if self.divergence is not None or self.interrupted is not None:
@@ -164,10 +186,20 @@ class Replayer:
             self.rooms[d["room"]] = (len(d["decode_node"]), total)
             self.nodes_of[d["room"]] = (*d["prefill_node"], *d["decode_node"])
         elif rtype == "FaultInjected":
-            if d["fault"].startswith("crash:"):
-                self.crashed[d["fault"].split(":")[1]] = crash_reason(d["fault"])
-            elif d["fault"].startswith("restart:"):  # as the simulator: back, empty
-                self.restarted[d["fault"].split(":")[1]] = restart_reason(d["fault"])
+            text = d["fault"]
+            if text.startswith(("crash:", "restart:")):
+                spec = parse_fault(text)
+                for node in scope_nodes(self.topo, spec) if spec.target in self.topo.nodes \
+                        else []:
+                    if spec.action == "crash":
+                        self.crashed[node] = crash_reason(text)
+                        continue
+                    # As the simulator: back, empty. A dead rank records no input, so the
+                    # next input of ``node`` after this record is the fresh core's.
+                    self.restarted[node] = restart_reason(text)
+                    if node in self.ranks:
+                        self.ranks[node] = build_rank(self.cfg, self.topo.nodes[node],
+                                                      self.defects)
             note_fault_record(self.fault_notes, d)  # named on its room's wedge root
 
     def run(self) -> ReplayResult:

@@ -45,6 +45,7 @@ from twin.core import wire
 
 if TYPE_CHECKING:
     from twin.core.config import TwinConfig
+    from twin.core.topology import Topology
 
 MESSAGE_ACTIONS = ("drop", "delay", "dup", "reorder", "fail-send", "corrupt")
 ACTIONS = (*MESSAGE_ACTIONS, "fail-transfer", "crash", "restart", "abort")
@@ -367,3 +368,14 @@ class FaultInjector:
 
     def timed(self) -> list[FaultSpec]:
         return [s for s in self.specs if s.action in ("crash", "restart", "abort")]
+
+
+def scope_nodes(topo: Topology, spec: FaultSpec) -> list[str]:
+    """The ranks a ``crash`` or ``restart`` takes down: its target, or with ``scope=server``
+    every rank of the target's server (its role and instance), the target first."""
+    target = topo.nodes[spec.target]
+    if spec.scope != "server":
+        return [target.id]
+    groups = topo.prefill_groups if target.role == "prefill" else topo.decode_groups
+    return [target.id] + [n.id for g in groups if g.instance == target.instance
+                          for n in g.nodes if n.id != target.id]

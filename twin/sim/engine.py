@@ -31,7 +31,7 @@ from twin.core.topology import Topology, build_rank, build_ranks
 from twin.models.costs import Deployment
 from twin.runtime.collector import paced_collector
 from twin.runtime.diagnosis import crash_reason, fault_record, restart_reason
-from twin.runtime.faults import FaultInjector, FaultSpec
+from twin.runtime.faults import FaultInjector, FaultSpec, scope_nodes
 from twin.runtime.params import SimParams
 from twin.runtime.placement import Placement
 from twin.runtime.requests import RequestState
@@ -881,16 +881,9 @@ class Simulation:
                 self.at(spec.down or 0.0, self._restart, node)
 
     def _fault_scope(self, spec: FaultSpec) -> list[str]:
-        """The ranks a crash or restart takes down: its target, or with ``scope=server``
-        every live rank of the target's server (its role and instance)."""
-        target = self.topo.nodes[spec.target]
-        if spec.scope != "server":
-            return [target.id]
-        groups = self.topo.prefill_groups if target.role == "prefill" else \
-            self.topo.decode_groups
-        return [target.id] + [n.id for g in groups if g.instance == target.instance
-                              for n in g.nodes
-                              if n.id != target.id and n.id not in self.runtime.crashed]
+        """The ranks a crash or restart takes down that are still running."""
+        return [n for n in scope_nodes(self.topo, spec)
+                if n == spec.target or n not in self.runtime.crashed]
 
     def _restart(self, node: str) -> None:
         self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))

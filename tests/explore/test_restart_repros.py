@@ -1,0 +1,45 @@
+"""Repros with a ``restart:`` fault replay to their recorded verdict: the replay gives the
+restarted rank a fresh core, as the simulator does (two findings of a
+``--defect swallowed-chunk-ready-error --seed 7`` campaign, once divergent)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from twin.explore.oracles import run_trial
+from twin.explore.trial import Base, Trial
+from twin.replay import replay_sim
+from twin.sim.scenarios import SCENARIOS
+
+SMALL = SCENARIOS["default"].config.replace(
+    chunked_prefill_size=2048, staging_pool_size_mb=64,
+    model=SCENARIOS["default"].config.model.__class__(num_layers=4, num_kv_heads=8,
+                                                      head_dim=64, dtype_bytes=2))
+TRIALS = {
+    "restart-before-first-chunk": {
+        "deploy": {"chunked_prefill_size": 16, "ring_bytes": 131072},
+        "faults": ["restart:p0g0r1:at=0.003:down=0.01"], "requests": [[0.0, 56, 0, 0]],
+        "seed": 0},
+    "restart-then-stale-session": {
+        "deploy": {}, "faults": ["restart:p0g0r1:at=0.01:down=0.1"],
+        "requests": [[0.0, 47, 32, 0], [1.5, 72, 0, 64]], "seed": 0},
+    "server-restart": {
+        "deploy": {}, "faults": ["restart:p0g0r1:at=0.01:down=0.1:scope=server"],
+        "requests": [[0.0, 47, 32, 0], [1.5, 72, 0, 64]], "seed": 0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRIALS))
+def test_a_restart_repro_replays_to_its_verdict(name: str, tmp_path: Path) -> None:
+    base = Base(SMALL, SCENARIOS["default"].params.replace(wedge_window_s=5.0),
+                ("swallowed-chunk-ready-error",))
+    trial = Trial.from_json(json.loads(json.dumps(TRIALS[name])))
+    path = tmp_path / "repro.jsonl.gz"
+    result = run_trial(base, trial, trace_out=str(path))
+    assert result.status in ("wedged", "completed"), result.status
+    replayed = replay_sim(str(path))
+    assert replayed.divergence is None, replayed.divergence
+    assert replayed.same_outcome, (replayed.status, result.status)
