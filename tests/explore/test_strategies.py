@@ -7,8 +7,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from twin.core.config import ServerSide
 from twin.explore.coverage import FAULT_KEYS, CoverageRecorder, fault_key
+from twin.explore.faultmodel import MODELS, classes_of, fault_class
 from twin.explore.oracles import judge, run_trial
 from twin.explore.schedule import Driver, run_loopback
 from twin.explore.strategies import Strategies, fixed_buffers, gen_fault, generate
@@ -23,20 +26,38 @@ SWALLOWED = "swallowed-chunk-ready-error"
 SLICE = "silent-slice-fallback"
 
 
-def test_every_fault_drawn_is_valid_and_keyed() -> None:
+@pytest.mark.parametrize("model", ["sglang", "all"])
+def test_every_fault_drawn_is_valid_and_keyed(model: str) -> None:
     """Faults drawn over many seeds parse, pass the simulator's checks (no fail-send of a frame
-    decode sends), and each maps to one of the fault keys the coverage counts."""
+    decode sends), and each maps to one of the fault keys the coverage counts: every kind of
+    the fault model, and under ``sglang`` only faults SGLang's deployment can meet."""
     cfg = SC.config
     reqs = (Req(0.0, 300), Req(0.01, 20))
     seen: Counter[str] = Counter()
     for i in range(600):
-        text = gen_fault(random.Random(i), cfg, reqs)
+        text = gen_fault(random.Random(i), cfg, reqs, model=model)
         check_faults([parse_fault(text)], cfg, [r.input_len for r in reqs])
         seen[fault_key(text)] += 1
-    assert set(seen) == set(FAULT_KEYS)
+    assert set(seen) == set(MODELS[model])
     assert not any(k.startswith("ft:fail-send:") and k.split(":")[2] in ("STAGING_RSP",
                                                                           "WATERMARK")
                    for k in seen)
+    if model == "sglang":
+        assert all(fault_class(k).realistic for k in seen)
+        assert not any(k.startswith(("ft:dup:", "ft:reorder:", "ft:drop:")) for k in seen)
+    else:
+        assert set(seen) == set(FAULT_KEYS)
+
+
+def test_every_fault_kind_has_a_class_saying_where_sglang_meets_it() -> None:
+    for key in FAULT_KEYS:
+        c = fault_class(key)
+        assert c.where and (c.realistic == (key in MODELS["sglang"]))
+    assert fault_class("fail-send:STAGING_REQ:nth=1").name == "unraised-send"
+    assert fault_class("fail-send:KV_STATUS:nth=1").name == "send-timeout"
+    assert fault_class("corrupt:STAGING_REQ:field=chunk_idx:value=1").name == "malformed-field"
+    assert classes_of(["crash:p0g0r0:at=1", "delay:WATERMARK:ms=5", "restart:d0g0r0:at=1:"
+                       "down=1"]) == ["dead-peer", "late-frame"]
 
 
 def test_fault_kinds_no_trial_fired_are_preferred() -> None:
@@ -44,8 +65,9 @@ def test_fault_kinds_no_trial_fired_are_preferred() -> None:
     cfg = SC.config
     reqs = (Req(0.0, 300),)
     want = "ft:fail-send:CHUNK_READY"
-    plain = sum(fault_key(gen_fault(random.Random(i), cfg, reqs)) == want for i in range(400))
-    preferred = sum(fault_key(gen_fault(random.Random(i), cfg, reqs, (want,))) == want
+    plain = sum(fault_key(gen_fault(random.Random(i), cfg, reqs, model="all")) == want
+                for i in range(400))
+    preferred = sum(fault_key(gen_fault(random.Random(i), cfg, reqs, (want,), "all")) == want
                     for i in range(400))
     assert plain < 40 and preferred > 160
 

@@ -72,6 +72,12 @@ def _base(kw: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
 @click.option("--no-workload", is_flag=True,
               help="Keep the workload as given (its first 8 requests).")
 @click.option("--no-faults", is_flag=True, help="Inject no faults.")
+@click.option("--fault-model", type=click.Choice(["sglang", "all"]), default="sglang",
+              show_default=True,
+              help="sglang: draw only faults SGLang's deployment can meet (late frames, send "
+                   "timeouts, failed transfers, dead or restarted ranks, aborts); all: also "
+                   "lost, duplicated and reordered frames, which ZMQ never produces "
+                   "(docs/explore.md, the fault model).")
 @click.option("--no-interleave", is_flag=True,
               help="Keep the simulator's seed at 0 (one ordering of frames per trial).")
 @click.option("--corpus-cap", type=POSITIVE_INT, default=256, show_default=True,
@@ -85,8 +91,8 @@ def _base(kw: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
 @click.option("--json", "as_json", is_flag=True, help="Print findings.json at the end.")
 def explore_command(budget: float | None, runs: int | None, seed: int, out: str | None,
                     resume: str | None, executor: str, workers: int, address: str | None,
-                    no_deploy: bool, no_workload: bool, no_faults: bool, no_interleave: bool,
-                    corpus_cap: int, shrink_runs: int, confirm_hw: bool, as_json: bool,
+                    no_deploy: bool, no_workload: bool, no_faults: bool, fault_model: str,
+                    no_interleave: bool, corpus_cap: int, shrink_runs: int, confirm_hw: bool, as_json: bool,
                     **kw: Any) -> None:
     """Search for wedges, corruption and unexplained failures near a deployment.
 
@@ -99,6 +105,7 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
     """
     from twin.explore.artifacts import write_finding, write_summary
     from twin.explore.campaign import STATE_FILE, Campaign
+    from twin.explore.faultmodel import classes_of
     from twin.explore.runner import explore
     from twin.explore.strategies import Strategies
 
@@ -124,7 +131,8 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
                            f"{out}, or choose another folder")
         base, user = _base(kw)
         strategies = Strategies(deploy=not no_deploy, workload=not no_workload,
-                                faults=not no_faults, interleave=not no_interleave)
+                                faults=not no_faults, interleave=not no_interleave,
+                                fault_model=fault_model)
         campaign = Campaign(base, out_dir, seed=seed, strategies=strategies,
                             user_requests=user, corpus_cap=corpus_cap, shrink_runs=shrink_runs)
     if runs is None and budget is None:
@@ -144,9 +152,11 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
         write_finding(campaign.base, f, out_dir)
         if not as_json:
             s = f.shrunk
+            needs = ", ".join(classes_of(s.faults))
             click.echo(f"finding     {f.kind}: {f.root}\n            run {f.first_run}, "
                        f"{f.first_seconds:.1f} s; shrunk to {len(s.requests)} request(s), "
-                       f"{len(s.faults)} fault(s) -> {out_dir}/findings/{f.slug}/", err=True)
+                       f"{len(s.faults)} fault(s)" + (f" ({needs})" if needs else "")
+                       + f" -> {out_dir}/findings/{f.slug}/", err=True)
 
     campaign.save()
     report = explore(campaign, make, runs=runs, budget_s=budget,

@@ -36,11 +36,11 @@ def slug_for(sig: tuple[str, str], n: int) -> str:
 
 def write_summary(campaign: Campaign, out: Path, *, interrupted: bool = False) -> dict[str, Any]:
     """``findings.md`` and ``findings.json``; returns the JSON object."""
-    from twin.explore.coverage import coverage_report
+    from twin.explore.faultmodel import classes_of
 
     out.mkdir(parents=True, exist_ok=True)
     p = campaign.progress()
-    cov = coverage_report(frozenset(campaign.coverage))
+    cov = campaign.coverage_report()
     data = {"status": "interrupted" if interrupted else "completed",
             "exit_code": 1 if interrupted else campaign.exit_status(),
             "seed": campaign.seed, "runs": p.runs, "invalid_trials": p.invalid,
@@ -48,26 +48,29 @@ def write_summary(campaign: Campaign, out: Path, *, interrupted: bool = False) -
             "runs_per_second": round(p.runs / p.elapsed, 2) if p.elapsed else None,
             "coverage": {k: {"reached": r, "total": t} for k, (r, t) in cov.items()},
             "corpus": p.corpus, "strategies": campaign.strategies.names(),
+            "fault_model": campaign.strategies.fault_model,
             "defects": list(campaign.base.defects), "worker_deaths": campaign.redone,
             "findings": [f.to_json() for f in campaign.findings.values()]}
     (out / "findings.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     lines = ["# Findings", "",
              f"{p.runs} runs in {p.elapsed:.1f} s (seed {campaign.seed}; strategies "
-             f"{', '.join(campaign.strategies.names()) or 'none'}; defects on: "
+             f"{', '.join(campaign.strategies.names()) or 'none'}; fault model "
+             f"{campaign.strategies.fault_model}; defects on: "
              f"{', '.join(campaign.base.defects) or 'none'})"
              + (" — interrupted" if interrupted else "") + ".",
              "Coverage: " + ", ".join(f"{k} {r}/{t}" for k, (r, t) in cov.items()) + ".", ""]
     if not campaign.findings:
         lines.append("No findings.")
     else:
-        lines += ["| # | kind | root | smallest repro | first seen | hits | needs | hardware "
-                  "| dir |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| # | kind | root | smallest repro | faults it needs | first seen | hits | "
+                  "needs | hardware | dir |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for i, f in enumerate(campaign.findings.values(), 1):
             s = f.shrunk
             size = (f"{len(s.requests)} req, {len(s.faults)} fault(s), "
                     f"{sum(r.input_len for r in s.requests)} tokens")
-            lines.append(f"| {i} | {f.kind} | {f.root.replace('|', '/')} | {size} | run "
+            lines.append(f"| {i} | {f.kind} | {f.root.replace('|', '/')} | {size} | "
+                         f"{', '.join(classes_of(s.faults)) or 'none'} | run "
                          f"{f.first_run}, {f.first_seconds:.1f} s | {f.hits} | "
                          f"{', '.join(f.needs_defects) or '-'} | "
                          f"{f.hw.replace('|', '/') or 'not tried'} | findings/{f.slug}/ |")

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twin.explore.coverage import FAULT_KEYS, coverage_report
+from twin.explore.coverage import coverage_report
+from twin.explore.faultmodel import MODELS, classes_of
 from twin.explore.oracles import TrialResult, run_trial
 from twin.explore.shrink import shrink
 from twin.explore.strategies import Strategies, generate, mutate
@@ -76,6 +77,7 @@ class Finding:
                 "shrink_runs": self.shrink_runs, "hits": self.hits,
                 "diagnosis": self.diagnosis, "corruption": self.corruption,
                 "failures": self.failures, "needs_defects": self.needs_defects,
+                "fault_classes": classes_of(self.shrunk.faults),
                 "dir": f"findings/{self.slug}", "hw": self.hw}
 
     @classmethod
@@ -159,6 +161,7 @@ class Campaign:
     def state(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "seed": self.seed, "base": self.base.to_json(),
                 "strategies": self.strategies.names(),
+                "fault_model": self.strategies.fault_model,
                 "user_requests": [[r.at, r.input_len, r.decode_prefix, r.prefill_prefix]
                                   for r in self.user_requests],
                 "corpus_cap": self.corpus_cap, "shrink_runs": self.shrink_runs,
@@ -183,7 +186,8 @@ class Campaign:
         names = set(d["strategies"])
         c = cls(Base.from_json(d["base"]), out, seed=d["seed"],
                 strategies=Strategies(**{n: n in names for n in
-                                         ("deploy", "workload", "faults", "interleave")}),
+                                         ("deploy", "workload", "faults", "interleave")},
+                                      fault_model=d.get("fault_model", "all")),
                 user_requests=tuple(Req(*r) for r in d.get("user_requests", [])),
                 corpus_cap=d["corpus_cap"], shrink_runs=d["shrink_runs"])
         c.runs, c.rounds, c.invalid = d["runs"], d["rounds"], d["invalid"]
@@ -195,9 +199,14 @@ class Campaign:
             c.findings[finding.signature] = finding
         return c
 
+    def coverage_report(self) -> dict[str, tuple[int, int]]:
+        """Per coverage family: (reached, total), of the fault kinds this campaign draws."""
+        return coverage_report(frozenset(self.coverage), MODELS[self.strategies.fault_model])
+
     def progress(self) -> Progress:
-        total = sum(t for _, t in coverage_report(frozenset()).values())
-        reached = sum(r for r, _ in coverage_report(frozenset(self.coverage)).values())
+        cov = self.coverage_report()
+        total = sum(t for _, t in cov.values())
+        reached = sum(r for r, _ in cov.values())
         return Progress(self.runs, self.rounds, len(self.findings), reached, total,
                         len(self.corpus), self.seconds(), self.invalid)
 
@@ -207,7 +216,8 @@ class Campaign:
         round number, the corpus and the coverage: fault kinds no trial has fired yet are
         preferred)."""
         out = []
-        prefer = tuple(k for k in FAULT_KEYS if k not in self.coverage)
+        prefer = tuple(k for k in MODELS[self.strategies.fault_model]
+                       if k not in self.coverage)
         for i in range(size):
             rng = random.Random(f"{self.seed}:{self.rounds}:{i}")
             if self.corpus and rng.random() < 0.7:

@@ -76,10 +76,12 @@ def family(key: str) -> str | None:
     return None
 
 
-def coverage_report(keys: set[str] | frozenset[str]) -> dict[str, tuple[int, int]]:
-    """Per family: (reached, total)."""
+def coverage_report(keys: set[str] | frozenset[str], faults: tuple[str, ...] = FAULT_KEYS
+                    ) -> dict[str, tuple[int, int]]:
+    """Per family: (reached, total); ``faults``: the fault kinds the campaign draws."""
+    universes = {**UNIVERSE, "faults": faults}
     return {name: (len(keys & set(universe)), len(universe))
-            for name, universe in UNIVERSE.items()}
+            for name, universe in universes.items()}
 
 
 class CoverageRecorder:

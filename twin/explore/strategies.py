@@ -7,9 +7,11 @@
 * ``workload``  small workloads built to hit edges: prompt lengths at chunk and ring boundaries
                 (one page or one token either side), decode prefixes off the grid, prefill
                 radix hits, serial and simultaneous arrivals;
-* ``faults``    fault schedules drawn from every fault kind the simulator has (drop, delay,
-                reorder, dup, fail-send on each frame kind, fail-transfer, crash, restart,
-                abort mid-transfer);
+* ``faults``    fault schedules drawn from the fault model's kinds (``fault_model``:
+                ``"sglang"``, the default, draws the faults SGLang's deployment can meet:
+                late frames, send timeouts, failed transfers, dead or restarted ranks,
+                aborts; ``"all"`` adds lost, duplicated and reordered frames and a raising
+                STAGING_REQ send; ``twin/explore/faultmodel.py``);
 * ``interleave`` the order in which frames meet: the simulator's seed (it draws control-plane
                 jitter), or, for a trial in three, the loopback cluster under a random or a PCT
                 scheduler (``twin/explore/schedule.py``), where any pending action may go
@@ -26,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from twin.core.config import TwinConfig
 from twin.core.topology import Topology
-from twin.explore.coverage import FRAME_FAULTS, TIMED_FAULTS
+from twin.explore.faultmodel import MODELS
 from twin.explore.trial import Base, Deploy, InvalidTrial, Req, Trial
 from twin.runtime.faults import MESSAGE_ACTIONS
 
@@ -39,6 +41,7 @@ class Strategies:
     workload: bool = True
     faults: bool = True
     interleave: bool = True
+    fault_model: str = "sglang"  # a key of ``faultmodel.MODELS``
 
     def names(self) -> list[str]:
         return [n for n in NAMES if getattr(self, n)]
@@ -108,12 +111,12 @@ def gen_requests(rng: random.Random, cfg: TwinConfig) -> tuple[Req, ...]:
 
 
 def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
-              prefer: tuple[str, ...] = ()) -> str:
+              prefer: tuple[str, ...] = (), model: str = "sglang") -> str:
     """One fault. Its kind (a frame fault's action and frame kind, or a timed fault) is drawn
-    from ``FAULT_KEYS``; when ``prefer`` names kinds no trial has fired yet, half the draws
-    take one of those (coverage-guided, as a fuzzer favours rare branches)."""
+    from the fault ``model``'s kinds; when ``prefer`` names kinds no trial has fired yet,
+    half the draws take one of those (coverage-guided, as a fuzzer favours rare branches)."""
     key = rng.choice(prefer) if prefer and rng.random() < 0.5 else \
-        rng.choice(_KIND_DRAW)
+        rng.choice(kind_draw(model))
     parts0 = key.split(":")[1:]
     action = parts0[0]
     topo = Topology(cfg)
@@ -144,10 +147,14 @@ def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
     return f"abort:room={room}:at={at}"
 
 
-_KIND_DRAW = tuple([f"ft:{a}:{k}" for a, k in FRAME_FAULTS]
-                   + [f"ft:{a}" for a in TIMED_FAULTS for _ in range(len(FRAME_FAULTS) // 6)])
-"""Fault kinds with their weights: each frame fault once, each timed fault as often as a
-frame action on one kind of frame (three; frame faults take about two draws in three)."""
+def kind_draw(model: str) -> tuple[str, ...]:
+    """The ``model``'s fault kinds with their weights: each frame fault once, each timed
+    fault (``ft:crash``) as often as a frame action on a sixth of the frame faults (three
+    for ``all``: frame faults take about two draws in three)."""
+    keys = MODELS[model]
+    frame = [k for k in keys if k.count(":") == 2]
+    timed = [k for k in keys if k.count(":") == 1]
+    return tuple(frame + [k for k in timed for _ in range(max(1, len(frame) // 6))])
 
 
 def gen_schedule(rng: random.Random) -> str:
@@ -162,9 +169,9 @@ def gen_schedule(rng: random.Random) -> str:
 
 
 def gen_faults(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
-               prefer: tuple[str, ...] = ()) -> tuple[str, ...]:
+               prefer: tuple[str, ...] = (), model: str = "sglang") -> tuple[str, ...]:
     count = rng.choices([0, 1, 2], weights=[5, 4, 1])[0]
-    return tuple(gen_fault(rng, cfg, requests, prefer) for _ in range(count))
+    return tuple(gen_fault(rng, cfg, requests, prefer, model) for _ in range(count))
 
 
 def generate(rng: random.Random, base: Base, strategies: Strategies,
@@ -180,7 +187,8 @@ def generate(rng: random.Random, base: Base, strategies: Strategies,
         except InvalidTrial:
             continue
         requests = gen_requests(rng, cfg) if strategies.workload else user_requests
-        faults = gen_faults(rng, cfg, requests, prefer) if strategies.faults else ()
+        faults = gen_faults(rng, cfg, requests, prefer, strategies.fault_model) \
+            if strategies.faults else ()
         seed = rng.randrange(1 << 16) if strategies.interleave else 0
         schedule = gen_schedule(rng) if strategies.interleave else ""
         if schedule:
@@ -233,7 +241,7 @@ def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies,
         del reqs[rng.randrange(len(reqs))]
         return trial.with_(requests=tuple(reqs), faults=())
     if op == "fault-add" and len(trial.faults) < 4:
-        fault = gen_fault(rng, cfg, trial.requests, prefer)
+        fault = gen_fault(rng, cfg, trial.requests, prefer, s.fault_model)
         if trial.schedule and not fault.startswith("abort"):
             return trial  # the loopback cluster takes only aborts
         return trial.with_(faults=(*trial.faults, fault))
@@ -243,7 +251,7 @@ def _mutate_once(rng: random.Random, base: Base, trial: Trial, s: Strategies,
         return trial.with_(faults=tuple(f))
     if op == "fault-swap" and trial.faults:
         f = list(trial.faults)
-        f[rng.randrange(len(f))] = gen_fault(rng, cfg, trial.requests, prefer)
+        f[rng.randrange(len(f))] = gen_fault(rng, cfg, trial.requests, prefer, s.fault_model)
         return trial.with_(faults=tuple(f))
     if op == "deploy":
         return trial.with_(deploy=gen_deploy(rng, base.cfg))
