@@ -43,3 +43,14 @@ def test_a_restart_repro_replays_to_its_verdict(name: str, tmp_path: Path) -> No
     replayed = replay_sim(str(path))
     assert replayed.divergence is None, replayed.divergence
     assert replayed.same_outcome, (replayed.status, result.status)
+
+
+def test_a_restarted_decode_ranks_new_ring_is_not_held_against_its_old_one() -> None:
+    """A decode rank restarted empty allocates from round 0 again: the explorer's safety
+    checks forget the old ring's live allocations and watermark (this trial, found with every
+    fix on, was reported as an overlapping allocation)."""
+    data = json.loads((Path(__file__).parent / "data" / "decode-restart-trial.json").read_text())
+    assert any(f.startswith("restart:d") for f in data["trial"]["faults"])
+    result = run_trial(Base.from_json(data["base"]), Trial.from_json(data["trial"]))
+    assert not any(s.startswith(("overlap:", "watermark:")) for s in result.safety), \
+        result.safety

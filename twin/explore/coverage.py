@@ -30,7 +30,7 @@ from typing import Any
 from twin.core import events as ev
 from twin.core import states
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
-from twin.runtime.faults import SENDER
+from twin.runtime.faults import SENDER, parse_fault
 
 FRAME_FAULTS = tuple((action, kind) for action in ("drop", "delay", "dup", "reorder",
                                                    "fail-send")
@@ -125,11 +125,25 @@ class CoverageRecorder:
 
     def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None:
         if record.get("type") == "FaultInjected":
-            self.keys.add(fault_key(str(record.get("fault", ""))))
+            text = str(record.get("fault", ""))
+            self.keys.add(fault_key(text))
+            if text.startswith(("crash:", "restart:")):
+                self._forget(text)
         if self.log_limit and len(self.log) < self.log_limit and \
                 record.get("type") == "FaultInjected":
             self.log.append((t, node, f"fault {record.get('fault')}: "
                              f"{record.get('detail', '')}".strip()))
+
+    def _forget(self, fault: str) -> None:
+        """A crash or restart fault fired: the ranks it took down start again from nothing (a
+        restarted decode rank's ring is a new one, at round 0 with watermark (0, 0)), so their
+        allocations and watermark are no longer held against what they do next."""
+        spec = parse_fault(fault)
+        server = spec.target[:spec.target.find("g") + 1] if spec.scope == "server" else None
+        for nodes in (self._live, self._wm, self._round):
+            for n in [n for n in nodes if n == spec.target
+                      or (server is not None and n.startswith(server))]:
+                del nodes[n]
 
     def _decode_effect(self, t: float, node: str, e: ev.Effect) -> None:
         live = self._live.setdefault(node, {})
