@@ -4,6 +4,7 @@ sends to it that blocked decode's threads, on root lines (``twin.sim.causes``)."
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
@@ -110,3 +111,17 @@ def test_heartbeat_settings_come_from_sglangs_environment_names() -> None:
     r = CliRunner().invoke(cli, ["sim", "--workload", "poisson:n=5,rate=5", "--fault",
                                  "crash:p0g0r0:at=1:scope=pod"])
     assert r.exit_code == 2 and "key 'scope': expected one of rank, server" in r.output
+
+
+def test_a_replay_names_the_same_dead_rank_from_the_trace(tmp_path: Path) -> None:
+    from twin.replay import replay_sim
+
+    path = tmp_path / "crash.jsonl.gz"
+    result = run_sim(SCENARIOS["default"].config, parse_workload_spec("poisson:n=300,rate=20"),
+                     faults=[parse_fault("crash:d0g0r1:at=3")], trace_out=path)
+    replayed = replay_sim(str(path))
+    assert replayed.divergence is None and replayed.same_outcome
+    assert replayed.roots == result.summary()["roots"]  # no blocked sends on this one
+    assert replayed.roots[0].startswith("d0g0r1 crashed by fault crash:d0g0r1:at=3 at t=3 s")
+    r = CliRunner().invoke(cli, ["replay", str(path)])
+    assert f"root        {replayed.roots[0]}" in r.output, r.output

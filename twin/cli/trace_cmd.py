@@ -207,6 +207,7 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
         emit_json({"inputs": result.inputs, "core": core_path(), "status": result.status,
                    "completed": result.completed, "failed": result.failed,
                    "same_outcome": result.same_outcome, "differences": result.differences(),
+                   "roots": result.roots,
                    "divergence": str(result.divergence) if result.divergence else None,
                    "diagnosis": result.diagnosis, "corruption": result.corruption,
                    "timing": result.timing, "interrupted": result.interrupted,
@@ -231,6 +232,8 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
             if result.divergence is None:
                 for line in result.differences():
                     click.echo(f"differs     {line}")
+        for line in result.roots:
+            click.echo(f"root        {line}")
         print_diagnosis(result.diagnosis)
         for line in result.corruption[:20]:
             click.echo(f"corruption  {line}")

@@ -24,6 +24,7 @@ from twin.core.grid import pages_for_tokens
 from twin.core.integrity import IntegrityModel
 from twin.core.prefill import PrefillRank
 from twin.core.topology import Topology, build_rank
+from twin.runtime.causes import Death, RoomEnd, root_lines
 from twin.runtime.diagnosis import crash_reason, diagnose, note_fault_record, restart_reason
 from twin.runtime.faults import parse_fault, scope_nodes
 from twin.runtime.outcome import EXIT_ERROR, EXIT_OK, RunStatus, decide, exit_code
@@ -79,6 +80,8 @@ class ReplayResult:
     interrupted: str | None = None
     """Why the replay stopped before the trace's end (Ctrl-C, SIGTERM, SIGHUP), and how far it
     got; None when it read the whole trace."""
+    roots: list[str] = field(default_factory=list)
+    """Root lines of requests lost to a dead rank (``twin.runtime.causes``)."""
     ended_early: str | None = None
     """The trace ends before its ``Outcome`` (truncated, or a recording that never finished),
     or its run was stopped (interrupted, or ``--until``): what was still in flight there. Its
@@ -178,6 +181,8 @@ class Replayer:
         self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
         self.nodes_of: dict[int, tuple[str, ...]] = {}  # room -> the ranks it was placed on
         self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
+        self.deaths: list[Death] = []  # ranks a crash or restart fault took down
+        self.ends: dict[int, tuple[str, str]] = {}  # room -> (status, first failure reason)
 
     def note_sys(self, rtype: str, d: dict[str, Any]) -> None:
         """Note what the replay follows of a driver record (rooms, crashes and faults)."""
@@ -191,6 +196,7 @@ class Replayer:
                 spec = parse_fault(text)
                 for node in scope_nodes(self.topo, spec) if spec.target in self.topo.nodes \
                         else []:
+                    self.deaths.append(Death(node, spec.at or 0.0, crash_reason(text)))
                     if spec.action == "crash":
                         self.crashed[node] = crash_reason(text)
                         continue
@@ -322,10 +328,13 @@ class Replayer:
                 return  # never introduced, or already counted
             st = self.concluded.setdefault(e.room, {})
             st[node] = e.status
+            if e.status == "Failed" and e.room not in self.ends:
+                self.ends[e.room] = ("Failed", e.reason)
             self.integrity.on_concluded(node, e.room, e.status, room[1])
             if len(st) >= room[0]:
                 if all(s == "Success" for s in st.values()):
                     self.completed += 1
+                    self.ends[e.room] = ("Success", "")
                 else:
                     self.failed += 1
                 del self.rooms[e.room], self.concluded[e.room]
@@ -366,7 +375,18 @@ class Replayer:
                          if unfinished else [])
         return ReplayResult(self.inputs, self.divergence, status, self.completed, self.failed,
                             diagnosis, corruption, self.trace.outcome, version=self.version,
-                            ended_early=ended_early)
+                            ended_early=ended_early, roots=self.roots(unfinished))
+
+    def roots(self, unfinished: set[int]) -> list[str]:
+        """``twin.runtime.causes.root_lines`` from what the trace says: the ranks its faults
+        took down and how each room ended (a replay knows of no blocked sends)."""
+        if not self.deaths:
+            return []
+        rooms = [RoomEnd(room, nodes, "pending" if room in unfinished else
+                         self.ends.get(room, ("Failed", ""))[0],
+                         self.ends.get(room, ("", ""))[1])
+                 for room, nodes in self.nodes_of.items()]
+        return root_lines(self.deaths, rooms)
 
 
 def _ended_early(trace: Trace | TraceReader, unfinished: set[int],
