@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twin.advise.executors import InlineExecutor  # noqa: E402
 from twin.core.defects import ALL_DEFECTS  # noqa: E402
 from twin.explore.campaign import Campaign  # noqa: E402
-from twin.explore.coverage import coverage_report  # noqa: E402
 from twin.explore.runner import explore  # noqa: E402
+from twin.explore.strategies import Strategies  # noqa: E402
 from twin.explore.trial import Base, Req  # noqa: E402
 from twin.sim.scenarios import SCENARIOS  # noqa: E402
 
@@ -51,9 +51,10 @@ def inline(job: Any) -> InlineExecutor:
 
 
 def hunt(defect: str | None, seed: int, cap_runs: int, cap_s: float,
-         out: Path, with_: tuple[str, ...] = ()) -> dict[str, Any]:
+         out: Path, with_: tuple[str, ...] = (), fault_model: str = "sglang") -> dict[str, Any]:
     base, user = default_base((*with_, defect) if defect else ())
-    c = Campaign(base, out, seed=seed, user_requests=user, shrink_runs=100)
+    c = Campaign(base, out, seed=seed, user_requests=user, shrink_runs=100,
+                 strategies=Strategies(fault_model=fault_model))
     t0 = time.perf_counter()
     trial_s = 0.0
     trial_runs = 0
@@ -71,7 +72,7 @@ def hunt(defect: str | None, seed: int, cap_runs: int, cap_s: float,
             if hit is not None:
                 break
     wall = time.perf_counter() - t0
-    cov = coverage_report(frozenset(c.coverage))
+    cov = c.coverage_report()
     row: dict[str, Any] = {
         "defect": (defect or "(none)") + (f" (with {', '.join(with_)})" if with_ else ""),
         "runs": c.runs, "wall_s": round(wall, 2),
@@ -100,6 +101,9 @@ def main() -> None:
     ap.add_argument("--cap-runs", type=int, default=400)
     ap.add_argument("--cap-seconds", type=float, default=60.0)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--fault-model", choices=("sglang", "all"), default="sglang",
+                    help="The fault kinds trials draw (twin explore --fault-model); 'all' is "
+                         "the draw of campaigns before the fault model.")
     ap.add_argument("--json", default=None, help="Also write the rows here.")
     args = ap.parse_args()
     import tempfile
@@ -112,11 +116,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (d, with_) in enumerate(names):
             row = hunt(d, args.seed, args.cap_runs, args.cap_seconds, Path(tmp) / str(i),
-                       with_)
+                       with_, args.fault_model)
             label = row["defect"]
             rows.append(row)
             if d is None:
-                print(f"baseline (no defect): {row['runs']} runs in {row['wall_s']} s, "
+                print(f"baseline (no defect, fault model {args.fault_model}): "
+                      f"{row['runs']} runs in {row['wall_s']} s, "
                       f"{row['runs_per_s_one_core']} runs/s on one core, coverage "
                       f"{row['coverage_total']} {row['coverage']}")
                 for f in row["findings"]:

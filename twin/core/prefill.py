@@ -289,14 +289,21 @@ class PrefillRank:
         if handler is None:
             raise TypeError(f"prefill rank cannot handle {type(event).__name__}")
         if self.coalesced:
-            self.chain_starts.clear()
+            if self.chain_starts:
+                self.chain_starts.clear()
             self.accounted = 0
-            self._accounting = True
-            self._account(event, now, out)
-            self._accounting = False
+            for w in self._workers:  # most inputs find no poll due: skip the accounting
+                if 0 <= w.poll_at <= now and w.poll_at < w.fed_at:
+                    self._accounting = True
+                    self._account(event, now, out)
+                    self._accounting = False
+                    break
         handler(self, event, out)
         if self.coalesced:
-            self._schedule_polls(out)
+            for w in self._workers:  # nothing to schedule unless a worker waits
+                if w.waiting:
+                    self._schedule_polls(out)
+                    break
         return out
 
     # -- coalesced polls -----------------------------------------------------------------------
