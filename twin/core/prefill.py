@@ -358,14 +358,19 @@ class PrefillRank:
         streak and sleep once every queued chunk deferred; counted per room."""
         w = self._workers[index]
         at = w.poll_at
-        if at < 0 or at >= w.fed_at or at > now or (at == now and not tie):
+        fed_at = w.fed_at  # neither changes while polls are accounted: read once
+        if at < 0 or at >= fed_at or at > now or (at == now and not tie):
             return
         queue = w.queue
+        size = len(queue)  # a dequeue and its re-put leave the length as it was
         wait_s = self._deferral_wait_s
-        rooms: dict[int, int] = {}
-        while at >= 0 and at < w.fed_at and (at < now or (at == now and tie)):
+        room_of = self._rooms
+        counts: dict[int, int] = {}
+        seq = w.next_seq
+        streak = w.blocked_streak
+        while at >= 0 and at < fed_at and (at < now or (at == now and tie)):
             chunk = queue[0] if queue else None
-            room = None if chunk is None else self._rooms.get(chunk.room)
+            room = None if chunk is None else room_of.get(chunk.room)
             if chunk is None or room is None or chunk.wait == _ACTS or w.busy is not None:
                 raise AssertionError(f"{self.node}: coalesced poll of worker {index} at "
                                      f"{at!r} would act; it should have been fed")
@@ -374,21 +379,24 @@ class PrefillRank:
                 room.outstanding += 1
                 chunk.counted = True
             room.state = prefill_next(room.state, _T_DEQUEUE)
-            chunk.written.clear()
-            chunk.seq = w.next_seq
-            w.next_seq += 1
+            if chunk.written:
+                chunk.written.clear()
+            chunk.seq = seq
+            seq += 1
             queue.append(chunk)
-            rooms[chunk.room] = rooms.get(chunk.room, 0) + 1
-            self.accounted += 1
-            w.blocked_streak += 1
-            if w.blocked_streak >= len(queue):
+            counts[chunk.room] = counts.get(chunk.room, 0) + 1
+            streak += 1
+            if streak >= size:
                 w.sleeping = True
                 at = -1.0
             else:
                 at += wait_s
+        self.accounted += seq - w.next_seq
+        w.next_seq = seq
+        w.blocked_streak = streak
         w.poll_at = at
-        out.append(ev.DeferralsCounted(worker=index, rooms=tuple(rooms),
-                                       counts=tuple(rooms.values())))
+        out.append(ev.DeferralsCounted(worker=index, rooms=tuple(counts),
+                                       counts=tuple(counts.values())))
 
     def _schedule_polls(self, out: list[ev.Effect]) -> None:
         """Ask the driver to feed each waiting worker's first poll that acts or sleeps (a
