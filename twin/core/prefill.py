@@ -98,6 +98,7 @@ class TransferChunk:
     queued: bool
     wait: int
     token: int
+    epoch: int
 
     def __init__(self, *, room: int, page_start: int, num_pages: int, is_last: bool) -> None:
         self.room = room
@@ -113,6 +114,7 @@ class TransferChunk:
         self.queued = False
         self.wait = _ACTS
         self.token = 0
+        self.epoch = -1  # the rank's indexing epoch ``wait`` was worked out in
 
 
 @dataclass(slots=True)
@@ -239,6 +241,11 @@ class PrefillRank:
         self._alloc_wait: dict[tuple[int, int], list[tuple[int, TransferChunk]]] = {}
         self._wm_wait: dict[str, list[tuple[int, int, int, int, TransferChunk]]] = {}
         self._uid = 0
+        # The index above is kept from a worker's first deferral until every queue drained
+        # (``_indexing``): a run with no deferral pays nothing for it. Each time it starts
+        # again (a new ``_epoch``) every queued chunk is classified afresh.
+        self._indexing = False
+        self._epoch = 0
         self._accounting = False
         # Set by a driver that records no effects: accounted polls are reported as one
         # ``DeferralsCounted`` per worker and input instead of a ``Deferred`` each.
@@ -304,6 +311,12 @@ class PrefillRank:
                 if w.waiting:
                     self._schedule_polls(out)
                     break
+            if self._indexing:
+                for w in self._workers:
+                    if w.queue:
+                        break
+                else:  # every queue drained: nothing left to index until a worker waits
+                    self._stop_indexing()
         return out
 
     # -- coalesced polls -----------------------------------------------------------------------
@@ -436,8 +449,22 @@ class PrefillRank:
         w.next_seq += 1
         chunk.queued = True
         w.queue.append(chunk)
-        if self.coalesced and (fresh or chunk.wait == _ACTS):
+        if self._indexing and (fresh or chunk.wait == _ACTS or chunk.epoch != self._epoch):
             self._classify(chunk)
+
+    def _start_indexing(self) -> None:
+        """A worker starts to wait: index what every queued chunk's next poll does."""
+        self._indexing = True
+        self._epoch += 1
+        self._reclassify_rooms(None)
+
+    def _stop_indexing(self) -> None:
+        """Every queue drained: drop the index until a worker waits again."""
+        self._indexing = False
+        self._alloc_wait.clear()
+        self._wm_wait.clear()
+        for w in self._workers:
+            w.acting.clear()
 
     def _classify(self, chunk: TransferChunk) -> None:
         """Index what a queued chunk's next poll does, as ``_step_chunk`` would decide it
@@ -445,6 +472,7 @@ class PrefillRank:
         fed where it only defers is harmless, one accounted where it acts is not."""
         chunk.token += 1
         token = chunk.token
+        chunk.epoch = self._epoch
         room = self._rooms.get(chunk.room)
         chunk.wait = _ACTS
         if (room is not None and room.state is not _S_FAILED and chunk.num_pages > 0
@@ -502,7 +530,7 @@ class PrefillRank:
             advanced = (msg.round, msg.tail) > prev
             if advanced:
                 self._watermarks[msg.session_id] = (msg.round, msg.tail)
-                if self.coalesced:
+                if self._indexing:
                     self._watermark_advanced(msg.session_id, (msg.round, msg.tail))
             if advanced or not self._eager:
                 self._wake(out)  # handle_watermark_msg notifies the condition, advancing or not
@@ -514,7 +542,7 @@ class PrefillRank:
                 return
             first = msg.chunk_idx not in target.staging
             target.staging[msg.chunk_idx] = (msg.offset, msg.round, msg.end)
-            if self.coalesced:
+            if self._indexing:
                 self._allocation_known(msg.room, msg.chunk_idx, first)
             self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
         elif isinstance(msg, wire.Abort):
@@ -586,7 +614,7 @@ class PrefillRank:
             known = {t.session for t in room.targets}
             had_targets = bool(room.targets)
             room.targets.extend(t for t in targets if t.session not in known)
-            if self.coalesced and not had_targets:
+            if self._indexing and not had_targets:
                 self._reclassify_rooms({e.room})
         out.append(ev.TargetsKnown(room=e.room,
                                    sessions=tuple(t.session for t in room.targets)))
@@ -779,6 +807,8 @@ class PrefillRank:
             w.blocked_streak += 1
             all_blocked = w.blocked_streak >= len(w.queue)
             w.waiting = True
+            if self.coalesced and not self._indexing:
+                self._start_indexing()
             retry = None if all_blocked else self.now + self._deferral_wait_s
             if retry is None and self._recovery:
                 retry = self.now + cfg.control_retry_s
@@ -937,7 +967,7 @@ class PrefillRank:
         self._requested_at.pop(room.room, None)
         if room.state is _S_FAILED:
             self._aborted.add(room.room)
-        if self.coalesced:
+        if self._indexing:
             self._reclassify_rooms({room.room})  # its queued chunks are skipped
         out.append(ev.RoomTornDown(room=room.room))
 
@@ -961,7 +991,7 @@ class PrefillRank:
         room.state = prefill_next(room.state,
                                   _T_LAST_CHUNK_DONE if status == "Success" else _T_FAIL)
         room.fail_reason = reason
-        if self.coalesced and status != "Success":
+        if self._indexing and status != "Success":
             self._reclassify_rooms({room.room})  # its queued chunks are skipped
         poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
         out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
@@ -1022,7 +1052,7 @@ class PrefillRank:
     def _abort_room(self, room: PrefillRoom, reason: str, out: list[ev.Effect]) -> None:
         room.state = prefill_next(room.state, _T_FAIL)
         room.fail_reason = reason
-        if self.coalesced:
+        if self._indexing:
             self._reclassify_rooms({room.room})  # its queued chunks are skipped
         out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
