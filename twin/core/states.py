@@ -102,10 +102,11 @@ def observe(pairs: set[tuple[object, object]] | None) -> set[tuple[object, objec
 
 def prefill_next(state: PrefillRoomState, trigger: PrefillTrigger) -> PrefillRoomState:
     """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
+    key = (state, trigger)
     seen = _observed
     if seen is not None:
-        seen.add((state, trigger))
-    nxt = PREFILL_TRANSITIONS.get((state, trigger))
+        seen.add(key)
+    nxt = PREFILL_TRANSITIONS.get(key)
     if nxt is None:
         raise ProtocolError(f"prefill room in state {state.value}: {trigger.value} is not allowed")
     return nxt
@@ -113,10 +114,11 @@ def prefill_next(state: PrefillRoomState, trigger: PrefillTrigger) -> PrefillRoo
 
 def decode_next(state: DecodeRoomState, trigger: DecodeTrigger) -> DecodeRoomState:
     """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
+    key = (state, trigger)
     seen = _observed
     if seen is not None:
-        seen.add((state, trigger))
-    nxt = DECODE_TRANSITIONS.get((state, trigger))
+        seen.add(key)
+    nxt = DECODE_TRANSITIONS.get(key)
     if nxt is None:
         raise ProtocolError(f"decode room in state {state.value}: {trigger.value} is not allowed")
     return nxt
