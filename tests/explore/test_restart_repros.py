@@ -54,3 +54,18 @@ def test_a_restarted_decode_ranks_new_ring_is_not_held_against_its_old_one() -> 
     result = run_trial(Base.from_json(data["base"]), Trial.from_json(data["trial"]))
     assert not any(s.startswith(("overlap:", "watermark:")) for s in result.safety), \
         result.safety
+
+
+def test_a_restarted_decode_server_writes_to_a_new_ring(tmp_path: Path) -> None:
+    """A decode server restarted empty gets new memory: a later room's write to offset 0 is
+    not an overwrite of the old process's unscattered data (found with every fix on as a
+    corruption), and the repro replays to the simulator's verdict."""
+    data = json.loads((Path(__file__).parent / "data" / "decode-server-restart-trial.json")
+                      .read_text())
+    assert data["trial"]["faults"] == ["restart:d0g0r1:at=0.003:down=0.1:scope=server"]
+    path = tmp_path / "repro.jsonl.gz"
+    result = run_trial(Base.from_json(data["base"]), Trial.from_json(data["trial"]),
+                       trace_out=str(path))
+    assert not result.corruption, result.corruption
+    replayed = replay_sim(str(path))
+    assert replayed.divergence is None and replayed.same_outcome and not replayed.corruption

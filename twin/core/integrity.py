@@ -124,6 +124,15 @@ class IntegrityModel:
         self._ended: dict[str, RoomSet] = {}
         self._scattered: dict[tuple[str, int], set[int]] = {}  # (node, room) -> page starts
 
+    def restarted(self, node: str) -> None:
+        """``node`` came back as a new process: a new ring, no landed pages of its old rooms
+        (what the old process held is gone, not overwritten)."""
+        self.rings.pop(node, None)
+        for key in [k for k in self.pages if k[0] == node]:
+            del self.pages[key]
+        for key in [k for k in self._scattered if k[0] == node]:
+            del self._scattered[key]
+
     def _ring(self, node: str) -> Ring:
         """``node``'s ring, made on first use (a ``setdefault`` would build and drop one on
         every call)."""

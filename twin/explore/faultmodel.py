@@ -27,8 +27,9 @@ class FaultClass:
 
 CLASSES: dict[str, FaultClass] = {c.name: c for c in (
     FaultClass("dead-peer", True,
-               "a rank process dies (OOM, an exception, a lost node), or dies and is "
-               "restarted empty; its unsent frames and open rooms go with it"),
+               "a rank process dies (OOM, an exception, a lost node), or its server dies and "
+               "is restarted empty (a TP group's rank never comes back alone: the sglang "
+               "model draws restarts with scope=server); unsent frames and rooms go with it"),
     FaultClass("failed-transfer", True,
                "a NIXL or Mooncake WRITE ends in error (the remote segment gone, a transport "
                "timeout: Mooncake's MC_TRANSFER_TIMEOUT)"),

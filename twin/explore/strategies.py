@@ -140,7 +140,10 @@ def gen_fault(rng: random.Random, cfg: TwinConfig, requests: tuple[Req, ...],
     if action == "crash":
         return f"crash:{rng.choice(nodes)}:at={t}"
     if action == "restart":
-        return f"restart:{rng.choice(nodes)}:at={t}:down={rng.choice([0.01, 0.1])}"
+        # A rank of a TP group does not come back alone in SGLang (its server restarts): under
+        # the sglang fault model a restart takes the rank's whole server.
+        scope = ":scope=server" if model == "sglang" else ""
+        return f"restart:{rng.choice(nodes)}:at={t}:down={rng.choice([0.01, 0.1])}{scope}"
     room = rng.randrange(max(rooms, 1))
     at = round((requests[room].at if room < rooms else 0.0) + rng.choice([0.001, 0.003, 0.01]),
                4)

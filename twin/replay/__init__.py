@@ -13,6 +13,7 @@ cores' state, integrity violations) and compares it with the recorded ``Outcome`
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,7 @@ class Replayer:
         self.nodes_of: dict[int, tuple[str, ...]] = {}  # room -> the ranks it was placed on
         self.restarted: dict[str, str] = {}  # node -> how it crashed and came back empty
         self.deaths: list[Death] = []  # ranks a crash or restart fault took down
+        self._restarts: list[tuple[float, str]] = []  # heap of (back at, node)
         self.ends: dict[int, tuple[str, str]] = {}  # room -> (status, first failure reason)
 
     def note_sys(self, rtype: str, d: dict[str, Any]) -> None:
@@ -206,6 +208,9 @@ class Replayer:
                     if node in self.ranks:
                         self.ranks[node] = build_rank(self.cfg, self.topo.nodes[node],
                                                       self.defects)
+                    # its memory is new from when it is back (``feed`` forgets the old ring)
+                    heapq.heappush(self._restarts, ((spec.at or 0.0) + (spec.down or 0.0),
+                                                    node))
             note_fault_record(self.fault_notes, d)  # named on its room's wedge root
 
     def run(self) -> ReplayResult:
@@ -275,6 +280,9 @@ class Replayer:
              ) -> list[ev.Effect]:
         """Hand ``event`` to ``rank`` (of ``node``) at time ``t``; its effects."""
         self.inputs += 1
+        restarts = self._restarts
+        while restarts and t >= restarts[0][0]:  # as the simulator: back with a new ring
+            self.integrity.restarted(heapq.heappop(restarts)[1])
         if type(event) is ev.TransferDone and event.ok:  # its bytes land first
             st = self.in_flight.pop((node, event.worker), None)
             if st is not None:

@@ -888,6 +888,7 @@ class Simulation:
     def _restart(self, node: str) -> None:
         self.runtime.restart(node, build_rank(self.cfg, self.topo.nodes[node], self.defects))
         self.sockets.revived(node)
+        self.integrity.restarted(node)
         self.sys("driver", {"type": "Note", "text": f"{node} restarted with empty state"})
 
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
