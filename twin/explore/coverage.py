@@ -30,7 +30,7 @@ from typing import Any
 from twin.core import events as ev
 from twin.core import states
 from twin.core.allocator import ALLOC_OVERSIZED, is_watermark_ready
-from twin.runtime.faults import SENDER, parse_fault
+from twin.runtime.faults import SENDER, in_scope, parse_fault
 
 FRAME_FAULTS = tuple((action, kind) for action in ("drop", "delay", "dup", "reorder",
                                                    "fail-send")
@@ -139,10 +139,8 @@ class CoverageRecorder:
         restarted decode rank's ring is a new one, at round 0 with watermark (0, 0)), so their
         allocations and watermark are no longer held against what they do next."""
         spec = parse_fault(fault)
-        server = spec.target[:spec.target.find("g") + 1] if spec.scope == "server" else None
         for nodes in (self._live, self._wm, self._round):
-            for n in [n for n in nodes if n == spec.target
-                      or (server is not None and n.startswith(server))]:
+            for n in [n for n in nodes if in_scope(spec, n)]:
                 del nodes[n]
 
     def _decode_effect(self, t: float, node: str, e: ev.Effect) -> None:

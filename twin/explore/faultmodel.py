@@ -80,7 +80,3 @@ MODELS: dict[str, tuple[str, ...]] = {
 def classes_of(faults: tuple[str, ...] | list[str]) -> list[str]:
     """The fault classes a trial's faults belong to, sorted, each once."""
     return sorted({fault_class(f).name for f in faults})
-
-
-def all_realistic(faults: tuple[str, ...] | list[str]) -> bool:
-    return all(fault_class(f).realistic for f in faults)

@@ -370,12 +370,15 @@ class FaultInjector:
         return [s for s in self.specs if s.action in ("crash", "restart", "abort")]
 
 
+def in_scope(spec: FaultSpec, node: str) -> bool:
+    """Whether a ``crash`` or ``restart`` takes ``node`` down: its target, or with
+    ``scope=server`` every rank of the target's server (node ids ``p0g1r0``: the role and
+    instance before the ``g``)."""
+    if node == spec.target:
+        return True
+    return spec.scope == "server" and node[:node.find("g")] == spec.target[:spec.target.find("g")]
+
+
 def scope_nodes(topo: Topology, spec: FaultSpec) -> list[str]:
-    """The ranks a ``crash`` or ``restart`` takes down: its target, or with ``scope=server``
-    every rank of the target's server (its role and instance), the target first."""
-    target = topo.nodes[spec.target]
-    if spec.scope != "server":
-        return [target.id]
-    groups = topo.prefill_groups if target.role == "prefill" else topo.decode_groups
-    return [target.id] + [n.id for g in groups if g.instance == target.instance
-                          for n in g.nodes if n.id != target.id]
+    """``in_scope``'s ranks of ``topo``, the target first."""
+    return [spec.target] + [n for n in topo.nodes if n != spec.target and in_scope(spec, n)]

@@ -577,13 +577,10 @@ class Simulation:
         ``dst`` (``SendBlocking.send``)."""
         if notice is not None and type(notice) is ev.PeerPolled:
             return self.calendar.now  # decode group peers: a collective, not a ZMQ socket
-        crashed = self.runtime.crashed
-        dead = dst in crashed
+        dead = dst in self.runtime.crashed
         server_dead = False
         if dead and self.topo.nodes[dst].role == "prefill":  # decode's heartbeat probes it
-            inst = self.topo.nodes[dst].instance
-            server_dead = all(n.id in crashed for g in self.topo.prefill_groups for n in g.nodes
-                              if n.instance == inst)
+            server_dead = self._server_dead(self.topo.nodes[dst].instance)
         return self.sockets.send(self.calendar.now, src, self.topo.nodes[src].role, dst, dead,
                                  msg, self.runtime.current, server_dead)
 
@@ -610,9 +607,7 @@ class Simulation:
         on the server ``heartbeat_interval_s x heartbeat_max_failure`` later."""
         n = self.topo.nodes[node]
         if n.role == "prefill" and self._server_dead(n.instance):
-            p = self.params
-            self.at(p.heartbeat_interval_s * p.heartbeat_max_failure, self._heartbeat_failed,
-                    n.instance)
+            self.at(self.sockets.heartbeat_s, self._heartbeat_failed, n.instance)
 
     def _heartbeat_failed(self, instance: int) -> None:
         """SGLang's ``_handle_node_failure`` (common/conn.py ~2057-2083): the heartbeat

@@ -118,7 +118,7 @@ def thread_of(role: str, msg: wire.Message | None, cause: ev.Input | None,
 class SendBlocking:
     """Per-socket queues to dead peers and per-thread blocked time of one simulation."""
 
-    __slots__ = ("blocked_s", "busy", "by_frame", "by_peer", "by_thread", "died", "first_full",
+    __slots__ = ("busy", "by_frame", "by_peer", "by_thread", "died", "first_full",
                  "forever", "busy_peer", "heartbeat_s", "hwm", "lost", "prune", "queued",
                  "receiver_timeout_s", "reset", "watermark_sender")
 
@@ -131,7 +131,6 @@ class SendBlocking:
         self.prune = fix
         self.busy: dict[tuple[str, str], float] = {}  # (node, thread) -> blocked until
         self.forever: dict[tuple[str, str], float] = {}  # (node, thread) -> blocked since
-        self.blocked_s: dict[str, float] = {}  # node -> seconds its threads sat in sends
         self.by_frame: dict[str, float] = {}  # frame kind -> blocked seconds (all ranks)
         self.by_thread: dict[str, float] = {}  # thread (scheduler, ...) -> seconds (all ranks)
         # (src, dead peer, thread) -> seconds blocked in sends to that peer (timed-out sends)
@@ -195,15 +194,14 @@ class SendBlocking:
         else:
             peer = (src, dst, name)
             self.by_peer[peer] = self.by_peer.get(peer, 0.0) + wait
-            self.blocked_s[src] = self.blocked_s.get(src, 0.0) + wait
             kind = wire.tag_of(msg).decode() if msg is not None else "metadata/notice"
             self.by_frame[kind] = self.by_frame.get(kind, 0.0) + wait
             self.by_thread[name] = self.by_thread.get(name, 0.0) + wait
         return -1.0
 
     def blocked_on(self, end: float) -> dict[tuple[str, str, str], float]:
-        """Seconds each (rank, dead peer, thread) sat in sends to that peer by ``end``, as
-        ``totals`` counts them (a send blocked forever counts from its start)."""
+        """Seconds each (rank, dead peer, thread) sat in sends to that peer by ``end``: a send
+        still blocked at ``end`` counts up to ``end``, one blocked forever from its start."""
         out = dict(self.by_peer)
         for key, until in self.busy.items():
             peer = (key[0], self.busy_peer.get(key, "?"), key[1].split(":", 1)[0])
@@ -230,12 +228,9 @@ class SendBlocking:
 
     def totals(self, end: float) -> dict[str, float]:
         """Seconds each rank's threads sat in blocked sends by ``end``: a send still blocked
-        at ``end`` counts up to ``end``, one blocked forever from when it started."""
-        out = dict(self.blocked_s)
-        for key, until in self.busy.items():
-            node = key[0]
-            if math.isinf(until):
-                out[node] = out.get(node, 0.0) + max(0.0, end - self.forever[key])
-            elif until > end:
-                out[node] = out.get(node, 0.0) - (until - end)
+        at ``end`` counts up to ``end``, one blocked forever from when it started (the sum of
+        ``blocked_on`` over peers and threads)."""
+        out: dict[str, float] = {}
+        for (node, _peer, _thread), s in self.blocked_on(end).items():
+            out[node] = out.get(node, 0.0) + s
         return {n: round(v, 6) for n, v in sorted(out.items()) if v > 0}
