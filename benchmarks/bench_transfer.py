@@ -5,8 +5,9 @@ Run: ``python benchmarks/bench_transfer.py [--sizes-mib 1 4 16 64] [--repeat 20]
 
 Modes: ``shm`` is ``NixlEndpoint(shm=True)`` (UCX error handling ``none``), ``noshm`` is
 ``shm=False`` (UCX default ``peer``), ``mooncake`` is a ``MooncakeEndpoint`` (the Mooncake
-transfer engine, TCP, one blocking ``batch_transfer_sync_write`` per WRITE; needs the
-``mooncake`` extra and the system's libibverbs). On one host both move bulk data with CMA; set
+transfer engine, TCP unless ``TWIN_MOONCAKE_PROTOCOL`` says otherwise, one blocking
+``batch_transfer_sync_write`` per WRITE; needs the ``mooncake`` extra and the system's
+libibverbs; with ``--device cuda`` an engine built with CUDA, which registers the VRAM). On one host both move bulk data with CMA; set
 ``UCX_TLS=tcp`` in the environment to measure a TCP-only path instead (on a host with NVIDIA GPUs
 NIXL rejects a ``UCX_TLS`` without CUDA support: use ``UCX_TLS=tcp,cuda_copy``).
 
@@ -17,7 +18,8 @@ synchronize before its bytes are written or its metadata is sent.
 :func:`measure_raw_write` is the baseline the staged-chunk benchmark reuses: one WRITE of
 ``n`` contiguous bytes from a registered source in this process into a registered buffer
 of a spawned target process, timed from posting (descriptor creation included) until the
-initiator observes ``DONE``. :func:`measure_memcpy` times ``dst.copy_(src)`` of the same
+initiator observes ``DONE``; the target checks every byte of the last WRITE against a
+position-dependent pattern (:func:`pattern`), so a piece landed at the wrong offset fails. :func:`measure_memcpy` times ``dst.copy_(src)`` of the same
 bytes within one process.
 """
 
@@ -66,6 +68,14 @@ def _stats(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
     }
 
 
+def pattern(n: int, value: int, device: torch.device | str) -> torch.Tensor:
+    """``n`` bytes that depend on their offset and on ``value``: a 4099-byte period (prime,
+    so no power-of-two piece of a WRITE matches another offset's bytes)."""
+    period = torch.arange(4099, dtype=torch.int32, device=device)
+    tile = ((period * 131 + value * 7) % 251).to(torch.uint8)
+    return tile.repeat(-(-n // 4099))[:n]
+
+
 def _settle(t: torch.Tensor) -> None:
     """Wait for the kernels queued on ``t``'s device (no-op on CPU)."""
     if t.is_cuda:
@@ -87,7 +97,7 @@ def _bench_target(parent_ep: str, name: str, mode: str, device: str, nbytes: int
                 break
             if frames[0] == b"CHECK":
                 n, value = int(frames[1]), int(frames[2])
-                ok = bool(torch.all(buf[:n] == value).item())
+                ok = torch.equal(buf[:n], pattern(n, value, buf.device))
                 cs.send(peer.endpoint, [b"CHECKED", b"1" if ok else b"0"])
         cs.close(linger_ms=1000)
 
@@ -134,7 +144,7 @@ def measure_raw_write(
                 ep.connect(peer)
             for i, n in enumerate(sizes):
                 value = 1 + i % 250
-                src[:n].fill_(value)
+                src[:n].copy_(pattern(n, value, src.device))
                 _settle(src)  # the WRITE reads src outside torch's stream
                 samples: list[float] = []
                 for k in range(warmup + repeat):
@@ -230,6 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(header)
     print("-" * len(header))
+    if "mooncake" in args.modes:
+        from twin.hw.mooncake_transport import mooncake_protocol
+
+        report["mooncake_protocol"] = mooncake_protocol()
     for mode in args.modes:
         raw = measure_raw_write(sizes, args.repeat, mode=mode, device=args.device)
         report[mode] = raw
@@ -241,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r['gbps_median'] / c['gbps_median']:>9.2f} "
                 f"{r['gbps_best'] / c['gbps_best']:>6.2f}"
             )
-    print("GB/s = 1e9 B/s; ratio = write / memcpy (shm, noshm: NIXL; mooncake: Mooncake TCP)")
+    print("GB/s = 1e9 B/s; ratio = write / memcpy (shm, noshm: NIXL; mooncake: Mooncake "
+          f"{report.get('mooncake_protocol', 'tcp')})")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -42,6 +42,21 @@ SUMMARY_VERSION = 1
 HW_CONFIG = "examples/tp2-tp1-small.toml"
 JSON_KINDS = ("hw", "replay", "calibrate")
 
+# The Mooncake VRAM step's probe: an engine built with CUDA whose protocol moves VRAM, and a
+# one-page CUDA tensor that it registers (twin.hw.mooncake_transport.probe_vram).
+MOONCAKE_VRAM_PROBE = r"""
+import sys
+why = None
+if sys.argv[1] != "cuda":
+    why = "runs with --device cuda only (this check is --device " + sys.argv[1] + ")"
+else:
+    from twin.hw.mooncake_transport import probe_vram
+    why = probe_vram("cuda:0")
+if why is not None:
+    print("Mooncake VRAM: " + " ".join(why.split()), flush=True)
+    sys.exit(1)
+"""
+
 ENV_SCRIPT = r"""
 import importlib, json, os, platform, shutil, subprocess, sys
 device, path = sys.argv[1], sys.argv[2]
@@ -126,6 +141,9 @@ class Step:
     # A module that must import for the step to run; where it does not, the step is skipped
     # and does not fail the check (an optional part of the host, such as the Mooncake engine).
     optional: str | None = None
+    # Python code run (``python -c CODE DEVICE``) once ``optional`` imports: a non-zero exit
+    # skips the step the same way, the last line it printed (else of stderr) the reason.
+    probe: str | None = None
 
 
 @dataclass
@@ -214,6 +232,16 @@ def _steps(args: argparse.Namespace, work: Path, site: Path, wheels: list[Path])
                                    "90", "--json"],
                       150, kind="hw", needs=("environment",),
                       env={"TWIN_HW_TRANSPORT": "mooncake"}, optional="mooncake.engine"))
+    # VRAM to VRAM between two processes on the GPU through the Mooncake engine (its protocol:
+    # TWIN_MOONCAKE_PROTOCOL, default tcp), the target checking every byte: only where the
+    # engine is built with CUDA and registers a CUDA page, else skipped with the reason.
+    steps.append(Step("mooncake-vram", [py, "benchmarks/bench_transfer.py", "--device",
+                                        args.device, "--modes", "mooncake", "--sizes-mib", "4",
+                                        "16", "64", "--repeat", "5", "--json",
+                                        str(work / "bench_mooncake_vram.json")],
+                      90, kind="bench", artifact="bench_mooncake_vram.json",
+                      needs=("environment",), optional="mooncake.engine",
+                      probe=MOONCAKE_VRAM_PROBE))
     # Calibration last, so a slow fit cannot starve the checks above: a second run on another
     # workload, the cost model fitted to the first run, and its timings against the second.
     workload_b = ("poisson:n=24,rate=20,input=800,output=4,seed=7" if cuda
@@ -315,6 +343,14 @@ def _ratios(name: str, data: Any) -> dict[str, Any]:
             for n in data["shm"]},
             "nixl_gbps": {f"{int(n) >> 20}MiB": round(v["gbps_median"], 2)
                           for n, v in data["shm"].items()}}
+    if name == "mooncake-vram":
+        rows = data["mooncake"]
+        return {"protocol": data.get("mooncake_protocol"),
+                "gbps": {f"{int(n) >> 20}MiB": round(v["gbps_median"], 2)
+                         for n, v in rows.items()},
+                "over_memcpy": {f"{int(n) >> 20}MiB": round(v["gbps_median"]
+                                                            / data["memcpy"][n]["gbps_median"], 3)
+                                for n, v in rows.items()}}
     if name == "bench-staged":
         return {"staged_over_raw": {f"{r['bytes'] >> 20}MiB": round(r["staged_ratio"], 3)
                                     for r in data},
@@ -391,8 +427,9 @@ def _judge(step: Step, rc: int | None, timed_out: bool, stdout: str, work: Path,
     return "pass", "", result
 
 
-def _absent(step: Step, env: dict[str, str]) -> str | None:
-    """Why an optional step cannot run here (its module does not import), or None."""
+def _absent(step: Step, env: dict[str, str], device: str = "cuda") -> str | None:
+    """Why an optional step cannot run here (its module does not import, or its probe,
+    given ``device``, exits non-zero), or None."""
     if step.optional is None:
         return None
     try:
@@ -400,10 +437,20 @@ def _absent(step: Step, env: dict[str, str]) -> str | None:
                                env=env, capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         return f"optional: importing {step.optional} took over 60 s"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"optional: {step.optional} does not import here ({last})"
+    if step.probe is None:
+        return None
+    try:
+        probe = subprocess.run([sys.executable, "-c", step.probe, device], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        return "optional: its probe took over 90 s"
     if probe.returncode == 0:
         return None
-    last = (probe.stderr.strip().splitlines() or ["?"])[-1]
-    return f"optional: {step.optional} does not import here ({last})"
+    out = (probe.stdout.strip() or probe.stderr.strip()).splitlines() or ["?"]
+    return f"optional: {out[-1]}"
 
 
 def _pack(out: Path, work: Path, outcomes: list[Outcome]) -> None:
@@ -461,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         log = f"{i:02d}-{step.name}.log"
         left = deadline - time.monotonic()
         missing = [n for n in step.needs if n not in passed]
-        absent = None if missing or left < 15 else _absent(step, {**env, **step.env})
+        absent = None if missing or left < 15 else _absent(step, {**env, **step.env},
+                                                           args.device)
         if absent is not None:
             (work / log).write_text(f"not run: {absent}\n")
             outcomes.append(Outcome(step.name, "skipped", None, 0.0, step.timeout_s, log,
@@ -496,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": [{k: v for k, v in vars(o).items()} for o in outcomes],
         "hw_run": next((o.result for o in outcomes if o.name == "twin-hw"), {}),
         "mooncake_run": next((o.result for o in outcomes if o.name == "mooncake"), {}),
+        "mooncake_vram": next((o.result for o in outcomes if o.name == "mooncake-vram"), {}),
         "ratios": {o.name: o.result for o in outcomes if o.name.startswith("bench-")},
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -6,7 +6,9 @@
 # JSON verdict must show every request completed and byte-verified, its replay, the kernel /
 # transfer / staged-chunk benchmarks, a PP2 `twin hw` run on the Mooncake transfer engine (its
 # CUDA build on a GPU host; skipped, without failing the check, where the engine does not
-# import), and a cost-model calibration on the first run (`twin calibrate`)
+# import), VRAM to VRAM between two processes through that engine, byte-checked, with its
+# bandwidth (skipped with the reason where the engine cannot register VRAM: a build without
+# CUDA, a protocol that does not move it, or --device cpu), and a cost-model calibration on the first run (`twin calibrate`)
 # checked against a second run on another workload. Writes summary.json, steps.log,
 # steps.tar.gz, the runs' traces and costs.toml to $OUT (or --out DIR, else a temporary folder). Exit 0 only if every step passed.
 #

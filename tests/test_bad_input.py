@@ -185,7 +185,7 @@ def test_outputs_in_a_missing_folder(tmp_path_factory: pytest.TempPathFactory, n
     ("sim", "--prefill-args", "'unclosed"),
     ("sim", "--scenario", "warmup-stal"),
     ("sim", "--scenario-defects"),
-    ("hw", "--fault", "crash:d0g0r0:at=1"),
+    ("hw", "--fault", "crash:d9g0r0:at=1"),
     ("hw", "--fault", "restart:d0g0r0:at=1:down=1"),
     ("hw", "--prefill-gpus", "0,x"),
     ("sim", "--env", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB=1", "--prefill-args",

@@ -37,10 +37,11 @@ IMAGE_REQUIREMENTS = ("torch==2.11.0", "triton==3.6.0", "numpy", "pytest", "hypo
                       "tqdm", "matplotlib")
 VENV_FORMAT = 1
 STEPS = ["install", "environment", "kernels", "nixl-transfer", "twin-hw", "replay",
-         "bench-kernels", "bench-transfer", "bench-staged", "mooncake", "twin-hw-b",
-         "calibrate", "calibrated-replay"]
-#: Steps that run only where an optional module imports (the image has no Mooncake engine).
-OPTIONAL = {"mooncake"}
+         "bench-kernels", "bench-transfer", "bench-staged", "mooncake", "mooncake-vram",
+         "twin-hw-b", "calibrate", "calibrated-replay"]
+#: Steps that run only where an optional module imports (the image has no Mooncake engine)
+#: and, for the VRAM one, where its probe passes (a CUDA build of the engine on a GPU).
+OPTIONAL = {"mooncake", "mooncake-vram"}
 
 
 def _load_check() -> ModuleType:
@@ -241,3 +242,36 @@ def test_an_optional_step_is_skipped_only_for_want_of_its_module(tmp_path: Path)
     mc = steps["mooncake"]
     assert mc.optional == "mooncake.engine" and mc.env == {"TWIN_HW_TRANSPORT": "mooncake"}
     assert "--pp-size 2" in " ".join(mc.argv) and mc.kind == "hw"
+
+
+def test_the_mooncake_vram_step_runs_only_where_the_engine_registers_vram(
+        tmp_path: Path) -> None:
+    """Skipped with the reason on ``--device cpu`` and where the engine is built without
+    CUDA (the probe is real: it asks the engine installed here); when it runs, its verdict is
+    the benchmark's rows (bytes checked by the target) and the bandwidth is reported."""
+    check = _load_check()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for device in ("cpu", "cuda"):
+        args = type("A", (), {"device": device, "out": tmp_path, "steps": None})()
+        step = {s.name: s for s in check._steps(args, tmp_path, tmp_path, [])}["mooncake-vram"]
+        assert step.optional == "mooncake.engine" and step.probe and step.kind == "bench"
+        assert "--modes" in step.argv and "mooncake" in step.argv
+        assert step.argv[step.argv.index("--device") + 1] == device
+    reason = check._absent(step, env, "cpu")
+    assert reason is not None and reason.startswith("optional: "), reason
+    assert "--device cuda" in reason or "does not import" in reason
+    from twin.hw.mooncake_transport import engine_gpu_support
+
+    why = engine_gpu_support()
+    if why is not None:  # the engine here cannot register VRAM: skipped saying why
+        reason = check._absent(step, env, "cuda")
+        assert reason is not None and " ".join(why.split())[:60] in reason, reason
+    rows = {str(4 << 20): {"gbps_median": 2.0}}
+    (tmp_path / "bench_mooncake_vram.json").write_text(json.dumps(
+        {"memcpy": {str(4 << 20): {"gbps_median": 200.0}}, "mooncake": rows,
+         "mooncake_protocol": "tcp"}))
+    status, _, result = check._judge(step, 0, False, "", tmp_path, "cuda")
+    assert status == "pass" and result == {"protocol": "tcp", "gbps": {"4MiB": 2.0},
+                                           "over_memcpy": {"4MiB": 0.01}}
+    (tmp_path / "bench_mooncake_vram.json").unlink()  # the benchmark failed: no rows
+    assert check._judge(step, 1, False, "", tmp_path, "cuda")[0] == "fail"

@@ -114,8 +114,8 @@ def test_unsupported_requests_are_rejected_before_starting() -> None:
     cfg = TwinConfig(model=TINY, chunked_prefill_size=64)
     with pytest.raises(HwInputError, match="silent-slice-fallback"):
         run_hw(cfg, fixed([(0.0, 100, 4, 0)]), defects=Defects.of(["silent-slice-fallback"]))
-    with pytest.raises(HwInputError, match="crash"):
-        run_hw(cfg, fixed([(0.0, 100, 4, 0)]), faults=["crash:d0g0r0:at=1"])
+    with pytest.raises(HwInputError, match="restart"):
+        run_hw(cfg, fixed([(0.0, 100, 4, 0)]), faults=["restart:d0g0r0:at=1:down=1"])
 
 
 def test_multi_target_retry_race_corrupts_real_bytes(tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ clock. ``measure`` reads the pieces of the cost model straight out of it:
   which also absorbs the metadata path);
 * kernels and transfers: ``StartScatter`` to ``ScatterDone`` and ``StartTransfer`` to
   ``TransferDone`` against their byte counts (launch cost and bandwidth; the scatter's excess
-  over its kernel time is the decode loop's polling, ``decode_poll_interval_s``);
+  over its kernel time is the decode loop's polling, ``decode_poll_interval_s``); a direct
+  page write's (equal attention TP, ``staged`` False) against its count of writes, one per
+  page, layer and K/V (``direct_write_s``, fitted only from traces that have such writes);
 * prefill cadence: the gap between a room's successive ``SendKV`` calls
   (``forward_overhead_s``; the hardware mode's scheduler forwards one request at a time for a
   fixed time, and decodes nothing, so per-token and decode compute costs are zero).
@@ -49,7 +51,9 @@ class Measured:
     path: str
     frames: list[float] = field(default_factory=list)
     bootstrap: list[float] = field(default_factory=list)
-    transfers: list[tuple[int, float]] = field(default_factory=list)
+    transfers: list[tuple[int, float]] = field(default_factory=list)  # staged: bytes, s
+    # direct page writes: (writes, one per page, layer and K/V; bytes; seconds)
+    direct: list[tuple[int, int, float]] = field(default_factory=list)
     transfer_busy: list[tuple[int, float]] = field(default_factory=list)  # per node: bytes, busy s
     scatters: list[tuple[int, float]] = field(default_factory=list)
     # per decode node, in start order: (start, done, bytes) of each scatter
@@ -67,6 +71,7 @@ class Measured:
                     "p50": float(np.median(a)), "p90": float(np.percentile(a, 90))}
         return {"frames_s": q(self.frames), "bootstrap_s": q(self.bootstrap),
                 "write_s": q([d for _, d in self.transfers]),
+                "direct_write_s": q([d for _, _, d in self.direct]),
                 "scatter_s": q([d for _, d in self.scatters]),
                 "forward_gap_s": q(self.forward_gaps), "rank_skew_s": q(self.rank_skew),
                 "rank_write_Bps": q([b / t for b, t in self.transfer_busy if t > 0]),
@@ -79,7 +84,8 @@ def measure(trace: Trace) -> Measured:
     arrival: dict[int, float] = {}
     booted: dict[int, float] = {}
     frames = _FrameMatcher()
-    xfers: dict[tuple[str, int], tuple[float, int]] = {}
+    xfers: dict[tuple[str, int], tuple[float, int, int]] = {}  # -> (t, bytes, writes or 0)
+    writes_per_page = 2 * trace.config.model.num_layers  # a direct write's, as simulated
     scatters: dict[tuple[str, int, int], tuple[float, int]] = {}
     per_room: dict[tuple[str, int], list[float]] = defaultdict(list)
     spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
@@ -99,12 +105,17 @@ def measure(trace: Trace) -> Measured:
         elif kind == "RoomBootstrapped":
             booted[e.room] = max(booted.get(e.room, 0.0), t)
         elif kind == "StartTransfer":
-            xfers[(rec.node, e.worker)] = (t, e.nbytes)
+            writes = 0 if e.staged else e.num_pages * writes_per_page
+            xfers[(rec.node, e.worker)] = (t, e.nbytes, writes)
         elif kind == "TransferDone":
-            start = xfers.pop((rec.node, e.worker), None)
-            if start is not None and e.ok:
-                m.transfers.append((start[1], t - start[0]))
-                spans[rec.node].append((start[0], t, start[1]))
+            posted = xfers.pop((rec.node, e.worker), None)
+            if posted is not None and e.ok:
+                t0, nbytes, writes = posted
+                if writes:
+                    m.direct.append((writes, nbytes, t - t0))
+                else:
+                    m.transfers.append((nbytes, t - t0))
+                spans[rec.node].append((t0, t, nbytes))
         elif kind == "StartScatter":
             scatters[(rec.node, e.room, e.chunk_idx)] = (t, e.nbytes)
         elif kind == "ScatterDone":
@@ -278,7 +289,56 @@ def direct_params(measured: list[Measured], base: SimParams | None = None,
         fit = [intercept + b * per_byte for b, _ in xfer]
         excess = float(np.median([d - f for (_, d), f in zip(xfer, fit, strict=True)]))
         changes["transfer_jitter_s"] = max(0.0, excess / math.log(2))
+    direct = [x for m in measured for x in m.direct]
+    if direct:
+        _fit_direct_writes(direct, bool(xfer), changes, base)
     return base.replace(**changes)
+
+
+def _fit_direct_writes(direct: list[tuple[int, int, float]], staged: bool,
+                       changes: dict[str, Any], base: SimParams) -> None:
+    """Set ``direct_write_s`` in ``changes`` from direct page writes ``(writes, bytes,
+    seconds)``: the median, over the fast end (p10 of each write count, as for staged
+    WRITEs), of a write's time beyond its latency and its bytes' cost (bytes over
+    ``nic_bandwidth_Bps``, as the simulator charges a direct write) per page, layer and K/V.
+    The latency is the staged WRITEs' (``staged``); without any, the intercept of the
+    direct writes' time against their count, which then also sets the WRITE latency, its
+    jitter and an unlimited NIC. A fit that leaves no positive cost sets nothing."""
+    fast = [w for w in direct
+            if w[2] <= np.percentile([d for c, _, d in direct if c == w[0]], 10)]
+    if staged:
+        latency = float(changes["rdma_latency_s"])
+    else:
+        latency, _ = _fit_line([(c, d) for c, _, d in fast])
+    nic = 1e15 if not staged else float(changes.get("nic_bandwidth_Bps",
+                                                    base.nic_bandwidth_Bps))
+    per_write = float(np.median([(d - latency - b / nic) / c for c, b, d in fast]))
+    if per_write <= 0:
+        return
+    changes["direct_write_s"] = per_write
+    if not staged:
+        changes["rdma_latency_s"] = latency
+        changes["nic_bandwidth_Bps"] = nic
+        excess = float(np.median([d - latency - c * per_write - b / nic
+                                  for c, b, d in direct]))
+        changes["transfer_jitter_s"] = max(0.0, excess / math.log(2))
+
+
+def direct_write_fit(measured: list[Measured], params: SimParams,
+                     base: SimParams | None = None) -> tuple[bool, str]:
+    """Whether ``params`` (``direct_params`` of ``measured`` over ``base``) fitted
+    ``direct_write_s`` from the traces' direct page writes or kept ``base``'s (by default
+    ``SimParams``'), and a line saying which and why."""
+    count = sum(len(m.direct) for m in measured)
+    kept = (base or SimParams()).direct_write_s
+    if count == 0:
+        return False, (f"direct_write_s kept at {kept:g} s: the traces have no direct page "
+                       f"writes (every room was staged)")
+    if params.direct_write_s == kept:
+        return False, (f"direct_write_s kept at {kept:g} s: the {count} direct page writes "
+                       f"took no time beyond their latency")
+    return True, (f"direct_write_s fitted to {params.direct_write_s:.4g} s per page, layer and "
+                  f"K/V from {count} direct page writes")
 
 
 class _Frames:
@@ -350,9 +410,18 @@ class Calibration:
     scales: dict[str, float]
     fit: list[dict[str, Any]]
     measured: list[Measured]
+    notes: list[str] = field(default_factory=list)  # e.g. whether direct_write_s was fitted
+    direct_write_fitted: bool = False
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The ``[sim]`` fields this calibration sets: ``FITTED``, and ``direct_write_s``
+        where it was fitted from the traces' direct page writes."""
+        return FITTED + (("direct_write_s",) if self.direct_write_fitted else ())
 
     def report(self) -> dict[str, Any]:
-        return {"params": _fitted(self.params), "scales": self.scales, "traces": self.fit}
+        return {"params": _fitted(self.params, self.fields), "scales": self.scales,
+                "traces": self.fit, "notes": self.notes}
 
 
 FITTED = ("zmq_latency_s", "zmq_jitter_s", "rdma_latency_s", "transfer_jitter_s",
@@ -380,9 +449,9 @@ STALL_SCALED = ("process_stall_s", "process_run_s")
 """Also scaled when the fit models per-process stalls (``calibrate(stalls=True)``)."""
 
 
-def _fitted(p: SimParams) -> dict[str, Any]:
+def _fitted(p: SimParams, fields: tuple[str, ...] = FITTED) -> dict[str, Any]:
     d = p.to_dict()
-    return {k: (float(f"{d[k]:.6g}") if isinstance(d[k], float) else d[k]) for k in FITTED}
+    return {k: (float(f"{d[k]:.6g}") if isinstance(d[k], float) else d[k]) for k in fields}
 
 
 def _scaled(p: SimParams, scales: dict[str, float]) -> SimParams:
@@ -450,8 +519,9 @@ def calibrate(traces: list[Trace], base: SimParams | None = None,
             "ratio_p50": {p: round(sims[i][p] / targets[i][p], 4) for p in (*PHASES, "frame_s")
                           if p in targets[i] and p in sims[i]}}
            for i, m in enumerate(measured)]
+    fitted, note = direct_write_fit(measured, direct, base)
     return Calibration(params, direct, {k: round(v, 4) for k, v in scales.items()}, fit,
-                       measured)
+                       measured, [note], fitted)
 
 
 def write_costs(cal: Calibration, path: str | Path) -> Path:
@@ -464,7 +534,8 @@ def write_costs(cal: Calibration, path: str | Path) -> Path:
         ratio = ", ".join(f"{k} {v:.3f}" for k, v in f["ratio_p50"].items())
         lines.append(f"#   {f['trace']}: simulated/measured p50 {ratio}")
     lines.append(f"# joint-fit scales: {', '.join(f'{k} x{v:g}' for k, v in cal.scales.items())}")
-    body = tomli_w.dumps({"sim": _fitted(cal.params)})
+    lines.extend(f"# {note}" for note in cal.notes)
+    body = tomli_w.dumps({"sim": _fitted(cal.params, cal.fields)})
     p.write_text("\n".join(lines) + "\n" + body)
     return p
 

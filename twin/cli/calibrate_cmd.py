@@ -24,7 +24,9 @@ from twin.cli.options import BadInput
 def calibrate_command(trace_paths: tuple[str, ...], out_path: str, seeds: int, stalls: bool,
                       as_json: bool) -> None:
     """Fit transfer, kernel, control-plane, prefill-cadence and polling costs to hardware-mode
-    traces (`twin hw --trace-out`), and write them as a [sim] table.
+    traces (`twin hw --trace-out`), and write them as a [sim] table. The cost of a direct page
+    write (equal attention TP: direct_write_s) is fitted only from traces that have such
+    writes; the output says whether it was.
 
     Check the fit on another hardware trace with `twin replay TRACE --config OUT`.
     """
@@ -56,6 +58,8 @@ def calibrate_command(trace_paths: tuple[str, ...], out_path: str, seeds: int, s
                                  f"simulated {f['simulated_p50'][phase] * 1e3:.2f} ms "
                                  f"(ratio {f['ratio_p50'][phase]:.3f})")
             click.echo(f"{f['trace']}: " + "; ".join(parts))
+        for note in cal.notes:
+            click.echo(note)
         click.echo(f"wrote {out_path}; check another trace with "
                    f"`twin replay TRACE --config {out_path}`")
     sys.exit(0)

@@ -113,8 +113,8 @@ def fault_option(examples: str) -> Callable[[Any], Any]:
 SIM_FAULT_EXAMPLES = ("drop:WATERMARK:nth=3, delay:CHUNK_READY:ms=20:p=0.5, fail-transfer:p=0.01,"
                       " crash:d0g0r0:at=2, abort:room=3:at=1.5")
 HW_FAULT_EXAMPLES = ("drop:WATERMARK:nth=3, delay:CHUNK_READY:ms=20:p=0.5, dup:STAGING_RSP:p=0.1,"
-                     " fail-transfer:nth=1, abort:room=3:at=1.5 (crash and restart are "
-                     "simulator-only)")
+                     " fail-transfer:nth=1, abort:room=3:at=1.5, crash:p0g1r0:at=2 (the rank "
+                     "process ends; restart is simulator-only)")
 
 
 def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:

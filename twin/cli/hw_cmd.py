@@ -192,7 +192,8 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
     from twin.hw.mooncake_transport import choose_transport
 
     try:
-        transport, transport_note = choose_transport(run.cfg.disaggregation_transfer_backend)
+        transport, transport_note = choose_transport(run.cfg.disaggregation_transfer_backend,
+                                                     device)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     if transport == "mooncake" and data_ports:
@@ -247,7 +248,7 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         emit_json({**s, "deployment": run.deployment_line(), "workload_line": run.workload_line(),
                    "kv_pool": plan.describe(), "notes": run.notes + s["notes"]})
     else:
-        from twin.cli.sim_cmd import print_faults
+        from twin.cli.sim_cmd import print_blocked, print_faults, print_roots
 
         click.echo(f"status      {s['status']}")
         wrong = s["corrupted_requests"]
@@ -255,8 +256,10 @@ def hw_command(config_path, scenario, workload_spec, prefill_args, decode_args, 
         click.echo(f"requests    {s['requests']}: {s['completed']} completed ({check}), "
                    f"{s['failed']} failed, {s['unfinished']} unfinished")
         click.echo(f"ran         {s['sim_seconds']:.2f} s, {s['events']} core events")
+        print_blocked(s)
         for reason, n in s["failures"].items():
             click.echo(f"failed      {n} x {reason}")
+        print_roots(s)
         print_faults(s["fault_report"])
         print_diagnosis(s["diagnosis"])
         for line in s["corruption"][:20]:

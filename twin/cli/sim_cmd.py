@@ -40,6 +40,24 @@ def print_faults(faults: list[dict]) -> None:
         click.echo(f"fault       {f['fault']}: fired {n} time{'s' * (n != 1)}{flag}")
 
 
+def print_blocked(s: dict) -> None:
+    """The ``blocked`` line of a summary (``twin sim``'s or ``twin hw``'s): seconds its ranks'
+    sends sat blocked on dead peers, by rank, frame and thread."""
+    if s.get("send_blocked_s"):
+        blocked = ", ".join(f"{n} {v:.1f} s" for n, v in s["send_blocked_s"].items())
+        kinds = ", ".join(f"{k} {v:.1f} s" for k, v in s.get("send_blocked_by_frame", {}).items())
+        threads = ", ".join(f"{k} {v:.1f} s"
+                            for k, v in s.get("send_blocked_by_thread", {}).items())
+        click.echo(f"blocked     sends to dead peers held threads: {blocked} (by frame: {kinds}; "
+                   f"by thread: {threads})")
+
+
+def print_roots(s: dict) -> None:
+    """The summary's ``root`` lines (failed requests linked to the ranks that died)."""
+    for line in s.get("roots", []):
+        click.echo(f"root        {line}")
+
+
 def _print_human(result: SimResult, run: RunInputs) -> None:
     s = result.summary()
     click.echo(f"deployment  {run.deployment_line()}")
@@ -60,21 +78,14 @@ def _print_human(result: SimResult, run: RunInputs) -> None:
         if lat:
             click.echo(f"{label:<11} p50 {lat['p50'] * 1e3:.1f} ms  p90 {lat['p90'] * 1e3:.1f} "
                        f"ms  p99 {lat['p99'] * 1e3:.1f} ms")
-    if s.get("send_blocked_s"):
-        blocked = ", ".join(f"{n} {v:.1f} s" for n, v in s["send_blocked_s"].items())
-        kinds = ", ".join(f"{k} {v:.1f} s" for k, v in s.get("send_blocked_by_frame", {}).items())
-        threads = ", ".join(f"{k} {v:.1f} s"
-                            for k, v in s.get("send_blocked_by_thread", {}).items())
-        click.echo(f"blocked     sends to dead peers held threads: {blocked} (by frame: {kinds}; "
-                   f"by thread: {threads})")
+    print_blocked(s)
     if s["deferrals"]:
         click.echo(f"deferrals   {sum(s['deferrals'].values())} (backpressure waits)")
     if s["defects"]:
         click.echo(f"defects on  {', '.join(s['defects'])}")
     for reason, n in s["failures"].items():
         click.echo(f"failed      {n} x {reason}")
-    for line in s.get("roots", []):
-        click.echo(f"root        {line}")
+    print_roots(s)
     print_faults(s["fault_report"])
     print_diagnosis(s["diagnosis"])
     for line in s["corruption"][:20]:

@@ -111,8 +111,8 @@ class TwinConfig:
     from prefill's (``nixl/conn.py`` ~1058 ``needs_staging``, ``mooncake/conn.py`` ~664,
     ``common/conn.py`` ~2557-2561 ``require_staging``); with equal TP prefill writes the KV
     pages straight into decode's pool: no STAGING_REQ, ring or WATERMARK. True stages every
-    room anyway: the twin's model before it knew this (traces recorded without the field), and
-    the hardware mode, which has no direct page-write path.
+    room anyway: the twin's model before it knew this (traces recorded without the field); the
+    hardware mode sets it only for a prefill with ``pp_size > 1`` (``twin.hw.run``).
     ``disaggregation_transfer_backend``: SGLang's transfer backend on both servers,
     ``"mooncake"`` (SGLang's default: a prefill with ``pp_size > 1`` may stage, each PP stage
     writing its own layers, and STAGING_REQ names the requesting PP rank) or ``"nixl"``.

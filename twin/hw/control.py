@@ -24,16 +24,25 @@ client with it, so frames from processes outside the run never arrive; their ref
 handshakes are counted (:attr:`ControlSocket.refused`). Without a key (tests of the socket
 itself, benchmarks) the sockets are plain TCP.
 
-Delivery notes: PUSH sockets use ``ZMQ_IMMEDIATE`` so :meth:`ControlSocket.send` blocks (up
-to its timeout) until the peer's PULL socket is reachable instead of queueing silently.
-A send returns once the message is queued; ``close()`` defaults to linger 0, which drops
+SGLang's own options: :meth:`ControlSocket.configure` gives a socket name the options of one
+row of SGLang's socket table (``twin.runtime.sockets``: SNDHWM, SNDTIMEO, LINGER,
+RECONNECT_IVL; no ``ZMQ_IMMEDIATE``, as SGLang sets none), so a rank's sends to a peer that is
+gone queue up to the high-water mark and then block for the socket's timeout, as SGLang's do.
+:meth:`ControlSocket.connect` opens such a socket ahead of its first frame and can wait until
+the peer's handshake completed.
+
+Delivery notes: the twin's own ``"control"`` PUSH sockets use ``ZMQ_IMMEDIATE`` so
+:meth:`ControlSocket.send` blocks (up to its timeout) until the peer's PULL socket is reachable
+instead of queueing silently. A send returns once the message is queued; ``close()`` defaults to linger 0, which drops
 anything still queued, so a process that sends a last message and exits should close with
 ``linger_ms > 0``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import random
 import time
 from collections import deque
@@ -47,6 +56,7 @@ import zmq
 from twin.hw.auth import RefusalCounter, RunKey, guard_context, unguard_context
 from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import RegionDesc
+from twin.runtime.sockets import SocketSpec
 
 BOOTSTRAP_TAG = b"TWIN_BOOTSTRAP"
 
@@ -81,6 +91,7 @@ class ControlSocket:
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._send_timeout_ms = send_timeout_ms
         self._push: dict[tuple[str, str], zmq.Socket[Any]] = {}
+        self._options: dict[str, SocketSpec] = {}  # socket name -> SGLang's options for it
         self._prefetch_ctx: zmq.Context[Any] | None = None
         self._backlog: deque[list[bytes]] = deque()
         self._closed = False
@@ -135,16 +146,18 @@ class ControlSocket:
     ) -> None:
         self.close()
 
-    def close(self, linger_ms: int = 0) -> None:
+    def close(self, linger_ms: int = 0, linger_for: Mapping[str, int] | None = None) -> None:
         """Close all sockets (and the private context). Idempotent.
 
-        ``linger_ms`` bounds how long already-queued outgoing messages may still be sent.
+        ``linger_ms`` bounds how long already-queued outgoing messages may still be sent;
+        ``linger_for`` sets it per peer endpoint (a rank that crashes drops what it queued to
+        its peers but lets its last records reach the coordinator).
         """
         if self._closed:
             return
         self._closed = True
-        for sock in self._push.values():
-            sock.close(linger_ms)
+        for (endpoint, _), sock in self._push.items():
+            sock.close((linger_for or {}).get(endpoint, linger_ms))
         self._push.clear()
         if self._refusals is not None:
             self._refusals.close()
@@ -161,26 +174,66 @@ class ControlSocket:
             raise ControlError("control socket is closed")
 
     # ------------------------------------------------------------------ send
-    def _push_for(self, endpoint: str, socket: str = "control") -> zmq.Socket[Any]:
+    def configure(self, spec: SocketSpec) -> None:
+        """PUSH sockets named ``spec.name`` opened from now on take SGLang's options of that
+        row: SNDHWM, SNDTIMEO (none when infinite: a send blocks until the peer takes it),
+        LINGER and RECONNECT_IVL, and no ``ZMQ_IMMEDIATE`` (frames queue while the peer is
+        away, up to the high-water mark)."""
+        self._options[spec.name] = spec
+
+    def _push_for(self, endpoint: str, socket: str = "control",
+                  wait_s: float | None = None) -> zmq.Socket[Any]:
         sock = self._push.get((endpoint, socket))
         if sock is None:
             ctx = self._ctx
-            if socket != "control":
+            if socket == "prefetch":  # SGLang's prefetch socket lives in a context of its own
                 if self._prefetch_ctx is None:
                     self._prefetch_ctx = zmq.Context()
                 ctx = self._prefetch_ctx
             sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
+            spec = self._options.get(socket)
+            if spec is None:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+            else:
+                sock.setsockopt(zmq.SNDHWM, spec.sndhwm)
+                sock.setsockopt(zmq.SNDTIMEO, _ms(spec.sndtimeo_s))
+                sock.setsockopt(zmq.LINGER, _ms(spec.linger_s))
+                sock.setsockopt(zmq.RECONNECT_IVL, _ms(spec.reconnect_ivl_s))
             if self.key is not None:
                 self.key.join(sock)
+            monitor = (sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                       if wait_s is not None else None)
             try:
                 sock.connect(endpoint)
-            except zmq.ZMQError as e:
+                if monitor is not None and not monitor.poll(int((wait_s or 0) * 1000)):
+                    raise ControlError(f"no connection to {endpoint!r} within {wait_s} s")
+            except (zmq.ZMQError, ControlError) as e:
                 sock.close(0)
+                if isinstance(e, ControlError):
+                    raise
                 raise ControlError(f"cannot connect to {endpoint!r}: {e}") from e
+            finally:
+                if monitor is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.disable_monitor()
+                    monitor.close(0)
             self._push[(endpoint, socket)] = sock
         return sock
+
+    def connect(self, endpoint: str, socket: str, wait_s: float | None = None) -> None:
+        """Open this side's ``socket`` to ``endpoint`` now (SGLang opens it at the first frame);
+        with ``wait_s``, return only once the peer's handshake completed (``ControlError``
+        after ``wait_s``), so a socket without ``ZMQ_IMMEDIATE`` is known to be up."""
+        self._check_open()
+        self._push_for(endpoint, socket, wait_s)
+
+    def disconnect(self, endpoint: str) -> None:
+        """Close every PUSH socket to ``endpoint`` and drop what they queued (SGLang's
+        ``_handle_node_failure`` closing a dead server's cached sockets): the next frame
+        opens a fresh one."""
+        for key in [k for k in self._push if k[0] == endpoint]:
+            self._push.pop(key).close(0)
 
     def send(
         self, endpoint: str, frames: Sequence[bytes], *, timeout_ms: int | None = None,
@@ -188,15 +241,18 @@ class ControlSocket:
     ) -> None:
         """Queue one multipart message for ``endpoint`` on this side's ``socket`` to it.
 
-        Blocks at most ``timeout_ms`` (default: the socket's ``send_timeout_ms``) while the
-        peer is unreachable or its queue is full, then raises :class:`ControlError`.
+        Blocks at most ``timeout_ms`` (default: the socket's ``send_timeout_ms``, or for a
+        configured socket its SGLang SNDTIMEO) while the peer is unreachable or its queue is
+        full, then raises :class:`ControlError`.
         """
         self._check_open()
         if not frames:
             raise ValueError("a message needs at least one frame")
         parts = [bytes(f) for f in frames]
         sock = self._push_for(endpoint, socket)
-        sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms if timeout_ms is None else timeout_ms)
+        if timeout_ms is not None or socket not in self._options:
+            sock.setsockopt(zmq.SNDTIMEO,
+                            self._send_timeout_ms if timeout_ms is None else timeout_ms)
         try:
             sock.send_multipart(parts, copy=True)
         except zmq.Again as e:
@@ -230,6 +286,11 @@ class ControlSocket:
         """Put messages back so the next receives return them first, in the given order."""
         self._check_open()
         self._backlog.extendleft(reversed(list(messages)))
+
+
+def _ms(seconds: float) -> int:
+    """A zmq time option: milliseconds, -1 for infinite (and for SGLang's -1 settings)."""
+    return -1 if seconds < 0 or math.isinf(seconds) else int(round(seconds * 1000))
 
 
 def _bind_in_range(sock: zmq.Socket[Any], host: str, ports: tuple[int, int] | None) -> str:

@@ -53,6 +53,8 @@ from twin.hw.rankspec import (
     STOP,
     RankSpec,
 )
+from twin.runtime.faults import parse_fault, scope_nodes
+from twin.runtime.params import SimParams
 
 
 @dataclass
@@ -183,14 +185,14 @@ def plan_pool(cfg: TwinConfig, workload: Any, params: Any, overrides: dict[int, 
 
 def rank_allocations(cfg: TwinConfig, pages: int) -> dict[str, int]:
     """Bytes each rank allocates: its KV pool of ``pages`` pages, and the decode ranks' ring
-    or the prefill ranks' staging buffers."""
+    (none when nothing is staged) or the prefill ranks' staging buffers."""
     from twin.core.prefill import PrefillRank
 
     per_rank: dict[str, int] = {}
     for n in Topology(cfg).nodes.values():
         nbytes = pages * page_bytes(cfg, n.role, n.pp_rank)
         if n.role == "decode":
-            nbytes += cfg.ring_bytes
+            nbytes += cfg.ring_bytes if cfg.stages else 0
         else:
             core = build_rank(cfg, n, Defects())
             if isinstance(core, PrefillRank):
@@ -212,9 +214,10 @@ def check_fits(cfg: TwinConfig, per_rank: dict[str, int], options: HwOptions, pa
     total = host_need(per_rank.values())
     if not fits(total, avail):
         assert avail is not None
+        rings = f"{cfg.ring_bytes / (1 << 20):g} MiB rings" if cfg.stages else "no rings"
         raise PoolError(
             f"the ranks would take {total / (1 << 30):.1f} GiB of host memory (KV pools "
-            f"of {pages} pages, staging buffers, {cfg.ring_bytes / (1 << 20):g} MiB rings, "
+            f"of {pages} pages, staging buffers, {rings}, "
             f"{RANK_OVERHEAD_BYTES >> 20} MiB per rank process) but "
             f"{avail / (1 << 30):.1f} GiB is available; {remedy}")
 
@@ -257,9 +260,10 @@ class Launcher:
                  options: HwOptions, writer: Any = None,
                  scripts: dict[str, list[Any]] | None = None,
                  requests: dict[str, list[dict[str, Any]]] | None = None,
-                 hub: AgentHub | None = None) -> None:
+                 hub: AgentHub | None = None, params: SimParams | None = None) -> None:
         self.cfg = cfg
         self.topo = Topology(cfg)
+        self.params = params or SimParams()
         self.defects = defects
         self.faults = faults
         self.seed = seed
@@ -296,6 +300,16 @@ class Launcher:
         self._set_frame_log = False
         self._set_env: list[str] = []
         self.clock_notes: list[str] = []
+        # Ranks a crash fault ends (node -> its time): their exits are the run's, not errors.
+        self.crash_plan: dict[str, float] = {}
+        for text in faults:
+            spec = parse_fault(text)
+            if spec.action == "crash" and spec.target in self.topo.nodes:
+                for node in scope_nodes(self.topo, spec):
+                    at = spec.at or 0.0
+                    self.crash_plan[node] = min(at, self.crash_plan.get(node, at))
+        self.dead: dict[str, float] = {}  # node -> when a crash fault's exit was seen
+        self.gone: set[str] = set()  # dead ranks whose last records arrived
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -371,7 +385,11 @@ class Launcher:
                 kernels=self.options.kernels,
                 script=None if self.scripts is None else self.scripts.get(n.id, []),
                 requests=self.requests.get(n.id, []),
-                nodes_by_unique=by_unique))
+                nodes_by_unique=by_unique,
+                zmq_send_timeout_s=self.params.zmq_send_timeout_s,
+                zmq_sndhwm=self.params.zmq_sndhwm,
+                heartbeat_interval_s=self.params.heartbeat_interval_s,
+                heartbeat_max_failure=self.params.heartbeat_max_failure))
             counters[n.role] += 1
         return specs
 
@@ -477,7 +495,10 @@ class Launcher:
         self._tick_agents()
         dead = []
         for node, p in self.procs.items():
-            if node in self.failed_nodes or p.is_alive():
+            if node in self.failed_nodes or node in self.dead or p.is_alive():
+                continue
+            if self.now() >= self.crash_plan.get(node, float("inf")) - 0.5:
+                self.dead[node] = self.now()  # its crash fault: the run goes on without it
                 continue
             self.failed_nodes.add(node)
             dead.append(node)
@@ -563,8 +584,8 @@ class Launcher:
 
     def command(self, node: str, cmd: messages.Command) -> None:
         """Send ``cmd`` to ``node``; a rank that cannot take it is an error, not a raise."""
-        if node in self.failed_nodes:
-            return
+        if node in self.failed_nodes or node in self.dead or node in self.gone:
+            return  # a crashed rank takes no more commands (the simulator drops its inputs)
         try:
             self.sock.send(self.endpoints[node], [CMD, messages.encode(cmd)])
         except ControlError as exc:
@@ -581,10 +602,11 @@ class Launcher:
     def request_states(self, timeout_s: float = 10.0) -> dict[str, messages.RankState]:
         """Every rank's state (``messages.RankState``: snapshot, next scripted input, held)."""
         self.states = {}
-        for node in self.endpoints:
+        live = [n for n in self.endpoints if n not in self.dead and n not in self.gone]
+        for node in live:
             self.command(node, messages.QueryState())
         deadline = time.monotonic() + timeout_s
-        while len(self.states) < len(self.endpoints) and time.monotonic() < deadline:
+        while len(self.states) < len(live) and time.monotonic() < deadline:
             self.pump(50)
         return self.states
 
@@ -642,6 +664,8 @@ class Launcher:
                             f"coordinator's socket ({len(frames)} frames): {str(exc)[:200]}")
 
     def _report(self, report: dict[str, Any]) -> None:
+        if report.get("kind") == "died":  # its last records came with it
+            self.gone.add(str(report.get("node")))
         if report.get("kind") == "error":
             node = str(report.get("node"))
             self.failed_nodes.add(node)
@@ -672,7 +696,9 @@ class Launcher:
         if final:
             horizon = float("inf")
         else:  # every rank has sent all its records up to the slowest one's report
-            horizon = min((self._sent_upto.get(n, 0.0) for n in self.endpoints), default=0.0)
+            horizon = min((self._sent_upto.get(n, 0.0) for n in self.endpoints
+                           if n not in self.gone and
+                           self.now() - self.dead.get(n, self.now()) < 2.0), default=0.0)
             horizon = min(horizon, self.now()) - self.clock_margin
         while self._pending and self._pending[0].t <= horizon:
             p = heapq.heappop(self._pending)
@@ -690,11 +716,13 @@ class Launcher:
 
 
 def _hello(frames: list[bytes], nodes: set[str]) -> dict[str, Any]:
-    """A rank's HELLO: ``[tag, json {node, endpoint, ring}, nixl metadata]``."""
+    """A rank's HELLO: ``[tag, json {node, endpoint, ring, pool}, nixl metadata]`` (``ring``:
+    a decode rank's staging ring; ``pool``: its KV pool when nothing is staged; else null)."""
     info = messages.json_object(frames[1])
     if len(frames) != 3 or info.get("node") not in nodes or \
             not isinstance(info.get("endpoint"), str) or \
-            not isinstance(info.get("ring"), (dict, type(None))):
+            not isinstance(info.get("ring"), (dict, type(None))) or \
+            not isinstance(info.get("pool"), (dict, type(None))):
         raise messages.BadFrame("not a HELLO of one of this run's ranks")
     return info
 

@@ -15,6 +15,17 @@ handshake directly), the session id is ``host:rpc_port``, and memory is register
 ``register_memory(addr, length)``. On a CPU host the engine is
 ``mooncake-transfer-engine-non-cuda`` with the ``tcp`` protocol; it links the system's
 ``libibverbs.so.1`` even then (``scripts/setup.sh`` installs rdma-core's libraries as root).
+``TWIN_MOONCAKE_PROTOCOL`` picks another protocol (``rdma``).
+
+GPU memory: ``register_memory`` takes a CUDA pointer as it takes a host one, but only an engine
+built with CUDA (``mooncake.engine.SUPPORT_CUDA``; the ``mooncake-transfer-engine`` wheel) moves
+it: its ``rdma`` transport reads and writes VRAM in place (GPUDirect RDMA, which needs the
+``nvidia-peermem`` module or dma-buf for the registration to succeed), and its ``tcp``
+transport copies VRAM through host memory 64 KiB at a time (``cudaMemcpy`` on its socket
+threads). A build without CUDA accepts the registration and then hands the device pointer to
+its sockets, so :func:`gpu_memory_support` decides before anything is registered, and
+:meth:`MooncakeEndpoint.register` refuses a CUDA tensor with that reason (use NIXL instead)
+rather than copying it to host memory behind the protocol's back.
 
 Behaviour of the engine (0.3.13, TCP) relied on here:
 
@@ -54,6 +65,13 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_PROTOCOL = "tcp"
+#: The protocols whose transport moves CUDA memory in a CUDA build of the engine, and how.
+GPU_PROTOCOLS: dict[str, str] = {
+    "rdma": "GPUDirect RDMA, the NIC reading and writing VRAM in place",
+    "tcp": "the engine's TCP transport, which copies VRAM through host memory",
+}
+NIXL_FOR_VRAM = ("move VRAM with NIXL instead (--disaggregation-transfer-backend nixl, or "
+                 "TWIN_HW_TRANSPORT=nixl)")
 
 
 def engine_available() -> str | None:
@@ -62,6 +80,59 @@ def engine_available() -> str | None:
         from mooncake.engine import TransferEngine  # noqa: F401
     except ImportError as exc:
         return f"the Mooncake transfer engine does not import: {exc}"
+    return None
+
+
+def mooncake_protocol() -> str:
+    """The protocol endpoints initialise with: ``TWIN_MOONCAKE_PROTOCOL``, else ``tcp``."""
+    return os.environ.get("TWIN_MOONCAKE_PROTOCOL") or DEFAULT_PROTOCOL
+
+
+def gpu_memory_support(protocol: str, cuda_build: bool) -> str | None:
+    """None when an engine built with CUDA (``cuda_build``) or not registers and moves CUDA
+    memory over ``protocol``; else why not, saying what to use instead."""
+    if not cuda_build:
+        return ("this Mooncake transfer engine is built without CUDA (mooncake.engine."
+                "SUPPORT_CUDA is false, as in mooncake-transfer-engine-non-cuda) and moves host "
+                "memory only: install the CUDA build (mooncake-transfer-engine), or "
+                + NIXL_FOR_VRAM)
+    if protocol not in GPU_PROTOCOLS:
+        return (f"the Mooncake {protocol!r} protocol is not one that moves VRAM here (set "
+                f"TWIN_MOONCAKE_PROTOCOL to {' or '.join(GPU_PROTOCOLS)}), or " + NIXL_FOR_VRAM)
+    return None
+
+
+def engine_gpu_support(protocol: str | None = None) -> str | None:
+    """:func:`gpu_memory_support` of the engine installed here (``protocol`` defaults to
+    :func:`mooncake_protocol`); why not also when the engine does not import."""
+    why = engine_available()
+    if why is not None:
+        return why
+    import mooncake.engine as engine
+
+    return gpu_memory_support(protocol or mooncake_protocol(),
+                              bool(getattr(engine, "SUPPORT_CUDA", False)))
+
+
+def probe_vram(device: str = "cuda", protocol: str | None = None) -> str | None:
+    """None when a real endpoint here registers a one-page CUDA tensor on ``device``; else why
+    not. :func:`engine_gpu_support` is checked first, so no device pointer reaches an engine
+    without CUDA; with ``rdma`` the registration itself shows GPUDirect works on this host."""
+    why = engine_gpu_support(protocol)
+    if why is not None:
+        return why
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    try:
+        page = torch.zeros(4096, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(page.device)
+        with MooncakeEndpoint(f"vram-probe-{os.getpid()}", protocol=protocol,
+                              workers=1) as ep:
+            ep.register(page)
+    except (TransferError, RuntimeError) as exc:
+        return str(exc)
     return None
 
 
@@ -102,7 +173,12 @@ class MooncakeEndpoint:
         if not name:
             raise ValueError("endpoint name must be non-empty")
         self.name = name
-        self.protocol = protocol or os.environ.get("TWIN_MOONCAKE_PROTOCOL", DEFAULT_PROTOCOL)
+        self.protocol = protocol or mooncake_protocol()
+        import mooncake.engine as engine_module
+
+        #: Why this endpoint refuses CUDA memory (:func:`gpu_memory_support`), or None.
+        self.vram_refusal = gpu_memory_support(
+            self.protocol, bool(getattr(engine_module, "SUPPORT_CUDA", False)))
         self._engine: Any = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", self.protocol, device_name)
         if rc != 0:
@@ -152,18 +228,34 @@ class MooncakeEndpoint:
 
     # ------------------------------------------------------------------ memory and peers
     def register(self, tensor: torch.Tensor) -> RegionDesc:
-        """Register a contiguous CPU tensor's bytes (``register_memory``)."""
+        """Register a contiguous tensor's bytes in place (``register_memory``): host memory,
+        or CUDA memory where :attr:`vram_refusal` is None. Anything else raises
+        :class:`TransferError` with the reason before the engine sees the pointer."""
         engine = self._live()
         if not tensor.is_contiguous():
             raise ValueError("tensor must be contiguous")
-        if tensor.device.type != "cpu":
-            raise TransferError("the non-CUDA Mooncake engine registers DRAM only")
+        kind = tensor.device.type
+        mem: MemKind
+        if kind == "cpu":
+            mem, dev = "DRAM", 0
+        elif kind == "cuda":
+            if self.vram_refusal is not None:
+                raise TransferError(f"cannot register {tensor.device} memory with Mooncake "
+                                    f"for {self.name!r}: {self.vram_refusal}")
+            mem, dev = "VRAM", int(tensor.device.index or 0)
+        else:
+            raise TransferError(f"Mooncake registers host or CUDA memory, not {kind}")
         addr, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         rc = engine.register_memory(addr, length)
         if rc != 0:
-            raise TransferError(f"register_memory({length} B) failed: {rc}")
-        mem: MemKind = "DRAM"
-        region = RegionDesc(agent=self.session, addr=addr, length=length, mem=mem, dev_id=0)
+            why = ""
+            if mem == "VRAM":
+                why = (f" ({self.protocol} could not register {tensor.device} memory"
+                       + (": GPUDirect RDMA needs the nvidia-peermem module or dma-buf "
+                          "support" if self.protocol == "rdma" else "")
+                       + f"; {NIXL_FOR_VRAM})")
+            raise TransferError(f"register_memory({length} B) failed: {rc}{why}")
+        region = RegionDesc(agent=self.session, addr=addr, length=length, mem=mem, dev_id=dev)
         self._regions.append((region, tensor))
         return region
 
@@ -212,18 +304,21 @@ class MooncakeEndpoint:
     # ------------------------------------------------------------------ writes
     def write(self, local: torch.Tensor | tuple[int, int], peer_name: str, remote: RegionDesc,
               remote_offset: int, nbytes: int, *, worker: int = 0,
-              blocks: list[tuple[int, int, int]] | None = None) -> MooncakeHandle:
+              blocks: list[tuple[int, int, int]] | None = None,
+              local_span: int | None = None) -> MooncakeHandle:
         """Start a blocking ``batch_transfer_sync_write`` of ``nbytes`` from ``local`` to
         ``remote + remote_offset`` on worker ``worker``'s thread. ``blocks`` (``(local offset,
         remote offset, length)``) splits it as SGLang does for PP stages (one block per layer
-        slot); default one block."""
+        slot) and direct page writes (one per page, layer and K/V); default one block.
+        ``local_span``: the bytes of ``local`` the blocks may read (default the first
+        ``nbytes``)."""
         engine = self._live()
         if peer_name not in self._peers:
             raise TransferError(f"unknown peer {peer_name!r}")
         if remote.agent != peer_name:
             raise TransferError(f"region belongs to {remote.agent!r}, not peer {peer_name!r}")
-        parts = write_blocks(nbytes, remote, remote_offset, blocks)
-        laddr = self._local(local, nbytes)
+        parts = write_blocks(nbytes, remote, remote_offset, blocks, local_span)
+        laddr = self._local(local, nbytes if local_span is None else local_span)
         srcs = [laddr + lo for lo, _, _ in parts]
         dsts = [remote.addr + remote_offset + ro for _, ro, _ in parts]
         lens = [n for _, _, n in parts]
@@ -282,21 +377,37 @@ class MooncakeEndpoint:
         return sum(1 for h in self._handles.values() if h.state == "PROC")
 
 
-def choose_transport(backend: str) -> tuple[str, str]:
+def choose_transport(backend: str, device: str = "cpu") -> tuple[str, str]:
     """``(transport, note)``: which engine moves a hardware run's bytes for the config's
-    ``disaggregation_transfer_backend``. ``TWIN_HW_TRANSPORT`` (``mooncake`` or ``nixl``)
-    forces one; otherwise Mooncake runs on the Mooncake engine when it loads here, and on
-    NIXL, said in the note, when it does not (the protocol, PP writers included, is the
-    core's either way; what changes is the data mover)."""
+    ``disaggregation_transfer_backend`` with ranks on ``device`` (``cpu``, ``cuda[:N]``).
+    ``TWIN_HW_TRANSPORT`` (``mooncake`` or ``nixl``) forces one; otherwise Mooncake runs on
+    the Mooncake engine when it loads here and, on CUDA, moves VRAM
+    (:func:`engine_gpu_support`), and on NIXL, said in the note, when it does not (the
+    protocol, PP writers included, is the core's either way; what changes is the data mover).
+    Raises ``ValueError`` for a bad ``TWIN_HW_TRANSPORT`` and for Mooncake forced on CUDA
+    where the engine cannot register VRAM (with the reason)."""
+    cuda = device.split(":")[0] == "cuda"
+    protocol = mooncake_protocol()
     forced = os.environ.get("TWIN_HW_TRANSPORT")
     if forced is not None:
         if forced not in ("mooncake", "nixl"):
             raise ValueError(f"TWIN_HW_TRANSPORT: expected mooncake or nixl, got {forced!r}")
-        return forced, f"{forced} transfers (TWIN_HW_TRANSPORT)"
+        why = engine_gpu_support(protocol) if forced == "mooncake" and cuda else None
+        if why is not None:
+            raise ValueError(f"TWIN_HW_TRANSPORT=mooncake with ranks on {device}: {why}")
+        return forced, f"{forced} transfers (TWIN_HW_TRANSPORT)" + (
+            f"; VRAM over Mooncake {protocol}: {GPU_PROTOCOLS[protocol]}"
+            if forced == "mooncake" and cuda else "")
     if backend != "mooncake":
         return "nixl", "NIXL transfers (UCX)"
     why = engine_available()
-    if why is None:
-        return "mooncake", "Mooncake transfer engine (P2P handshake, batch_transfer_sync_write)"
-    return "nixl", (f"NIXL transfers in place of Mooncake's: {why} (install the mooncake "
-                    f"extra and libibverbs1, or set TWIN_HW_TRANSPORT)")
+    if why is not None:
+        return "nixl", (f"NIXL transfers in place of Mooncake's: {why} (install the mooncake "
+                        f"extra and libibverbs1, or set TWIN_HW_TRANSPORT)")
+    note = "Mooncake transfer engine (P2P handshake, batch_transfer_sync_write)"
+    if not cuda:
+        return "mooncake", note
+    why = engine_gpu_support(protocol)
+    if why is not None:
+        return "nixl", f"NIXL transfers in place of Mooncake's for VRAM: {why}"
+    return "mooncake", f"{note}; VRAM over {protocol}: {GPU_PROTOCOLS[protocol]}"

@@ -144,19 +144,24 @@ class RegionDesc:
 
 
 def write_blocks(nbytes: int, remote: RegionDesc, remote_offset: int,
-                 blocks: list[tuple[int, int, int]] | None) -> list[tuple[int, int, int]]:
+                 blocks: list[tuple[int, int, int]] | None,
+                 local_span: int | None = None) -> list[tuple[int, int, int]]:
     """The ``(local offset, remote offset, length)`` pieces of one WRITE of ``nbytes`` to
     ``remote + remote_offset``: ``blocks`` (relative to the start of the local buffer and to
-    ``remote_offset``; a PP stage's layer slots), or one block of ``nbytes``. Raises
-    :class:`TransferBoundsError` for a piece outside the ``nbytes`` local bytes or the remote
-    region, or pieces that do not add up to ``nbytes``."""
+    ``remote_offset``; a PP stage's layer slots, a direct write's pages), or one block of
+    ``nbytes``. ``local_span``: the local bytes the blocks may read (default the first
+    ``nbytes``; a direct write's pages lie anywhere in its KV pool). Raises
+    :class:`TransferBoundsError` for a piece outside those local bytes or the remote region,
+    or pieces that do not add up to ``nbytes``."""
     if nbytes <= 0:
         raise TransferBoundsError(f"nbytes must be positive, got {nbytes}")
+    span = nbytes if local_span is None else local_span
     parts = blocks if blocks else [(0, 0, nbytes)]
     for lo, ro, n in parts:
-        if n <= 0 or lo < 0 or lo + n > nbytes:
+        if n <= 0 or lo < 0 or lo + n > span:
+            what = "being written" if local_span is None else "of the local span"
             raise TransferBoundsError(f"block (local {lo}, remote {ro}, {n} B) is outside the "
-                                      f"{nbytes} B being written")
+                                      f"{span} B {what}")
         start = remote_offset + ro
         if start < 0 or start + n > remote.length:
             raise TransferBoundsError(
@@ -388,16 +393,18 @@ class NixlEndpoint:
         nbytes: int,
         notif: bytes | None = None,
         blocks: list[tuple[int, int, int]] | None = None,
+        local_span: int | None = None,
     ) -> TransferHandle:
         """Post a WRITE of ``nbytes`` from the start of ``local`` to ``remote + remote_offset``.
 
         ``local`` is a contiguous tensor (or view) or an ``(addr, length)`` pair; either must
         lie inside a region registered here. ``notif`` (non-empty) is delivered to the peer
         once the data has landed. ``blocks`` (``(local offset, remote offset, length)``)
-        splits the WRITE into one descriptor per block (a PP stage's layer slots); default
-        one block. Raises :class:`TransferBoundsError` for out-of-range requests and
-        :class:`TransferError` if NIXL refuses or fails to post. The returned handle must be
-        released (:meth:`release`) or left for :meth:`close`.
+        splits the WRITE into one descriptor per block (a PP stage's layer slots, a direct
+        write's pages); default one block. ``local_span``: the bytes of ``local`` the blocks
+        may read (default the first ``nbytes``). Raises :class:`TransferBoundsError` for
+        out-of-range requests and :class:`TransferError` if NIXL refuses or fails to post.
+        The returned handle must be released (:meth:`release`) or left for :meth:`close`.
         """
         agent = self._live_agent()
         self._require_peer(peer_name)
@@ -405,8 +412,9 @@ class NixlEndpoint:
             raise TransferError(f"region belongs to {remote.agent!r}, not peer {peer_name!r}")
         if notif is not None and len(notif) == 0:
             raise ValueError("empty notification; pass None for no notification")
-        parts = write_blocks(nbytes, remote, remote_offset, blocks)
-        laddr, lmem, ldev = self._resolve_local(local, nbytes)
+        parts = write_blocks(nbytes, remote, remote_offset, blocks, local_span)
+        laddr, lmem, ldev = self._resolve_local(local, nbytes if local_span is None
+                                                else local_span)
         try:
             ldescs = agent.get_xfer_descs([(laddr + lo, n, ldev) for lo, _, n in parts], lmem)
             rdescs = agent.get_xfer_descs(

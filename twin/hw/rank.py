@@ -7,8 +7,11 @@ PULL socket. Its loop receives SGLang frames from peers and commands from the co
 the core, and carries out the effects: frames go out over PUSH sockets, a ``StartTransfer``
 gathers the head slice and posts one WRITE into the decode ring (polled, never blocking the
 loop; a PP stage's WRITE is one block per layer slot, as SGLang's Mooncake staging writes it), a
-``StartScatter`` scatters a ring region into KV pages. Inputs and effects stream to the
-coordinator, which writes the trace.
+``StartScatter`` scatters a ring region into KV pages. A deployment that does not stage (equal
+attention TP) registers the KV pools instead of a ring: a direct ``StartTransfer`` is one WRITE
+of a block per page, layer and K/V from the prefill pool into the decode rank's pages of the
+room, which its ``TWIN_META`` carried (SGLang's ``send_kvcache`` and ``kv_indices``). Inputs and
+effects stream to the coordinator, which writes the trace.
 
 In replay mode the rank feeds its recorded inputs in order; a real arrival (frame, transfer or
 scatter completion, metadata) is held until it is the next recorded input.
@@ -38,16 +41,17 @@ from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.core.layout import compute_head_slice_params, pp_stage_write
 from twin.core.prefill import PrefillRank
-from twin.core.topology import Node, build_rank
+from twin.core.topology import Node, Topology, build_rank
 from twin.hw import messages
 from twin.hw.auth import RunKey
 from twin.hw.control import ControlError, ControlSocket
+from twin.hw.heartbeat import HealthPort, Heartbeat, server_up
 from twin.hw.kernels import get_kernels, warm_up_rank
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
 from twin.hw.mooncake_transport import MooncakeEndpoint, MooncakeHandle, choose_transport
 from twin.hw.netutil import LOOPBACK_HOST
 from twin.hw.nixl_transport import NixlEndpoint, RegionDesc, TransferError
-from twin.hw.pools import DTYPES, KVPool, byte_buffer
+from twin.hw.pools import DTYPES, KVPool, PoolLayout, byte_buffer, direct_blocks
 from twin.hw.rankspec import (
     ABORT,
     CMD,
@@ -60,13 +64,16 @@ from twin.hw.rankspec import (
     START,
     STATE,
     STOP,
-    WARM,
     RankSpec,
 )
-from twin.runtime.faults import FaultInjector, parse_fault
+from twin.runtime.faults import FaultInjector, FaultSpec, in_scope, parse_fault
 from twin.runtime.runtime import Runtime
+from twin.runtime.sockets import configured, thread_of
+from twin.runtime.sockets import socket_of as sglang_socket
 
 IDLE_WAIT_MS = 20
+#: A send that returned after this long sat blocked (a peer that is gone, a full queue).
+BLOCKED_SEND_S = 0.05
 FLUSH_IDLE_S = 0.05
 REAL_INPUTS = (ev.MessageArrived, ev.TransferDone, ev.ScatterDone, ev.RoomBootstrapped)
 
@@ -118,9 +125,17 @@ class RankProcess:
                      decode_attn_tp=cfg.decode.attn_tp_size, total_kv_heads=m.num_kv_heads)
         self.sock = ControlSocket(host=spec.bind_host, ports=spec.control_ports,
                                   send_timeout_ms=60_000, key=spec_key(spec))
+        # SGLang's sockets between ranks, with its options (twin.runtime.sockets); the
+        # twin's own frames to the coordinator keep the "control" socket.
+        for sock_spec in configured(spec.zmq_send_timeout_s, spec.zmq_sndhwm).values():
+            self.sock.configure(sock_spec)
+        self.topo = Topology(cfg)
+        self.watermark_sender = cfg.fix_set.on("stale-watermark-subscribers")
         # One CPU host (ranks on loopback, DRAM over shared memory): no NIXL progress thread,
         # which would spin a core per rank. Across nodes (TCP) and on GPUs it runs.
-        transport, _ = choose_transport(cfg.disaggregation_transfer_backend)
+        # The same choice as the command's (VRAM on Mooncake only where the engine moves it).
+        transport, _ = choose_transport(cfg.disaggregation_transfer_backend,
+                                        self.device.type)
         self.nixl: NixlEndpoint | MooncakeEndpoint
         if transport == "mooncake":
             self.nixl = MooncakeEndpoint(spec.node, host=spec.bind_host,
@@ -128,20 +143,38 @@ class RankProcess:
         else:
             self.nixl = NixlEndpoint(spec.node, progress_thread=not (
                 spec.bind_host == LOOPBACK_HOST and self.device.type == "cpu"))
+        self.ring: torch.Tensor | None = None
+        self.buffers: list[torch.Tensor] = []
         if isinstance(self.core, PrefillRank):
             self.buffers = [byte_buffer(self.core.buffer_bytes, self.device)
                             for _ in range(self.core.num_workers)]
             for b in self.buffers:
                 self.nixl.register(b)
-            self.ring = None
-        else:
-            self.buffers = []
+        elif cfg.stages:
             self.ring = byte_buffer(cfg.ring_bytes, self.device)
             self.ring_region = self.nixl.register(self.ring)
-        self.injector = FaultInjector([parse_fault(f) for f in spec.faults],
-                                      random.Random(f"{spec.seed}:{spec.node}:faults"))
+        # No staging (equal attention TP): pages go straight between the KV pools, which
+        # both sides register (registered before the metadata is sent, so peers know it).
+        self.pool_region = None if cfg.stages else self.nixl.register(self.pool.storage)
+        specs = [parse_fault(f) for f in spec.faults]
+        self.injector = FaultInjector(specs, random.Random(f"{spec.seed}:{spec.node}:faults"))
+        # The first crash fault that takes this rank down (``scope=server``: its whole server).
+        self.crash: FaultSpec | None = min(
+            (f for f in specs if f.action == "crash" and in_scope(f, spec.node)),
+            key=lambda f: f.at or 0.0, default=None)
+        # Prefill: the server's health port decode's heartbeat probes. Decode: the heartbeat
+        # (started with the run), each room's prefill server, and what it gave up on.
+        self.health = HealthPort(spec.bind_host) if spec.role == "prefill" else None
+        self.heartbeat: Heartbeat | None = None
+        self.servers: dict[int, list[str]] = {}  # prefill instance -> its ranks' health ports
+        self.room_server: dict[int, int] = {}
+        self.failed_servers: set[int] = set()
+        self.pruned: set[str] = set()  # dropped WATERMARK subscribers (the #36049 fix)
         self.endpoints: dict[str, str] = {}
         self.rings: dict[str, tuple[str, RegionDesc]] = {}
+        # prefill, no staging: each decode node's KV pool, and its pages of each room (META)
+        self.pools: dict[str, tuple[str, RegionDesc, PoolLayout]] = {}
+        self.decode_pages: dict[tuple[int, str], list[int]] = {}
         self.coordinator = spec.coordinator
         self.t0 = 0.0
         self.timers: list[tuple[float, int, Any, tuple[Any, ...]]] = []
@@ -189,7 +222,9 @@ class RankProcess:
         if self.device.type == "cuda":  # zeroed ring and pools land before a peer may write
             torch.cuda.synchronize(self.device)
         hello = {"node": self.spec.node, "endpoint": self.sock.endpoint,
-                 "ring": self.ring_region.to_dict() if self.ring is not None else None}
+                 "health": self.health.address if self.health is not None else None,
+                 "ring": self.ring_region.to_dict() if self.ring is not None else None,
+                 "pool": self._pool_entry()}
         self.sock.send(self.coordinator, [HELLO, json.dumps(hello).encode(),
                                           self.nixl.metadata()])
         while True:
@@ -202,18 +237,21 @@ class RankProcess:
         metas = frames[2:]
         for i, entry in enumerate(directory):
             self.endpoints[entry["node"]] = entry["endpoint"]
-            if entry["ring"] is not None and isinstance(self.core, PrefillRank):
-                peer = self.nixl.add_peer(metas[i])
-                self.rings[entry["node"]] = (peer, RegionDesc.from_dict(entry["ring"]))
+            health = entry.get("health")
+            if isinstance(health, str) and entry["node"] in self.topo.nodes:
+                inst = self.topo.nodes[entry["node"]].instance
+                self.servers.setdefault(inst, []).append(health)
+            if isinstance(self.core, PrefillRank):
+                self._add_decode_peer(entry, metas[i])
         if isinstance(self.core, PrefillRank):
             # SGLang opens a prefetch socket (in a context of its own) at the first STAGING_REQ
             # to a decode endpoint. Opening it here instead keeps a loaded host's slow first
             # connect from letting the first request trail the chunk it asks for (which would
             # wedge the ring; docs/defects.md). The socket stays separate: frames on it may still
-            # be overtaken. A send blocks until the connection is up (ZMQ_IMMEDIATE).
+            # be overtaken. Its handshake is waited for (SGLang sets no ZMQ_IMMEDIATE on it).
             for node, endpoint in self.endpoints.items():
                 if node in self.rings:
-                    self.sock.send(endpoint, [WARM], socket=wire.PREFETCH_SOCKET)
+                    self.sock.connect(endpoint, "prefetch", wait_s=60.0)
         self.sock.send(self.coordinator, [b"TWIN_READY", self.spec.node.encode()])
         early: list[list[bytes]] = []  # peers that started first may already be talking
         while True:
@@ -223,8 +261,29 @@ class RankProcess:
             if frames[0] == START:
                 self.t0 = float(frames[1].decode())
                 self.sock.unread(early)
+                self._start_faults()
                 return
             early.append(frames)
+
+    def _pool_entry(self) -> dict[str, Any] | None:
+        """A decode rank's KV pool for the directory when nothing is staged (prefill ranks
+        write its pages directly): the registered region and where pages lie in it."""
+        if self.pool_region is None or not isinstance(self.core, DecodeRank):
+            return None
+        return {"region": self.pool_region.to_dict(), "layout": self.pool.layout.to_dict()}
+
+    def _add_decode_peer(self, entry: dict[str, Any], meta: bytes) -> None:
+        """Load a decode rank's agent from the directory, with its ring (staged deployments)
+        or its KV pool (direct page writes)."""
+        ring, pool = entry.get("ring"), entry.get("pool")
+        if ring is None and pool is None:
+            return
+        peer = self.nixl.add_peer(meta)
+        if ring is not None:
+            self.rings[entry["node"]] = (peer, RegionDesc.from_dict(ring))
+        if pool is not None:
+            self.pools[entry["node"]] = (peer, RegionDesc.from_dict(pool["region"]),
+                                         PoolLayout.from_dict(pool["layout"]))
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -243,6 +302,9 @@ class RankProcess:
                     break
                 frames = self.sock.recv_frames(timeout_ms=0)
             self._poll_transfers()
+            if self.heartbeat is not None:
+                for inst in self.heartbeat.failed():
+                    self._server_failed(inst)
             while self.scatters_done:
                 self.input(self.scatters_done.pop(0))
             while self.timers and self.timers[0][0] <= self.now():
@@ -261,6 +323,7 @@ class RankProcess:
             elif tag == META:
                 d = messages.json_object(frames[1])
                 target = ev.Target(**d["target"])
+                self._keep_decode_pages(d["room"], target.session, d.get("pages"))
                 self.input(ev.RoomBootstrapped(room=d["room"], targets=(target,)))
             elif tag == ABORT:
                 d = messages.json_object(frames[1])
@@ -270,8 +333,6 @@ class RankProcess:
                 self.input(ev.PeerPolled(room=d["room"], peer=d["peer"], poll=d["poll"]))
             elif tag == STOP:
                 self.stopping = True
-            elif tag == WARM:
-                pass
             else:
                 msg = wire.decode(frames)
                 src = ""
@@ -282,6 +343,16 @@ class RankProcess:
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             self.reports.append({"kind": "bad-frame", "node": self.spec.node,
                                  "detail": f"{tag[:24]!r}: {exc}"})
+
+    def _keep_decode_pages(self, room: int, session: str, pages: Any) -> None:
+        """Keep a decode node's KV pages of ``room`` from its META, for direct page writes
+        (a deployment that stages needs none). ``ValueError`` for a list that is not one of
+        page indices (the frame is then reported and dropped)."""
+        if self.cfg.stages or pages is None:
+            return
+        if not isinstance(pages, list) or not all(type(x) is int and x >= 0 for x in pages):
+            raise ValueError(f"META pages of room {room}: not a list of page indices")
+        self.decode_pages[(room, session)] = pages
 
     def _command(self, cmd: messages.Command) -> None:
         if isinstance(cmd, messages.Feed):
@@ -370,6 +441,62 @@ class RankProcess:
         if type(event) is ev.SendKV:
             self._compute(event.room, event.end_idx)
         self.runtime.feed(self.spec.node, event)
+        if type(event) is ev.DecodeRoomInit and event.prefill_ranks:
+            self._room_started(event)
+
+    # -- SGLang's heartbeat and a crash fault --------------------------------------------------
+    def _start_faults(self) -> None:
+        """At the run's start: a crash fault's timer, and a decode rank's heartbeat."""
+        if self.crash is not None:
+            self.call_at(self.crash.at or 0.0, self._die, self.crash)
+        if isinstance(self.core, DecodeRank) and self.script is None and self.servers:
+            self.heartbeat = Heartbeat(self.servers, self.spec.heartbeat_interval_s,
+                                       self.spec.heartbeat_max_failure)
+            self.heartbeat.start()
+
+    def _room_started(self, e: ev.DecodeRoomInit) -> None:
+        """Note a decode room's prefill server; a server the heartbeat suspects is probed, and
+        one that is gone fails the room at once (its bootstrap query is refused)."""
+        inst = self.topo.nodes[e.prefill_ranks[0]].instance
+        self.room_server[e.room] = inst
+        hb = self.heartbeat
+        if inst in self.failed_servers or (
+                hb is not None and hb.suspect(inst) and not server_up(self.servers[inst])):
+            self.feed(ev.RoomAborted(room=e.room, reason=(
+                f"prefill server p{inst} is gone: its bootstrap endpoint refused decode's "
+                f"query")))
+
+    def _server_failed(self, inst: int) -> None:
+        """SGLang's ``_handle_node_failure``: the heartbeat gave up on prefill server
+        ``inst``. Its cached sockets close (the next frame opens a fresh one), with the
+        ``stale-watermark-subscribers`` fix its ranks stop getting WATERMARKs, and every room
+        bootstrapped from it fails."""
+        self.failed_servers.add(inst)
+        reason = (f"prefill server p{inst} failed decode's heartbeat "
+                  f"({self.spec.heartbeat_max_failure} probes "
+                  f"{self.spec.heartbeat_interval_s:g} s apart)")
+        self.reports.append({"kind": "heartbeat", "node": self.spec.node, "server": inst,
+                             "detail": reason})
+        for n in self.topo.nodes.values():
+            if n.role == "prefill" and n.instance == inst and n.id in self.endpoints:
+                self.sock.disconnect(self.endpoints[n.id])
+                if self.watermark_sender:
+                    self.pruned.add(n.id)
+        for room in [r for r, i in self.room_server.items() if i == inst]:
+            self.feed(ev.RoomAborted(room=room, reason=reason))
+
+    def _die(self, spec: FaultSpec) -> None:
+        """A crash fault: the process ends now, as a crash ends it. Its records so far and a
+        ``died`` report reach the coordinator first; frames still queued to peers are lost."""
+        self.reports.append({"kind": "died", "node": self.spec.node, "fault": spec.text,
+                             "t": self.now()})
+        self._flush()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.health is not None:
+            self.health.close()
+        self.sock.close(0, linger_for={self.coordinator: 5000})
+        os._exit(0)
 
     # -- recorder: inputs and effects stream to the coordinator ---------------------------------
     def write_input(self, t: float, node: str, event: Any) -> None:
@@ -415,21 +542,43 @@ class RankProcess:
                 self._push(dst, msg)
 
     def _push(self, dst: str, msg: wire.Message) -> None:
-        """Send one frame; a peer that cannot take it for a minute is a failed send."""
+        """Send one SGLang frame on the socket SGLang sends it on."""
+        self._send_sglang(dst, wire.encode(msg), msg)
+
+    def _send_sglang(self, dst: str, frames: list[bytes], msg: wire.Message | None) -> None:
+        """Send ``frames`` (``msg``'s, or a metadata/abort notice's when ``msg`` is None) to
+        ``dst`` on the socket SGLang uses, with its options. A send the peer's queue cannot
+        take blocks the rank for the socket's timeout and the frame is lost, as SGLang
+        swallows ``zmq.Again``; every send that sat blocked is reported (``send-blocked``:
+        seconds by peer, frame and the SGLang thread that would have sent it)."""
+        if msg is not None and dst in self.pruned and type(msg) is wire.Watermark:
+            return  # the heartbeat dropped this subscriber (the #36049 fix)
+        role = self.spec.role
+        start = time.monotonic()
+        lost = False
         try:
-            self.sock.send(self.endpoints[dst], wire.encode(msg), socket=wire.socket_of(msg))
-        except ControlError as exc:
-            self.reports.append({"kind": "send-failed", "node": self.spec.node,
-                                 "detail": f"{wire.tag_of(msg).decode()} -> {dst}: {exc}"})
-            self.feed(ev.SendFailed(dst=dst, msg=msg))
+            self.sock.send(self.endpoints[dst], frames, socket=sglang_socket(role, msg).name)
+        except ControlError:
+            lost = True
+        waited = time.monotonic() - start
+        if lost or waited >= BLOCKED_SEND_S:
+            thread = thread_of(role, msg, self.runtime.current, self.watermark_sender)
+            self.reports.append({
+                "kind": "send-blocked", "node": self.spec.node, "peer": dst,
+                "thread": thread.split(":", 1)[0], "seconds": round(waited, 6),
+                "frame": wire.tag_of(msg).decode() if msg is not None else "metadata/notice",
+                "lost": lost, "t": round(self.now() - waited, 6)})
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Bootstrap metadata and abort notices, in the twin's own frames."""
         if isinstance(event, ev.RoomBootstrapped):
             # Every field of the target, so the prefill core sees what the recorded one saw
             # (the port picks the transfer worker).
+            # With the room's KV page indices, as SGLang's metadata carries ``kv_indices``
+            # (a direct page write lands in them; the recorded event itself has none).
             target = msgspec.structs.asdict(event.targets[0])
-            frames = [META, json.dumps({"room": event.room, "target": target}).encode()]
+            frames = [META, json.dumps({"room": event.room, "target": target,
+                                        "pages": self.pool.pages_of(event.room)}).encode()]
         elif isinstance(event, ev.RoomAborted):
             frames = [ABORT, json.dumps({"room": event.room, "reason": event.reason}).encode()]
         elif isinstance(event, ev.PeerPolled):
@@ -438,14 +587,22 @@ class RankProcess:
                                         "poll": event.poll}).encode()]
         else:
             raise TypeError(f"no control frame for {type(event).__name__}")
-        self.sock.send(self.endpoints[dst], frames)
+        if isinstance(event, ev.PeerPolled):
+            self.sock.send(self.endpoints[dst], frames)  # a collective, not a ZMQ socket
+        else:  # on the socket SGLang sends metadata and ABORT on, with its options
+            self._send_sglang(dst, frames, None)
 
     # -- driver: data plane --------------------------------------------------------------------
     def start_transfer(self, node: str, e: ev.StartTransfer) -> None:
+        """Carry out a chunk's WRITE: staged (gather, one WRITE into the ring) or, where the
+        deployment does not stage, direct (the pages straight into the decode pool)."""
         assert isinstance(self.core, PrefillRank)
         if not e.staged:
-            self.in_flight[e.worker] = ("error", "the per-slice fallback path is not "
-                                        "executed on hardware")
+            if self.cfg.stages:  # the per-slice fallback of a chunk that did not fit
+                self.in_flight[e.worker] = ("error", "the per-slice fallback path is not "
+                                            "executed on hardware")
+            else:
+                self._direct_write(node, e)
             return
         cfg = self.cfg
         page = cfg.page_size
@@ -475,6 +632,54 @@ class RankProcess:
             remote_offset, slots = pp_stage_write(e.dst_offset, e.nbytes,
                                                   cfg.model.num_layers, first, stop)
             blocks = list(slots)
+        self._post_write(node, e, buf, peer, region, remote_offset, blocks)
+
+    def _direct_write(self, node: str, e: ev.StartTransfer) -> None:
+        """SGLang's ``send_kvcache`` (equal attention TP): this rank's pages ``[page_start,
+        +num_pages)`` of the room (past the decode prefix) into the decode rank's pages of the
+        room (its META's), every layer's K and V, one block per (page, layer, K/V), in one
+        WRITE from the registered prefill pool. Prefill rank r holds decode rank r's heads, so
+        page bytes map 1:1. A chunk outside either side's pages fails (settled, nothing
+        posted); blocks that do not add up to the core's ``nbytes`` are a twin bug (raised)."""
+        page = self.cfg.page_size
+        req = self.rooms.get(e.room)
+        prefix = req["decode_prefix_len"] if req else 0
+        first = prefix // page + e.page_start
+        src = self.pool.pages_of(e.room)[first:first + e.num_pages]
+        dst = self.decode_pages.get((e.room, e.session), [])[e.page_start:
+                                                             e.page_start + e.num_pages]
+        target = self.pools.get(e.session)
+        why = None
+        if target is None:
+            why = f"no KV pool of {e.session} in the directory"
+        elif prefix % page:
+            why = f"decode prefix {prefix} is not page-aligned (page size {page})"
+        elif len(src) < e.num_pages or len(dst) < e.num_pages:
+            why = (f"pages [{e.page_start}, +{e.num_pages}) are outside this rank's "
+                   f"({len(self.pool.pages_of(e.room)) - prefix // page}) or {e.session}'s "
+                   f"({len(self.decode_pages.get((e.room, e.session), []))}) pages of the room")
+        if target is None or why is not None:
+            self.in_flight[e.worker] = ("error", f"direct write of chunk {e.chunk_idx} of room "
+                                        f"{e.room}: {why}")
+            return
+        peer, region, layout = target
+        blocks = direct_blocks(self.pool.layout, src, layout, dst)
+        nbytes = sum(n for _, _, n in blocks)
+        if nbytes != e.nbytes:
+            raise RuntimeError(f"direct write of chunk {e.chunk_idx} of room {e.room}: "
+                               f"{nbytes} B of pages for the core's {e.nbytes} B")
+        if self.device.type == "cuda":  # the forwards' pattern fills are queued on the stream
+            torch.cuda.current_stream().synchronize()
+        self._post_write(node, e, self.pool.storage, peer, region, 0, blocks,
+                         local_span=self.pool.storage.numel() * self.pool.storage.element_size())
+
+    def _post_write(self, node: str, e: ev.StartTransfer, local: torch.Tensor, peer: str,
+                    region: RegionDesc, remote_offset: int,
+                    blocks: list[tuple[int, int, int]] | None,
+                    local_span: int | None = None) -> None:
+        """Post the chunk's WRITE of ``e.nbytes`` (``blocks`` as the transports take them)
+        and track it in ``in_flight``: an injected failure is settled and never posted, a
+        post the transport rejects is unsettled (SGLang poisons the room)."""
         failed = self.injector.transfer_fails(node) if self.injector.specs else None
         if failed is not None:
             # An injected error, as NIXL reports a WRITE that ended in ERR: settled, not posted.
@@ -485,11 +690,12 @@ class RankProcess:
             return
         try:
             if isinstance(self.nixl, MooncakeEndpoint):  # blocking, on the worker's thread
-                handle: Any = self.nixl.write(buf, peer, region, remote_offset, e.nbytes,
-                                              worker=e.worker, blocks=blocks)
+                handle: Any = self.nixl.write(local, peer, region, remote_offset, e.nbytes,
+                                              worker=e.worker, blocks=blocks,
+                                              local_span=local_span)
             else:
-                handle = self.nixl.write(buf, peer, region, remote_offset, e.nbytes,
-                                         blocks=blocks)
+                handle = self.nixl.write(local, peer, region, remote_offset, e.nbytes,
+                                         blocks=blocks, local_span=local_span)
         except TransferError as exc:
             # A rejected post: SGLang cannot prove nothing of it lands, so it poisons the room.
             self.in_flight[e.worker] = ("unsettled", str(exc))
@@ -546,6 +752,7 @@ class RankProcess:
             req = self.rooms.get(e.room)
             if e.status == "Success" and req is not None:
                 report["mismatch"] = self._verify(req)
+            self.room_server.pop(e.room, None)
             if e.status == "Success" or not self.cfg.deferred_decode_kv_release:
                 self.pool.release(e.room)  # a held failed room keeps its KV pages until released
             self.verified.pop(e.room, None)
@@ -602,6 +809,8 @@ class RankProcess:
     def _torn_down(self, node: str, e: ev.RoomTornDown) -> None:
         self.pool.release(e.room)
         self.computed.pop(e.room, None)
+        for key in [k for k in self.decode_pages if k[0] == e.room]:
+            del self.decode_pages[key]
 
     def _crashed(self, node: str, e: ev.RankCrashed) -> None:
         self.reports.append({"kind": "crashed", "node": self.spec.node, "reason": e.reason})
@@ -622,6 +831,10 @@ class RankProcess:
             self.sock.send(self.coordinator, [RECORDS, self.spec.node.encode(), body])
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.health is not None:
+            self.health.close()
         try:
             self._flush()
         finally:

@@ -46,3 +46,9 @@ class RankSpec:
     secret: bytes | None = field(default=None, repr=False)
     # A prefill rank's PP stage (``pp_size > 1``): its pool holds that stage's layers only.
     pp_rank: int = 0
+    # SGLang's sockets and heartbeat as the run's ``[sim]`` settings have them
+    # (``twin.runtime.sockets.configured``; ``twin.hw.heartbeat``).
+    zmq_send_timeout_s: float = 1.0
+    zmq_sndhwm: int = 1000
+    heartbeat_interval_s: float = 5.0
+    heartbeat_max_failure: int = 2

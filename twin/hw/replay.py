@@ -18,7 +18,7 @@ from twin.core import events as ev
 from twin.core.defects import Defects
 from twin.core.grid import pages_for_tokens
 from twin.hw.launcher import HwOptions, Launcher, check_fits, open_hub, rank_allocations
-from twin.hw.run import HwInputError, check_supported
+from twin.hw.run import HwInputError, check_supported, check_transport, pp_direct_refusal
 from twin.replay import Divergence, ReplayResult, verdict
 from twin.runtime.diagnosis import diagnose, note_fault_record
 from twin.runtime.runtime import note_dropped
@@ -57,15 +57,17 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
     options = options or HwOptions()
     defects = Defects.of(trace.header.get("defects", []))
     check_supported(defects, [])
+    check_transport(trace.config, options)
     if trace.config.worker_polls != "fed":
         raise HwInputError("the trace was recorded with coalesced deferral polls (its header's "
                            "worker_polls); the hardware mode feeds real polls: record it again "
                            "with --trace-out (a traced run feeds every poll) or replay it with "
                            "--mode sim")
-    if not trace.config.stages:
-        raise HwInputError("the trace writes equal-TP rooms page by page (no staging); the "
-                           "hardware mode has no direct page-write path: replay it with "
-                           "--mode sim")
+    refusal = pp_direct_refusal(trace.config)
+    if refusal is not None:
+        raise HwInputError(f"the trace writes equal-TP rooms page by page (no staging) from "
+                           f"a pipeline-parallel prefill ({refusal}): replay it with "
+                           f"--mode sim")
     fault_notes: dict[int, list[str]] = {}  # room -> recorded faults that touched it
     dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
     scripts, requests, rooms = _scripts(trace, fault_notes)

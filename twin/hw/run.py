@@ -33,7 +33,8 @@ from twin.core.sendplan import early_send_end
 from twin.hw import messages
 from twin.hw.launcher import HwOptions, Launcher, open_hub
 from twin.models.costs import Deployment
-from twin.runtime.diagnosis import diagnose, fault_record
+from twin.runtime.causes import Death, RoomEnd, root_lines
+from twin.runtime.diagnosis import crash_reason, diagnose, fault_record
 from twin.runtime.faults import FaultSpec, fault_report, parse_fault
 from twin.runtime.outcome import RunStatus, Verdict, decide, exit_code
 from twin.runtime.params import SimParams
@@ -43,7 +44,7 @@ from twin.runtime.runtime import PROGRESS_EFFECTS, note_dropped
 from twin.runtime.signals import Interrupted, signals_interrupt
 from twin.workloads import Workload
 
-UNSUPPORTED_FAULTS = ("crash", "restart")
+UNSUPPORTED_FAULTS = ("restart",)
 #: The wedge window on hardware is wall-clock time: at least this long, since a loaded host can
 #: stall a rank for seconds without anything being stuck.
 HW_MIN_WEDGE_WINDOW_S = 15.0
@@ -79,6 +80,14 @@ class HwResult:
     # ("coordinator" or a rank), and control frames dropped because they did not decode.
     refused: dict[str, int] = field(default_factory=dict)
     dropped_frames: int = 0
+    # Sends that sat blocked on a peer (SGLang's socket options): seconds by (rank, peer,
+    # thread), by frame kind and by thread, and when each rank's sends to a peer first blocked.
+    blocked_on: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    blocked_by_frame: dict[str, float] = field(default_factory=dict)
+    blocked_by_thread: dict[str, float] = field(default_factory=dict)
+    first_full: dict[tuple[str, str], float] = field(default_factory=dict)
+    lost_frames: int = 0  # frames whose send timed out (SGLang swallows zmq.Again)
+    roots: list[str] = field(default_factory=list)
 
     @property
     def status(self) -> RunStatus:
@@ -120,9 +129,19 @@ class HwResult:
             "corrupted_requests": len(self.corrupted_rooms), "failures": self._failures(),
             "fault_report": self.faults, "log_dir": self.log_dir,
             "refused_connections": dict(sorted(self.refused.items())),
-            "dropped_frames": self.dropped_frames,
+            "dropped_frames": self.dropped_frames, "roots": self.roots,
+            "send_blocked_s": self._blocked_by_rank(),
+            "send_blocked_by_frame": _rounded(self.blocked_by_frame),
+            "send_blocked_by_thread": _rounded(self.blocked_by_thread),
+            "send_lost_frames": self.lost_frames,
             **({"agents": self.agents} if self.agents is not None else {}),
         }
+
+    def _blocked_by_rank(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (node, _peer, _thread), sec in self.blocked_on.items():
+            out[node] = out.get(node, 0.0) + sec
+        return _rounded(out)
 
     def _failures(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -161,6 +180,13 @@ class HwRun:
         self.verified: dict[int, set[str]] = {}  # room -> decode nodes whose byte check passed
         self.corrupted_rooms: set[int] = set()
         self.crashed: dict[str, str] = {}
+        self.deaths: list[Death] = []  # ranks a crash fault took down
+        self.blocked_on: dict[tuple[str, str, str], float] = {}
+        self.blocked_by_frame: dict[str, float] = {}
+        self.blocked_by_thread: dict[str, float] = {}
+        self.first_full: dict[tuple[str, str], float] = {}
+        self.lost_frames = 0
+        self.heartbeat_notes: set[int] = set()  # prefill servers a heartbeat gave up on
         self.dropped: dict[int, list[str]] = {}  # room -> inputs its ranks dropped
         self.fault_notes: dict[int, list[str]] = {}  # room -> injected faults that touched it
         self.notes: list[str] = []
@@ -194,7 +220,7 @@ class HwRun:
                     self._bootstrapped(node, e.room, len(e.sessions))
                 if type(e) is ev.Dropped:
                     note_dropped(self.dropped, node, e)
-                if type(e) is ev.RoomTornDown:
+                if type(e) is ev.RoomTornDown or type(e) is ev.RoomReleased:
                     self._release(node, e.room)
 
     def _report(self, r: dict[str, Any]) -> None:
@@ -203,7 +229,8 @@ class HwRun:
             req = self.reqs.get(r["room"])
             if req is None:
                 return
-            self._release(r["node"], r["room"])
+            if r["status"] == "Success" or not self.cfg.deferred_decode_kv_release:
+                self._release(r["node"], r["room"])  # a held failed room: at its RoomReleased
             if r.get("mismatch"):
                 self.corrupted_rooms.add(r["room"])
                 self.corruption.append(f"{r['node']} room {r['room']}: {r['mismatch']}")
@@ -222,6 +249,18 @@ class HwRun:
             self.setting_up.discard((r["node"], r["room"]))
         elif kind == "crashed":
             self.crashed[r["node"]] = r["reason"]
+        elif kind == "died":
+            self._died(r["node"], r["fault"], float(r["t"]))
+        elif kind == "send-blocked":
+            self._blocked(r)
+        elif kind == "heartbeat":
+            if r["server"] not in self.heartbeat_notes:  # one note per server, as simulated
+                self.heartbeat_notes.add(r["server"])
+                p = self.params
+                self.launcher.sys({"type": "Note", "text": (
+                    f"{r['detail']}: SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL "
+                    f"{p.heartbeat_interval_s:g} s, SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE "
+                    f"{p.heartbeat_max_failure}; decode fails the server's rooms")})
         elif kind == "fault":
             self.launcher.sys(fault_record(self.fault_notes, r["fault"], r["detail"],
                                            r.get("room", -1)))
@@ -235,6 +274,30 @@ class HwRun:
         elif kind == "refused":
             self.refused[str(r["node"])] = int(r["count"])
 
+    def _died(self, node: str, fault: str, t: float) -> None:
+        """A crash fault ended ``node``'s process at ``t``: one ``FaultInjected`` record per
+        fault (as the simulator writes it), the rank named crashed."""
+        reason = crash_reason(fault)
+        self.crashed[node] = reason
+        at = parse_fault(fault).at  # the fault's time, as the simulator names the death
+        self.deaths.append(Death(node, at if at is not None else t, reason))
+        for i, spec in enumerate(self.faults):
+            if spec.text == fault and not self.fired[i]:
+                self.fired[i] += 1
+                self.launcher.sys(fault_record(self.fault_notes, fault, "", -1), t=t)
+                if self.echo is not None:
+                    self.echo(f"{fault}: {node} crashed at t={t:.2f} s; the run goes on")
+
+    def _blocked(self, r: dict[str, Any]) -> None:
+        """A rank's send sat ``seconds`` blocked on ``peer`` (``lost``: then timed out)."""
+        key = (str(r["node"]), str(r["peer"]), str(r["thread"]))
+        sec = float(r["seconds"])
+        self.blocked_on[key] = self.blocked_on.get(key, 0.0) + sec
+        self.blocked_by_frame[r["frame"]] = self.blocked_by_frame.get(r["frame"], 0.0) + sec
+        self.blocked_by_thread[key[2]] = self.blocked_by_thread.get(key[2], 0.0) + sec
+        self.first_full.setdefault(key[:2], float(r["t"]))
+        self.lost_frames += bool(r.get("lost"))
+
     # -- the KV pools --------------------------------------------------------------------------
     def _nodes_of(self, index: int) -> list[str]:
         r = self.workload.requests[index]
@@ -243,14 +306,25 @@ class HwRun:
         dg = self.topo.decode_groups[o.get("decode_group", r.rid % len(self.topo.decode_groups))]
         return [n.id for n in (*pg.nodes, *dg.nodes)]
 
+    def _live_nodes_of(self, index: int) -> list[str]:
+        """The request's ranks whose process runs (a crashed rank has no pool to wait for:
+        the request goes to it all the same, as the router does not know)."""
+        gone = self.launcher.dead.keys() | self.launcher.gone
+        return [n for n in self._nodes_of(index) if n not in gone]
+
     def _fits(self, index: int) -> bool:
-        """Every rank of the request's groups has pages for its whole prompt."""
+        """Every live rank of the request's groups has pages for its whole prompt."""
         need = pages_for_tokens(self.workload.requests[index].input_len, self.cfg.page_size)
-        return all(self.pool_free[n] >= need for n in self._nodes_of(index))
+        return all(self.pool_free[n] >= need for n in self._live_nodes_of(index))
+
+    def _held_failed(self) -> bool:
+        """A decode rank still holds the pages of a failed room (released later)."""
+        return any(self.reqs[room].finished for (_, room) in self.pool_held
+                   if room in self.reqs)
 
     def _reserve(self, index: int, room: int) -> None:
         need = pages_for_tokens(self.workload.requests[index].input_len, self.cfg.page_size)
-        for n in self._nodes_of(index):
+        for n in self._live_nodes_of(index):
             self.pool_free[n] -= need
             self.pool_held[(n, room)] = need
 
@@ -389,7 +463,9 @@ class HwRun:
             if in_flight and not self.setting_up and \
                     now - self.last_progress > self.wedge_window_s:
                 return True
-            if pending and not in_flight and not self._fits(pending[0]):
+            if pending and not in_flight and not self._fits(pending[0]) and \
+                    (not self._held_failed() or now - self.last_progress > self.wedge_window_s
+                     + self.cfg.deferred_decode_kv_release_timeout_s):
                 self.notes.append(f"request {pending[0]} does not fit the KV pools with "
                                   f"nothing in flight (pages not released)")
                 return True
@@ -447,6 +523,47 @@ class HwRun:
             coordinator_cpu_s=time.process_time() - self._cpu0,
             refused=refused, dropped_frames=len(lau.dropped))
 
+    def settle(self, result: HwResult) -> None:
+        """After the ranks stopped (their last reports read): the blocked sends and the root
+        lines that link failed requests to the ranks that died (``twin.runtime.causes``)."""
+        result.blocked_on = dict(self.blocked_on)
+        result.blocked_by_frame = dict(self.blocked_by_frame)
+        result.blocked_by_thread = dict(self.blocked_by_thread)
+        result.first_full = dict(self.first_full)
+        result.lost_frames = self.lost_frames
+        topo = self.topo
+        rooms = [RoomEnd(r.room, tuple(n.id for n in (*topo.prefill_groups[r.prefill_group].nodes,
+                                                       *topo.decode_groups[r.decode_group].nodes)),
+                         r.status if r.finished else "", r.reason)
+                 for r in self.reqs.values()]
+        result.roots = root_lines(self.deaths, rooms, self.blocked_on, self.first_full)
+
+
+def pp_direct_refusal(cfg: TwinConfig) -> str | None:
+    """Why the hardware mode cannot write this deployment's rooms page by page as SGLang
+    does, or None. Equal attention TP is written directly (no staging), except with a
+    prefill of ``pp_size > 1``: each PP stage would write its own layers, but the core sizes
+    a direct write for every layer."""
+    if cfg.stages or cfg.prefill.pp_size == 1:
+        return None
+    return ("equal prefill and decode attention TP with a prefill of pp_size > 1: SGLang "
+            "writes each PP stage's layers of the KV pages directly, but the core sizes a "
+            "direct write for every layer")
+
+
+def check_transport(cfg: TwinConfig, options: HwOptions) -> None:
+    """Raise ``HwInputError`` where the ranks' data mover cannot run as asked (Mooncake
+    forced on CUDA where the engine cannot register VRAM, a bad ``TWIN_HW_TRANSPORT``), with
+    the reason, before any rank starts. Across nodes each agent's ranks decide on its host."""
+    if options.across_nodes:
+        return
+    from twin.hw.mooncake_transport import choose_transport
+
+    try:
+        choose_transport(cfg.disaggregation_transfer_backend, options.device)
+    except ValueError as exc:
+        raise HwInputError(str(exc)) from None
+
 
 def check_supported(defects: Defects, faults: list[str]) -> None:
     """Reject what the hardware mode does not carry out (with the reason)."""
@@ -455,9 +572,10 @@ def check_supported(defects: Defects, faults: list[str]) -> None:
                            "is not implemented on hardware; use the simulator")
     for f in faults:
         action = f.split(":", 1)[0]
-        if action in ("crash", "restart"):
-            raise HwInputError(f"fault {f!r}: rank crash/restart is simulator-only; on "
-                               f"hardware, kill a rank process instead")
+        if action == "restart":
+            raise HwInputError(f"fault {f!r}: a restart (a new rank process mid-run) is "
+                               f"simulator-only; on hardware use crash:NODE:at=T (the process "
+                               f"ends and the run goes on without it)")
         if action in UNSUPPORTED_FAULTS:
             raise HwInputError(f"fault {f!r}: {action} is simulator-only")
 
@@ -476,14 +594,14 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     faults = list(faults or [])
     params = params or SimParams()
     options = options or HwOptions()
-    if not cfg.stages:
-        # Equal attention TP needs no staging in SGLang, but the ranks here write KV only
-        # through the ring (no direct page-write path): stage those rooms, and say so.
+    staged = pp_direct_refusal(cfg)
+    if staged is not None:
         cfg = cfg.replace(stage_equal_tp=True)
         if echo is not None:
-            echo("note: equal prefill and decode attention TP: SGLang writes the KV pages "
-                 "directly; the hardware mode stages them through the ring (stage_equal_tp)")
+            echo(f"note: {staged}; the hardware mode stages these rooms through the ring "
+                 f"(stage_equal_tp)")
     check_supported(defects, faults)
+    check_transport(cfg, options)
     specs = [parse_fault(f) for f in faults]
     header: dict[str, Any] | None = None
     if trace_out is not None:
@@ -511,11 +629,12 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
                     writer = TraceWriter(trace_out, header,  # type: ignore[arg-type]
                                          encoder="inline")
             with Launcher(cfg, defects=defects, faults=faults, seed=seed, options=options,
-                          writer=writer, hub=hub) as launcher:
+                          writer=writer, hub=hub, params=params) as launcher:
                 run = HwRun(launcher, workload, params, request_overrides or {},
                             max_concurrency or options.max_concurrency, faults=specs,
                             echo=echo)
                 result = run.run()
+            run.settle(result)
             result.notes.extend(launcher.clock_notes)
             if launcher.hub is not None:  # with the clocks re-checked at the end
                 result.agents = launcher.hub.records()
@@ -526,6 +645,10 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
     if writer is not None:
         writer.close(_outcome(result))
     return result
+
+
+def _rounded(d: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 6) for k, v in sorted(d.items()) if v > 0}
 
 
 def _outcome(result: HwResult) -> dict[str, Any]:

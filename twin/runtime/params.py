@@ -53,7 +53,8 @@ class SimParams:
     nic_bandwidth_Bps: float = 50e9
     # A room that needs no staging (equal attention TP) is written page by page: one RDMA
     # WRITE per page, layer and K/V, each costing this on top of its bytes (no gather kernel).
-    # Not calibrated: about a NIC's message rate for small writes.
+    # The default is about a NIC's message rate for small writes; ``twin calibrate`` fits it
+    # from hardware traces that have direct writes.
     direct_write_s: float = 5e-8
     ranks_per_nic: int = 2
     # Device copies: gather on prefill, scatter on decode (HBM-bound kernels).
