@@ -7,9 +7,14 @@ Three families, checked separately (as deterministic simulation testing keeps th
   watermark moving backwards (``CoverageRecorder``);
 * **liveness** — every room ends Success or Failed within the timeouts' reach: a run the
   simulator's monitor calls wedged (no progress for ``wedge_window_s``) is a finding, named by
-  the root its roots-first diagnosis puts first, unless every root says decode's waiting
-  timeout will fail the rooms (then the timeouts settle it: a finding only when nothing
-  caused it, as a failure without a cause);
+  the root its roots-first diagnosis puts first. When the trial injected a fault and no defect
+  is on, it is first run again past every timeout SGLang has (``settle_window``: decode's
+  waiting timeout, prefill's bootstrap timeout, the deferred KV release deadline, Mooncake's
+  transfer timeout, the heartbeat): if every request of that run ends and each failed one was
+  touched by an injected fault (or names one as its end: an abort, a dead rank), SGLang's own
+  timeouts settled the fault's damage and there is no finding. (Without that rerun, a root
+  that says decode's waiting timeout will fail the rooms is settled the same way; a wedge with
+  a defect on, or with no fault, stands as found);
 * **nothing failed without a cause** — a request that failed in a trial with no fault injected
   and no defect on, for a reason other than the ones SGLang fails a request for by design (a
   chunk larger than the ring, a decode prefix that is not page-aligned), is a finding.
@@ -183,15 +188,23 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
     ctx = observe_transitions(keys) if base.coverage else _null()
     if trial.schedule or driver is not None:
         return _run_loopback(base, trial, cfg, on, recorder, keys, t0, driver, max_steps)
+
+    def simulate(params: Any, rec: CoverageRecorder) -> Any:
+        if trace_out is not None:
+            return _traced(cfg, params, trial, on, faults, trace_out, rec)
+        return run_sim(cfg, trial.workload(), defects=on, faults=faults, seed=trial.seed,
+                       params=params, request_overrides=trial.overrides(), recorder=rec,
+                       stop_check=_EventBudget())
+
     try:
         with ctx:
-            if trace_out is not None:
-                result = _traced(cfg, base, trial, on, faults, trace_out, recorder)
-            else:
-                result = run_sim(cfg, trial.workload(), defects=on, faults=faults,
-                                 seed=trial.seed, params=base.params,
-                                 request_overrides=trial.overrides(), recorder=recorder,
-                                 stop_check=_EventBudget())
+            result = simulate(base.params, recorder)
+            judged = result  # the run the oracles judge; the trial's status is the first's
+            stuck = result.status.value == "wedged" or result.stop_reason == "event budget"
+            if stuck and trial.faults and not on.sorted() and not recorder.safety and \
+                    not result.sim.integrity.violations:
+                # A fault's wedge with no defect on: do SGLang's own timeouts settle it?
+                judged = _settles(cfg, base, trial, on, faults) or result
     except Exception as exc:  # the twin itself raised: a finding of its own
         text = f"{type(exc).__name__}: {exc}"
         return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
@@ -200,10 +213,10 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
     status = result.status.value
     kinds = [v.kind for v in result.sim.integrity.violations]
     caused = bool(trial.faults) or bool(on.sorted())
-    sig = judge(status, corruption_kinds=kinds, safety=recorder.safety,
-                diagnosis=result.diagnosis, failures=summary_failures, caused=caused,
+    sig = judge(judged.status.value, corruption_kinds=kinds, safety=recorder.safety,
+                diagnosis=judged.diagnosis, failures=_failures(judged), caused=caused,
                 corruption=result.corruption)
-    if sig is None and result.stop_reason == "event budget":
+    if sig is None and judged.stop_reason == "event budget":
         status = "livelock"
         sig = ("livelock", f"the simulator was still busy after {MAX_INPUTS} core inputs "
                            f"with requests unfinished")
@@ -227,6 +240,16 @@ def _run_loopback(base: Base, trial: Trial, cfg: Any, on: Any, recorder: Coverag
         with ctx:
             run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder,
                                driver=driver, max_steps=max_steps or MAX_STEPS)
+            if run.status == "livelock" and driver is None and \
+                    cfg.fix_set.on("lost-control-recovery") and \
+                    "actions pending" in run.diagnosis[0]:
+                # The loopback's clock, not the protocol: one action a millisecond cannot keep
+                # up with every writer re-requesting each 50 ms (SGLang's listener answers far
+                # faster). The same schedule on a ten times finer clock decides it.
+                recorder = CoverageRecorder(cfg.ring_bytes, recorder.log_limit)
+                run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder,
+                                   max_steps=10 * (max_steps or MAX_STEPS),
+                                   step_s=FINE_STEP_S)
     except Exception as exc:  # the twin itself raised: a finding of its own
         text = f"{type(exc).__name__}: {exc}"
         return TrialResult("error", ("error", normalise(text)), frozenset(recorder.keys | keys),
@@ -250,11 +273,23 @@ as with lost-control recovery re-requesting every 50 ms until a 300 s timeout). 
 inputs, not seconds, so the bound is deterministic; some 2-4 s of pure-Python simulation."""
 
 
+FINE_STEP_S = 1e-4
+"""The loopback's step when the millisecond step piles up lost-control re-requests."""
+
+SETTLE_INPUTS = 1_500_000
+"""Core inputs a settling run (``_settles``) may take: lost-control recovery re-requests a
+deferred chunk every 50 ms until the room's timeout, about a million inputs for a failed
+transfer that pins a ring for the 30 s release deadline (a few seconds compiled)."""
+
+
 class _EventBudget:
     every = 0.05
 
+    def __init__(self, limit: int = MAX_INPUTS) -> None:
+        self.limit = limit
+
     def __call__(self, sim: Any) -> str:
-        return "event budget" if sim.polls > MAX_INPUTS else ""
+        return "event budget" if sim.polls > self.limit else ""
 
 
 class _null:
@@ -294,13 +329,61 @@ class _Tee:
         self.recorder.write_sys(t, node, record)
 
 
-def _traced(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any], path: str,
+def _settles(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any]) -> Any:
+    """The run of ``trial`` past every timeout (at most ``SETTLE_INPUTS`` core inputs: a
+    proposed fix's retries may keep it busy until then) when SGLang's timeouts settle it (see
+    the module docstring); the run itself when it is still wedged past them (its roots see the
+    whole picture, a dead rank's included); None when a request is still unfinished at the
+    input bound or failed with no fault on its path (no message or transfer fault on its
+    room, no abort of it, no dead rank on its path: a defect's, or the protocol's own)."""
+    from twin.sim.runner import run_sim
+
+    params = base.params.replace(wedge_window_s=settle_window(cfg, base.params))
+    result = run_sim(cfg, trial.workload(), defects=on, faults=faults, seed=trial.seed,
+                     params=params, request_overrides=trial.overrides(),
+                     recorder=CoverageRecorder(cfg.ring_bytes),
+                     stop_check=_EventBudget(SETTLE_INPUTS))
+    sim = result.sim
+    if result.status.value == "wedged":
+        return result
+    if len(sim.metrics.done) < len(trial.requests):
+        return None  # busy until the input bound
+    touched = set(sim.fault_notes)  # rooms a message or transfer fault hit
+    touched.update(f.room for f in faults if f.action == "abort" and f.room is not None)
+    dead = set(sim.runtime.crashed) | set(sim.restarted) | set(sim.crash_times)
+    for r in sim.metrics.done:
+        nodes = {n.id for n in (*sim.topo.prefill_groups[r.prefill_group].nodes,
+                                *sim.topo.decode_groups[r.decode_group].nodes)}
+        if r.status == "Failed" and r.room not in touched and not nodes & dead and \
+                not any(k in r.reason for k in FAULT_ENDS):
+            return None
+    return result
+
+
+FAULT_ENDS = ("aborted by fault", "crashed by fault", "lost with decode rank", "is down (",
+              "prefill server p")
+"""Failure reasons that name a fault as the end of a request: a client abort, a dead or
+restarting rank, a dead prefill server (its heartbeat or its refused bootstrap query)."""
+
+
+def settle_window(cfg: Any, params: Any) -> float:
+    """Seconds without progress after which none of SGLang's timeouts can still move a run:
+    the longest of decode's waiting timeout, prefill's bootstrap timeout, the deferred decode
+    KV release deadline, Mooncake's transfer timeout and the heartbeat's window, plus the
+    base wedge window."""
+    longest = max(cfg.waiting_timeout_s, cfg.bootstrap_timeout_s,
+                  cfg.deferred_decode_kv_release_timeout_s, params.mooncake_transfer_timeout_s,
+                  params.heartbeat_interval_s * params.heartbeat_max_failure)
+    return float(longest + params.wedge_window_s)
+
+
+def _traced(cfg: Any, params: Any, trial: Trial, on: Any, faults: list[Any], path: str,
             recorder: CoverageRecorder) -> Any:
     """``run_sim`` writing the trace to ``path`` while the coverage recorder watches."""
     from twin.sim.runner import outcome_record, recorded_run, run_sim
     from twin.trace.format import TraceWriter
 
-    params, header = recorded_run(cfg, trial.workload(), base.params, defects=on,
+    params, header = recorded_run(cfg, trial.workload(), params, defects=on,
                                   faults=faults, seed=trial.seed,
                                   request_overrides=trial.overrides(), max_concurrency=None)
     with TraceWriter(path, header) as writer:

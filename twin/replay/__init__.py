@@ -134,7 +134,7 @@ class ReplayResult:
 DIAGNOSIS_SINCE = 3
 """The first format version whose wedge diagnosis is worded as today's (version 4 changed the
 codec, not the lines): from it on a replay compares the diagnosis lines too."""
-_FOLLOWED = frozenset({"RequestArrived", "FaultInjected"})
+_FOLLOWED = frozenset({"RequestArrived", "FaultInjected", "RequestLost"})
 """The driver records the replay follows (``Replayer.note_sys``)."""
 
 
@@ -192,6 +192,8 @@ class Replayer:
             total = pages_for_tokens(d["input_len"] - d["decode_prefix_len"], self.cfg.page_size)
             self.rooms[d["room"]] = (len(d["decode_node"]), total)
             self.nodes_of[d["room"]] = (*d["prefill_node"], *d["decode_node"])
+        elif rtype == "RequestLost":
+            self._lost(d["room"], d["reason"])
         elif rtype == "FaultInjected":
             text = d["fault"]
             if text.startswith(("crash:", "restart:")):
@@ -212,6 +214,15 @@ class Replayer:
                     heapq.heappush(self._restarts, ((spec.at or 0.0) + (spec.down or 0.0),
                                                     node))
             note_fault_record(self.fault_notes, d)  # named on its room's wedge root
+
+    def _lost(self, room: int, reason: str) -> None:
+        """The driver failed ``room`` outside the protocol (a ``RequestLost`` record): no
+        decode rank will conclude it."""
+        if self.rooms.pop(room, None) is None:
+            return
+        self.concluded.pop(room, None)
+        self.failed += 1
+        self.ends.setdefault(room, ("Failed", reason))
 
     def run(self) -> ReplayResult:
         """Replay the whole trace: with the trace read in a forked process when that can run

@@ -158,6 +158,28 @@ class DecodeLoop:
             return False
         return True
 
+    def lose_all(self) -> list[RequestState]:
+        """The decode server's process died: every request it held (waiting for pages, in
+        transfer, queued, running or retracted) is gone with it, and its KV pool with them.
+        Returns those requests (not yet ended); the loop starts empty."""
+        lost = list(self.prealloc) + list(self.transfer.values())
+        lost += [r for r in self.concluded if r.room not in self.transfer]
+        lost += [s.req for s in (*self.waiting, *self.running.values(), *self.retracted)]
+        self.prealloc.clear()
+        self.transfer.clear()
+        self.concluded = []
+        self.waiting.clear()
+        self.running.clear()
+        self.retracted.clear()
+        self._ends = []
+        self.used = 0
+        self.ctx = 0
+        self._token += 1  # a scheduled iteration of the old process does nothing
+        self._busy = False
+        self._run_times = []
+        self._blocked = 0.0
+        return list({r.room: r for r in lost}.values())
+
     # -- the loop ------------------------------------------------------------------------------
     # Scheduling: one pending callback at a time (``_token`` cancels a superseded one). A run
     # of decode steps during which nothing the loop polls can change is one callback, not one

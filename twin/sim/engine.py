@@ -777,6 +777,13 @@ class Simulation:
     def _decode_arrive(self, req: RequestState) -> None:
         if req.finished:
             return
+        if self.restarted:
+            down = [n.id for n in self.topo.decode_groups[req.decode_group].nodes
+                    if n.id in self.runtime.crashed and n.id in self.restarted]
+            if down:  # the decode server, restarting, is not there to take the request
+                self._fail_at_decode(req, f"decode rank {down[0]} is down "
+                                          f"({self.runtime.crashed[down[0]]})")
+                return
         self.decode_loops[req.decode_group].arrived(req)
         instance = self.topo.prefill_groups[req.prefill_group].instance
         if self._dead_peers and self._server_dead(instance):
@@ -874,6 +881,31 @@ class Simulation:
             if spec.action == "restart":
                 self.restarted[node] = restart_reason(spec.text)
                 self.at(spec.down or 0.0, self._restart, node)
+                if self.topo.nodes[node].role == "decode":
+                    self._lose_decode_requests(node)
+
+    def _lose_decode_requests(self, node: str) -> None:
+        """``node``'s decode process died to come back empty (a restart): the requests its
+        server held die with it, as a client of a decode server that went away gets an
+        error, and its group's scheduler starts empty. Their prefill rooms are left to the
+        protocol. (A rank that stays dead keeps its requests: the run's wedge names it.)"""
+        group = next(i for i, g in enumerate(self.topo.decode_groups)
+                     if any(n.id == node for n in g.nodes))
+        reason = f"lost with decode rank {node} ({self.restarted[node]})"
+        for req in self.decode_loops[group].lose_all():
+            self._fail_at_decode(req, reason)
+
+    def _fail_at_decode(self, req: RequestState, reason: str) -> None:
+        """End ``req`` Failed outside the protocol: its decode server is gone (the client
+        gets an error)."""
+        if req.end_s >= 0:
+            return
+        if req.kv_done_s < 0:
+            req.kv_done_s = self.calendar.now
+        req.status, req.reason = "Failed", reason
+        self.sys("driver", {"type": "RequestLost", "room": req.room, "reason": reason})
+        self.mark_progress()
+        self.request_ended(req)
 
     def _fault_scope(self, spec: FaultSpec) -> list[str]:
         """The ranks a crash or restart takes down that are still running."""

@@ -59,6 +59,15 @@ class FaultInjected(SysRecord, frozen=True):
     detail: str
 
 
+class RequestLost(SysRecord, frozen=True):
+    """The driver ended room ``room`` Failed outside the protocol (``reason``): its decode
+    server died to restart, or was down when the request came, so the client got an error and
+    no decode rank will conclude the room; a replay counts it failed."""
+
+    room: int
+    reason: str
+
+
 class Note(SysRecord, frozen=True):
     """Free text from the driver."""
 
@@ -87,7 +96,8 @@ class Outcome(SysRecord, frozen=True):
 
 
 SYS_CLASSES: dict[str, type[SysRecord]] = {c.__name__: c for c in (
-    RequestArrived, ForwardStart, ForwardEnd, FaultInjected, Note, Metric, Outcome)}
+    RequestArrived, ForwardStart, ForwardEnd, FaultInjected, RequestLost, Note, Metric,
+    Outcome)}
 
 
 def _kind(hint: Any) -> str:
