@@ -69,3 +69,23 @@ def test_a_restarted_decode_server_writes_to_a_new_ring(tmp_path: Path) -> None:
     assert not result.corruption, result.corruption
     replayed = replay_sim(str(path))
     assert replayed.divergence is None and replayed.same_outcome and not replayed.corruption
+
+
+def test_a_lost_kv_status_is_settled_by_the_waiting_timeout() -> None:
+    """Every fix on, a KV_STATUS lost to a send timeout: the first run wedges (5 s window), the
+    settling run fails the room at decode's waiting timeout, a fault on its path: no finding.
+    The same wedge with no fault on the room's path would stand (the stale-watermark test)."""
+    data = json.loads((Path(__file__).parent / "data" / "lost-kv-status-trial.json").read_text())
+    assert data["trial"]["faults"] == ["fail-send:KV_STATUS:nth=1"]
+    result = run_trial(Base.from_json(data["base"]), Trial.from_json(data["trial"]))
+    assert result.status == "wedged" and result.signature is None
+
+
+def test_a_loopback_pile_up_of_re_requests_is_decided_on_a_finer_clock() -> None:
+    """Lost-control recovery's re-requests outrun the loopback's 1 ms step (a livelock of
+    pending actions with no fault); on a 0.1 ms step the same schedule completes."""
+    data = json.loads((Path(__file__).parent / "data" / "loopback-rerequest-trial.json")
+                      .read_text())
+    assert data["trial"]["schedule"] and not data["trial"]["faults"]
+    result = run_trial(Base.from_json(data["base"]), Trial.from_json(data["trial"]))
+    assert (result.status, result.signature) == ("completed", None)
