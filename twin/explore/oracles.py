@@ -335,7 +335,8 @@ def _settles(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any]) -> 
     the module docstring); the run itself when it is still wedged past them (its roots see the
     whole picture, a dead rank's included); None when a request is still unfinished at the
     input bound or failed with no fault on its path (no message or transfer fault on its
-    room, no abort of it, no dead rank on its path: a defect's, or the protocol's own)."""
+    room, no abort of it, no dead rank on its path, no reason SGLang fails a request for by
+    design: a defect's, or the protocol's own)."""
     from twin.sim.runner import run_sim
 
     params = base.params.replace(wedge_window_s=settle_window(cfg, base.params))
@@ -355,7 +356,8 @@ def _settles(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any]) -> 
         nodes = {n.id for n in (*sim.topo.prefill_groups[r.prefill_group].nodes,
                                 *sim.topo.decode_groups[r.decode_group].nodes)}
         if r.status == "Failed" and r.room not in touched and not nodes & dead and \
-                not any(k in r.reason for k in FAULT_ENDS):
+                not any(k in r.reason for k in FAULT_ENDS) and \
+                not any(b in r.reason.lower() for b in BY_DESIGN):
             return None
     return result
 
