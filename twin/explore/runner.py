@@ -108,8 +108,8 @@ def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = Non
             on_finding: Callable[[Finding], None] | None = None,
             on_round: Callable[[], None] | None = None) -> Report:
     """Run rounds until ``runs`` trials in all (counting earlier sessions) or ``budget_s``
-    seconds of this session; Ctrl-C or SIGTERM ends it with what was found so far (the caller
-    writes it). ``on_finding`` is called for each new finding, ``on_round`` after each round
+    seconds of this session (a finding's shrink stops when they are spent); Ctrl-C or SIGTERM
+    ends it with what was found so far (the caller writes it). ``on_finding`` is called for each new finding, ``on_round`` after each round
     (the state is saved there)."""
     import time
 
@@ -140,7 +140,9 @@ def explore(campaign: Campaign, make: ExecutorFactory, *, runs: int | None = Non
                 rows = _run_round(campaign, trials, make, state, report)
                 if flag:
                     break  # a round cut short by a stop is not taken: resume redoes it
-                new = campaign.absorb(trials, rows, stop=lambda: bool(flag))
+                # Shrinking stops with a stop request, or once a budget in seconds is spent
+                # (the finding keeps the smallest repro found by then).
+                new = campaign.absorb(trials, rows, stop=out_of_time)
                 for f in new:
                     report.new.append(f)
                     if on_finding is not None:
