@@ -18,6 +18,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Final
 
 from twin.core import events as ev
@@ -381,13 +382,26 @@ class PrefillRank:
         counts: dict[int, int] = {}
         seq = w.next_seq
         streak = w.blocked_streak
+        # How many polls are due: the times step as the fed polls' would (one addition each,
+        # so the last one is the same float). The worker sleeps once every queued chunk
+        # deferred in a row, so at most ``size - streak`` polls, each on a different chunk.
+        polls = 0
         while at >= 0 and at < fed_at and (at < now or (at == now and tie)):
-            chunk = queue[0] if queue else None
-            room = None if chunk is None else room_of.get(chunk.room)
-            if chunk is None or room is None or chunk.wait == _ACTS or w.busy is not None:
-                raise AssertionError(f"{self.node}: coalesced poll of worker {index} at "
-                                     f"{at!r} would act; it should have been fed")
-            queue.popleft()
+            polls += 1
+            if streak + polls >= size:
+                w.sleeping = True
+                at = -1.0
+            else:
+                at += wait_s
+        if polls and (not queue or w.busy is not None):
+            raise AssertionError(f"{self.node}: coalesced poll of worker {index} would act; "
+                                 f"it should have been fed")
+        # Each poll dequeues the head and re-puts it at the tail: a rotation by ``polls``.
+        for chunk in islice(queue, polls):
+            room = room_of.get(chunk.room)
+            if room is None or chunk.wait == _ACTS:
+                raise AssertionError(f"{self.node}: coalesced poll of worker {index} on room "
+                                     f"{chunk.room} would act; it should have been fed")
             if not chunk.counted:
                 room.outstanding += 1
                 chunk.counted = True
@@ -396,14 +410,9 @@ class PrefillRank:
                 chunk.written.clear()
             chunk.seq = seq
             seq += 1
-            queue.append(chunk)
             counts[chunk.room] = counts.get(chunk.room, 0) + 1
-            streak += 1
-            if streak >= size:
-                w.sleeping = True
-                at = -1.0
-            else:
-                at += wait_s
+        queue.rotate(-polls)
+        streak += polls
         self.accounted += seq - w.next_seq
         w.next_seq = seq
         w.blocked_streak = streak
