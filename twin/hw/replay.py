@@ -133,6 +133,12 @@ def replay_hw(trace: Trace, options: HwOptions | None = None,
             got=(f"nothing matching arrived for {stall_s:g} s on real hardware"
                  if not errors else errors[0][:2000]))
     snapshots = {n: st.snapshot for n, st in states.items()}
+    # Wrong bytes the decode ranks' per-scatter checks found in rooms that never concluded,
+    # as a hardware run reports them (a replay that wedges can have corrupted them first).
+    for node, st in sorted(states.items()):
+        for room, text in sorted(st.mismatch.items()):
+            if node not in concluded.get(room, {}):
+                corruption.append(f"{node} room {room} (unfinished): {text}")
     status, completed, failed, unfinished = verdict(rooms, concluded, corruption, trace.outcome)
     diagnosis = (diagnose(snapshots, crashed, unfinished, dropped, fault_notes).lines()
                  if unfinished else [])
