@@ -20,8 +20,9 @@ clock. ``measure`` reads the pieces of the cost model straight out of it:
 ``calibrate`` then simulates each trace's own workload with those costs and scales the three
 parameters the measurement pins down least (control-plane jitter, the forward cadence and the
 polling interval) so that the simulated per-room p50 transfer span and time until all KV landed
-match the measured ones across the traces. ``write_costs`` writes the ``[sim]`` table; ``twin
-replay TRACE --config costs.toml`` compares any hardware trace with it.
+match the measured ones across the traces. ``write_costs`` writes the ``[sim]`` table and the
+host the traces ran on (``twin.calibrate.host``); ``twin replay TRACE --config costs.toml``
+compares any hardware trace with it, and says when the trace ran on another host.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from twin.calibrate.host import fitted_host, host_line, trace_host
 from twin.calibrate.phases import room_phases, simulate_recorded
 from twin.core import wire
 from twin.runtime.params import SimParams
@@ -253,11 +255,11 @@ def direct_params(measured: list[Measured], base: SimParams | None = None,
             # rest of an exponential is exponential): the median excess over the fast end sets
             # the stall, run and stall periods start equal (the fit scales both), and only
             # the fast end's spread (the 10th percentile) is left to per-frame jitter.
-            excess = np.asarray(frames) - lo
-            stall = float(np.median(excess)) / math.log(2)
+            above = np.asarray(frames) - lo
+            stall = float(np.median(above)) / math.log(2)
             changes["process_stall_s"] = stall
             changes["process_run_s"] = stall
-            changes["zmq_jitter_s"] = float(np.percentile(excess, 10))
+            changes["zmq_jitter_s"] = float(np.percentile(above, 10))
     if boot:
         changes["decode_prealloc_s"] = max(0.0, float(np.median(boot))
                                            - changes.get("zmq_latency_s", base.zmq_latency_s))
@@ -412,6 +414,10 @@ class Calibration:
     measured: list[Measured]
     notes: list[str] = field(default_factory=list)  # e.g. whether direct_write_s was fitted
     direct_write_fitted: bool = False
+    host: dict[str, Any] | None = None
+    """The host the traces ran on (``twin.calibrate.host.fitted_host``); None when unknown."""
+    host_unknown: str = ""
+    """Why ``host`` is None."""
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -421,7 +427,7 @@ class Calibration:
 
     def report(self) -> dict[str, Any]:
         return {"params": _fitted(self.params, self.fields), "scales": self.scales,
-                "traces": self.fit, "notes": self.notes}
+                "traces": self.fit, "notes": self.notes, "host": self.host}
 
 
 FITTED = ("zmq_latency_s", "zmq_jitter_s", "rdma_latency_s", "transfer_jitter_s",
@@ -520,16 +526,19 @@ def calibrate(traces: list[Trace], base: SimParams | None = None,
                           if p in targets[i] and p in sims[i]}}
            for i, m in enumerate(measured)]
     fitted, note = direct_write_fit(measured, direct, base)
+    host, unknown = fitted_host([trace_host(t) for t in traces])
     return Calibration(params, direct, {k: round(v, 4) for k, v in scales.items()}, fit,
-                       measured, [note], fitted)
+                       measured, [note], fitted, host, unknown)
 
 
 def write_costs(cal: Calibration, path: str | Path) -> Path:
-    """Write the ``[sim]`` table (with a comment naming the traces and the fit)."""
+    """Write the ``[sim]`` table (with a comment naming the traces, the fit and the host
+    they ran on: ``twin.calibrate.host``)."""
     import tomli_w
 
     p = Path(path)
-    lines = ["# Cost model fitted by `twin calibrate` to hardware-mode traces:"]
+    lines = ["# Cost model fitted by `twin calibrate` to hardware-mode traces:",
+             host_line(cal.host, cal.host_unknown)]
     for f in cal.fit:
         ratio = ", ".join(f"{k} {v:.3f}" for k, v in f["ratio_p50"].items())
         lines.append(f"#   {f['trace']}: simulated/measured p50 {ratio}")

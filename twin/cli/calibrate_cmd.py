@@ -60,6 +60,10 @@ def calibrate_command(trace_paths: tuple[str, ...], out_path: str, seeds: int, s
             click.echo(f"{f['trace']}: " + "; ".join(parts))
         for note in cal.notes:
             click.echo(note)
+        from twin.calibrate.host import describe
+
+        click.echo(f"fitted on {describe(cal.host)}" if cal.host is not None else
+                   f"fitted on an unknown host: {cal.host_unknown}")
         click.echo(f"wrote {out_path}; check another trace with "
                    f"`twin replay TRACE --config {out_path}`")
     sys.exit(0)

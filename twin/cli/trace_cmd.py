@@ -179,10 +179,12 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
     else:
         reject_agent_options(across)
         from twin.calibrate import costs_from
+        from twin.calibrate.host import costs_host
         from twin.replay import replay_sim
 
         try:
             params = costs_from(config_path)
+            fitted_on = costs_host(config_path)
         except ValueError as exc:  # ConfigError
             raise BadInput(str(exc)) from None
         from twin.runtime.signals import Interrupted, signals_interrupt
@@ -190,7 +192,7 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
         try:
             # SIGTERM and SIGHUP stop the replay as Ctrl-C does: it reports what it replayed
             with signals_interrupt(), _streaming() as open_reader:
-                result = replay_sim(open_reader(trace_path), params)
+                result = replay_sim(open_reader(trace_path), params, costs_host=fitted_on)
         except KeyboardInterrupt as exc:  # before the replay began (reading the header)
             why = exc.args[0] if isinstance(exc, Interrupted) and exc.args else "Ctrl-C"
             if as_json:
@@ -241,7 +243,7 @@ def replay_command(trace_path: str, mode: str, config_path: str | None, as_json:
     sys.exit(result.exit_code if result.same_outcome or result.divergence else 1)
 
 
-def _print_timing(timing: dict | None) -> None:
+def _print_timing(timing: dict[str, Any] | None) -> None:
     if not timing:
         return
     if "error" in timing:
@@ -253,6 +255,9 @@ def _print_timing(timing: dict | None) -> None:
                f"(ratio = simulated / measured, pooled over the runs)")
     if timing.get("note"):
         click.echo(f"  note: {timing['note']}")
+    host = timing.get("host") or {}
+    if host.get("note"):
+        click.echo(f"  note: {host['note']}")
     speed = timing.get("host_speed") or {}
     if speed.get("note"):
         click.echo(f"  note: {speed['note']}")

@@ -612,6 +612,10 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
                               faults=specs, seed=seed, params=params,
                               request_overrides=request_overrides or {},
                               max_concurrency=max_concurrency, mode="hw")
+        if not options.across_nodes:  # every rank runs here: the host and its probe
+            from twin.hw.probe import host_record
+
+            header["config"]["run"]["host"] = host_record()
     writer = None
     result: HwResult | None = None
     try:

@@ -461,11 +461,13 @@ def verdict(rooms: dict[int, dict[str, Any]], concluded: dict[int, dict[str, str
     return _status(len(unfinished), corruption, recorded, failed), completed, failed, unfinished
 
 
-def replay_sim(trace: TraceSource, params: SimParams | None = None) -> ReplayResult:
+def replay_sim(trace: TraceSource, params: SimParams | None = None,
+               costs_host: dict[str, Any] | None = None) -> ReplayResult:
     """Replay ``trace`` (a ``Trace``, a reader or a path, streamed) in simulation (see the
     module docstring). For a hardware trace the result also says how far a fresh simulation's
     timings are from the measured ones (which reads the trace a second time), with ``params``
-    as the cost model, else the trace's own ``[sim]`` table."""
+    as the cost model, else the trace's own ``[sim]`` table; ``costs_host`` is the host
+    ``params`` were fitted on (``compare_with_simulation``)."""
     replayer = Replayer(trace)
     result = replayer.run()
     source = replayer.trace
@@ -474,7 +476,7 @@ def replay_sim(trace: TraceSource, params: SimParams | None = None) -> ReplayRes
 
         again = source if isinstance(source, Trace) else Path(source.path)
         try:
-            result.timing = compare_with_simulation(again, params)
+            result.timing = compare_with_simulation(again, params, costs_host=costs_host)
         except KeyboardInterrupt as exc:
             from twin.runtime.signals import Interrupted
 

@@ -8,11 +8,13 @@ are compared with the simulated ones: time to all KV landed (arrival to the last
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from twin.calibrate import Measured, measure, scatter_cost_per_byte
+from twin.calibrate.host import host_check, trace_host
 from twin.calibrate.phases import room_phases, simulate_recorded
 from twin.runtime.params import SimParams
 from twin.trace.format import Trace, TraceSource, open_trace, read_trace
@@ -24,16 +26,25 @@ sample (a race the jitter opens can end one seed's run in a wedge)."""
 
 
 def compare_with_simulation(source: TraceSource, params: SimParams | None = None,
-                            seeds: int = SEEDS) -> dict[str, Any]:
+                            seeds: int = SEEDS, costs_host: Mapping[str, Any] | None = None
+                            ) -> dict[str, Any]:
     """Simulate the trace's run afresh ``seeds`` times (from the trace's seed on) and compare
     per-room timings (ratios sim / trace, pooled over the runs' successful rooms); ``params``
     replaces the trace's own ``[sim]`` costs. The report says how each run ended, and names
-    the root of a simulated wedge the recorded run did not have. A path is streamed."""
+    the root of a simulated wedge the recorded run did not have. A path is streamed.
+
+    Costs from ``twin calibrate`` (``blocking_kernels``) are also checked against the trace's
+    host (``host``: ``twin.calibrate.host.host_check``, with ``costs_host`` the host line of
+    their file, ``costs_host()``): a note says when they were fitted elsewhere, or where
+    either host is unrecorded, and the comparison is then no calibration check."""
     trace = open_trace(source)
     header = trace.header
     extra = trace.config.extra
+    checked_host = None
     if params is None:
         params = SimParams.from_dict(extra.get("sim", {}), f"{trace.path} header")
+    elif params.blocking_kernels or costs_host is not None:
+        checked_host = host_check(trace_host(trace), costs_host)
     first = header.get("seed") or 0
     runs = []
     try:
@@ -53,6 +64,8 @@ def compare_with_simulation(source: TraceSource, params: SimParams | None = None
         "rooms_compared": 0, "runs": len(runs),
         "simulated_status": _tally(statuses), "simulated_statuses": statuses,
         "recorded_status": recorded.get("status", "incomplete")}
+    if checked_host is not None:
+        report["host"] = checked_host
     if speed is not None:
         report["host_speed"] = speed
     differing = [r for r in runs if r.status != report["recorded_status"]]
@@ -70,9 +83,9 @@ def compare_with_simulation(source: TraceSource, params: SimParams | None = None
                  and measured[room][phase] > 0]
         if not pairs:
             continue
-        m = np.array([p[0] for p in pairs])
+        truth = np.array([p[0] for p in pairs])
         s = np.array([p[1] for p in pairs])
-        ratio = s / m
+        ratio = s / truth
         rooms = {room for sim in simulated for room in measured if room in sim}
         report["rooms_compared"] = max(report["rooms_compared"], len(rooms))
         report[phase] = {
