@@ -460,7 +460,9 @@ class HwRun:
                 return False
             if not pending and all(r.finished for r in self.reqs.values()):
                 return False
-            if in_flight and not self.setting_up and \
+            gone = lau.dead.keys() | lau.gone
+            busy = any(node not in gone for node, _ in self.setting_up)  # a dead rank sets up nothing
+            if in_flight and not busy and \
                     now - self.last_progress > self.wedge_window_s:
                 return True
             if pending and not in_flight and not self._fits(pending[0]) and \
@@ -493,7 +495,7 @@ class HwRun:
                     if room in unfinished:
                         self.corrupted_rooms.add(room)
                         self.corruption.append(f"{node} room {room} (unfinished): {text}")
-            silent = sorted(set(lau.endpoints) - set(snapshots))
+            silent = sorted(set(lau.endpoints) - set(snapshots) - lau.dead.keys() - lau.gone)
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {self.wedge_window_s:g} s (rooms "
