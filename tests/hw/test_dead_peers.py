@@ -77,3 +77,19 @@ def test_the_heartbeat_fails_a_dead_prefill_servers_rooms(tmp_path: Path) -> Non
         assert "p0g0r0, p0g0r1 crashed" in s["roots"][0]
     assert hw["sim_seconds"] < 15, hw["sim_seconds"]  # the heartbeat, not the 60 s timeout
     assert hw["errors"] == []
+
+
+def test_a_dead_decode_rank_wedges_its_rooms_as_simulated() -> None:
+    """A decode rank's process ends: its rooms wait on it, the run is a wedge (exit 3) whose
+    root names the crash, in simulation and on real ranks alike."""
+    args = ["--config", str(ROOT / "examples" / "tp2-tp1-small.toml"),
+            "--workload", "poisson:n=20,rate=10,input=600,output=1,seed=1",
+            "--max-concurrency", "4", "--fault", "crash:d0g0r0:at=0.5"]
+    sim = twin_json("sim", *args, ok=(3,))
+    hw = twin_json("hw", *args, ok=(3,))
+    for s in (sim, hw):
+        assert s["status"] == "wedged"
+        assert any("root: d0g0r0 crashed: crashed by fault crash:d0g0r0" in line
+                   for line in s["diagnosis"]), s["diagnosis"]
+        assert not any("did not report its state" in line for line in s["diagnosis"])
+    assert abs(hw["completed"] - sim["completed"]) <= 2  # those done before the crash
