@@ -311,6 +311,11 @@ class Launcher:
         self.dead: dict[str, float] = {}  # node -> when a crash fault's exit was seen
         self.gone: set[str] = set()  # dead ranks whose last records arrived
 
+    @property
+    def departed(self) -> set[str]:
+        """Ranks a crash fault ended: their exit seen, or their last records in."""
+        return self.dead.keys() | self.gone
+
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
         try:
@@ -584,7 +589,7 @@ class Launcher:
 
     def command(self, node: str, cmd: messages.Command) -> None:
         """Send ``cmd`` to ``node``; a rank that cannot take it is an error, not a raise."""
-        if node in self.failed_nodes or node in self.dead or node in self.gone:
+        if node in self.failed_nodes or node in self.departed:
             return  # a crashed rank takes no more commands (the simulator drops its inputs)
         try:
             self.sock.send(self.endpoints[node], [CMD, messages.encode(cmd)])
@@ -602,7 +607,8 @@ class Launcher:
     def request_states(self, timeout_s: float = 10.0) -> dict[str, messages.RankState]:
         """Every rank's state (``messages.RankState``: snapshot, next scripted input, held)."""
         self.states = {}
-        live = [n for n in self.endpoints if n not in self.dead and n not in self.gone]
+        departed = self.departed
+        live = [n for n in self.endpoints if n not in departed]
         for node in live:
             self.command(node, messages.QueryState())
         deadline = time.monotonic() + timeout_s

@@ -38,6 +38,7 @@ from twin.core import wire
 from twin.core.config import TwinConfig, pp_layer_range
 from twin.core.decode import DecodeRank
 from twin.core.defects import Defects
+from twin.core.fixes import STALE_WATERMARK_SUBSCRIBERS
 from twin.core.grid import pages_for_tokens
 from twin.core.layout import compute_head_slice_params, pp_stage_write
 from twin.core.prefill import PrefillRank
@@ -130,7 +131,7 @@ class RankProcess:
         for sock_spec in configured(spec.zmq_send_timeout_s, spec.zmq_sndhwm).values():
             self.sock.configure(sock_spec)
         self.topo = Topology(cfg)
-        self.watermark_sender = cfg.fix_set.on("stale-watermark-subscribers")
+        self.watermark_sender = cfg.fix_set.on(STALE_WATERMARK_SUBSCRIBERS)
         # One CPU host (ranks on loopback, DRAM over shared memory): no NIXL progress thread,
         # which would spin a core per rank. Across nodes (TCP) and on GPUs it runs.
         # The same choice as the command's (VRAM on Mooncake only where the engine moves it).

@@ -309,7 +309,7 @@ class HwRun:
     def _live_nodes_of(self, index: int) -> list[str]:
         """The request's ranks whose process runs (a crashed rank has no pool to wait for:
         the request goes to it all the same, as the router does not know)."""
-        gone = self.launcher.dead.keys() | self.launcher.gone
+        gone = self.launcher.departed
         return [n for n in self._nodes_of(index) if n not in gone]
 
     def _fits(self, index: int) -> bool:
@@ -460,7 +460,7 @@ class HwRun:
                 return False
             if not pending and all(r.finished for r in self.reqs.values()):
                 return False
-            gone = lau.dead.keys() | lau.gone
+            gone = lau.departed
             busy = any(node not in gone for node, _ in self.setting_up)  # a dead rank sets up nothing
             if in_flight and not busy and \
                     now - self.last_progress > self.wedge_window_s:
@@ -495,7 +495,7 @@ class HwRun:
                     if room in unfinished:
                         self.corrupted_rooms.add(room)
                         self.corruption.append(f"{node} room {room} (unfinished): {text}")
-            silent = sorted(set(lau.endpoints) - set(snapshots) - lau.dead.keys() - lau.gone)
+            silent = sorted(set(lau.endpoints) - set(snapshots) - lau.departed)
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {self.wedge_window_s:g} s (rooms "
