@@ -1,7 +1,7 @@
 """Mooncake's PP-aware staging routing, the twin's ``DecodeRank`` against SGLang's own code.
 
 SGLang's ``handle_staging_req`` and ``DecodeStagingHandler`` (loaded from the 0.5.23 wheel by
-``sglang_machines``) and one twin decode rank get the same inputs for a prefill with
+``twin.reference.decode_machine``) and one twin decode rank get the same inputs for a prefill with
 ``pp_size > 1``: STAGING_REQ naming each PP stage (Mooncake) or none (NIXL), CHUNK_READY from
 every stage's writer, KV_STATUS from every writer. After each input the frames sent (who gets
 each STAGING_RSP), the scatters submitted and the rooms concluded must agree. Also the facts
@@ -14,12 +14,12 @@ import itertools
 
 import pytest
 
-from tests.core.sglang_machines import SglangDecodeRank, load_machines
 from twin.core import events as ev
 from twin.core import wire
 from twin.core.config import ModelShape, ServerSide, TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.topology import Topology
+from twin.reference.decode_machine import SglangDecodeRank, load_machines
 
 MODEL = ModelShape(num_layers=4, num_kv_heads=8, head_dim=8, dtype_bytes=2)
 TIMEOUT_S = 5.0
@@ -116,15 +116,12 @@ def test_staging_register_info_fields_as_the_wheel_parses_them() -> None:
     import ast
     import dataclasses
     import struct
-    import zipfile
     from typing import Optional  # noqa: UP035 - names the wheel's annotations use
 
-    from tests.core.sglang_machines import STAGING_HANDLER, _top
-    from tests.core.sglang_ref import wheel_path
+    from twin.reference.sglang_wheel import STAGING_HANDLER, read_sources, top_level, wheel_path
 
-    with zipfile.ZipFile(wheel_path()) as zf:
-        source = zf.read(STAGING_HANDLER).decode("utf-8")
-    cls = _top(ast.parse(source), "StagingRegisterInfo", STAGING_HANDLER)
+    source = read_sources(wheel_path(), [STAGING_HANDLER])[STAGING_HANDLER]
+    cls = top_level(ast.parse(source), "StagingRegisterInfo", STAGING_HANDLER)
     import sys
     import types
 

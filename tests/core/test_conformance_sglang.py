@@ -1,13 +1,12 @@
 """Differential tests: the twin's protocol core against SGLang 0.5.23's own functions.
 
-``sglang_ref`` executes SGLang's source from the released wheel; every test here feeds the same
+``twin.reference.sglang_wheel`` executes SGLang's source from the released wheel; every test here feeds the same
 inputs to both and compares every result.
 """
 
 from __future__ import annotations
 
 import pytest
-import sglang_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from twin.core import (
 from twin.core.defects import STALE_EMPTY_RING_WATERMARK, Defects
 from twin.core.grid import prefetch_chunks
 from twin.core.wire import StagingReq, encode
+from twin.reference import sglang_wheel
 
 SETTINGS = settings(
     derandomize=True, database=None, deadline=None, max_examples=300,
@@ -31,8 +31,8 @@ SETTINGS = settings(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ref():
-    return sglang_ref.require()
+def ref(sglang_reference):
+    return sglang_reference
 
 
 def _state(alloc) -> tuple:
@@ -47,7 +47,7 @@ def _state(alloc) -> tuple:
 
 
 def test_reference_is_sglang_code(ref):
-    assert ref.wheel.name.startswith(f"sglang-{sglang_ref.SGLANG_VERSION}-")
+    assert ref.wheel.name.startswith(f"sglang-{sglang_wheel.SGLANG_VERSION}-")
     assert ref.StagingAllocator.__module__ == "sglang_ref_staging_buffer"
     assert ALLOC_OVERSIZED == ref.StagingAllocator.ALLOC_OVERSIZED == -2
     assert StagingAllocator.ALLOC_OVERSIZED == ALLOC_OVERSIZED
@@ -72,7 +72,7 @@ def _run_ops(data, total: int, twin: StagingAllocator, sg, max_ops: int = 60) ->
                 end = offset + n
                 wm = sg.get_watermark()
                 assert is_watermark_ready(twin.get_watermark(), rnd, end) == (
-                    sglang_ref.is_watermark_ready(wm, rnd, end)
+                    sglang_wheel.is_watermark_ready(wm, rnd, end)
                 ), f"ready after assign({n}) wm={wm}"
         else:
             live = [a for a in issued if a in sg.allocations]
@@ -90,7 +90,7 @@ def _run_ops(data, total: int, twin: StagingAllocator, sg, max_ops: int = 60) ->
 @SETTINGS
 @given(total=st.integers(1, 512), data=st.data())
 def test_allocator_matches_sglang(total, data):
-    twin, sg = StagingAllocator(total), sglang_ref.make_allocator(total)
+    twin, sg = StagingAllocator(total), sglang_wheel.make_allocator(total)
     assert _state(twin) == _state(sg)
     _run_ops(data, total, twin, sg)
 
@@ -100,7 +100,7 @@ def test_allocator_matches_sglang(total, data):
 def test_stale_watermark_defect_only_differs_once_the_ring_empties(total, data):
     """With the pre-fix switch on, the twin equals SGLang until the ring first empties."""
     twin = StagingAllocator(total, defects=Defects.of([STALE_EMPTY_RING_WATERMARK]))
-    sg = sglang_ref.make_allocator(total)
+    sg = sglang_wheel.make_allocator(total)
     first = data.draw(st.integers(0, total), label="first")
     assert twin.assign(first) == sg.assign(first)  # keep one allocation pinned all along
     pinned = 0
@@ -118,7 +118,7 @@ def test_stale_watermark_defect_only_differs_once_the_ring_empties(total, data):
 
 
 def test_oversized_request_is_refused_without_side_effects(ref):
-    twin, sg = StagingAllocator(100), sglang_ref.make_allocator(100)
+    twin, sg = StagingAllocator(100), sglang_wheel.make_allocator(100)
     for a in (twin, sg):
         assert a.assign(40) == (0, 0, 0)
         assert a.assign(101) is None
@@ -128,7 +128,7 @@ def test_oversized_request_is_refused_without_side_effects(ref):
 
 def test_empty_ring_example_fixed_matches_sglang(ref):
     """100-byte ring: assign 60, free, assign 70 -> the wrapping allocation is writable."""
-    twin, sg = StagingAllocator(100), sglang_ref.make_allocator(100)
+    twin, sg = StagingAllocator(100), sglang_wheel.make_allocator(100)
     for a in (twin, sg):
         assert a.assign(60) == (0, 0, 0)
         a.free(0)
@@ -137,7 +137,7 @@ def test_empty_ring_example_fixed_matches_sglang(ref):
         assert a.get_watermark() == (1, 0)
     assert _state(twin) == _state(sg)
     assert is_watermark_ready((1, 0), 1, 70)
-    assert sglang_ref.is_watermark_ready((1, 0), 1, 70)
+    assert sglang_wheel.is_watermark_ready((1, 0), 1, 70)
 
 
 def test_empty_ring_example_pre_fix_defect():
@@ -150,7 +150,7 @@ def test_empty_ring_example_pre_fix_defect():
     assert (alloc_id, offset, rnd) == (1, 0, 1)
     assert is_watermark_ready(twin.get_watermark(), rnd, offset + 70) is False
     assert is_watermark_ready((0, 60), 1, 70) is False
-    assert sglang_ref.is_watermark_ready((0, 60), 1, 70) is False  # same rule, same verdict
+    assert sglang_wheel.is_watermark_ready((0, 60), 1, 70) is False  # same rule, same verdict
     twin.free(alloc_id)  # nothing else ever advances it
     assert twin.get_watermark() == (1, 70)
 
@@ -165,7 +165,7 @@ def test_empty_ring_example_pre_fix_defect():
 )
 def test_readiness_matches_sglang(wm_round, wm_tail, alloc_round, alloc_end):
     wm = (wm_round, wm_tail)
-    assert is_watermark_ready(wm, alloc_round, alloc_end) == sglang_ref.is_watermark_ready(
+    assert is_watermark_ready(wm, alloc_round, alloc_end) == sglang_wheel.is_watermark_ready(
         wm, alloc_round, alloc_end
     )
 
@@ -174,7 +174,7 @@ def test_readiness_matches_sglang(wm_round, wm_tail, alloc_round, alloc_end):
 @given(alloc_round=st.integers(-2, 8), alloc_end=st.integers(-1, 300))
 def test_readiness_without_any_watermark_is_sglang_default(alloc_round, alloc_end):
     """A session that never received a WATERMARK is judged against (0, 0)."""
-    assert is_watermark_ready((0, 0), alloc_round, alloc_end) == sglang_ref.is_watermark_ready(
+    assert is_watermark_ready((0, 0), alloc_round, alloc_end) == sglang_wheel.is_watermark_ready(
         None, alloc_round, alloc_end
     )
 
@@ -231,7 +231,7 @@ def test_prefetch_requests_match_sglang(cps, page_size, total_pages, pp_rank):
         encode(StagingReq(room=77, chunk_idx=i, chunk_pages=n, session_id="s", pp_rank=pp_rank))
         for i, n in prefetch_chunks(total_pages, grid_pages)
     ]
-    assert twin_frames == sglang_ref.prefetch_frames(77, {"s": total_pages}, cps, page_size,
+    assert twin_frames == sglang_wheel.prefetch_frames(77, {"s": total_pages}, cps, page_size,
                                                      pp_rank)
 
 
@@ -285,19 +285,20 @@ def test_staging_layout_matches_sglang(ref, src_tp, dst_tp, heads, data, num_tok
 def _sglang_abort_notification():
     """SGLang's ``AckTarget`` and ``AbortNotification`` (common/conn.py), run from the wheel."""
     import ast
-    import zipfile
     from typing import NamedTuple
 
     import msgspec
-    from sglang_machines import _exec, _top
 
-    wheel = sglang_ref.wheel_path()
-    with zipfile.ZipFile(wheel) as zf:
-        src = zf.read(sglang_ref.CONN).decode("utf-8")
+    from twin.reference.sglang_wheel import exec_definitions, read_sources, top_level
+
+    wheel = sglang_wheel.wheel_path()
+    src = read_sources(wheel, [sglang_wheel.CONN])[sglang_wheel.CONN]
     tree = ast.parse(src)
-    body = [_top(tree, name, sglang_ref.CONN) for name in ("AckTarget", "AbortNotification")]
-    ns = _exec(sglang_ref.CONN, src, body, {"msgspec": msgspec, "ABORT_TAG": b"ABORT",
-                                            "NamedTuple": NamedTuple}, wheel)
+    body = [top_level(tree, name, sglang_wheel.CONN)
+            for name in ("AckTarget", "AbortNotification")]
+    ns = exec_definitions("sglang_sm_conn_abort", sglang_wheel.CONN, src, body,
+                          {"msgspec": msgspec, "ABORT_TAG": b"ABORT", "NamedTuple": NamedTuple},
+                          wheel)
     return ns["AbortNotification"]
 
 

@@ -4,7 +4,7 @@ Hypothesis generates one decode rank's inputs (rooms registered, STAGING_REQs fr
 for any chunk, CHUNK_READYs, transfer statuses, scatter completions, aborts, time passing) in
 any order; the same sequence drives the twin's core and SGLang's ``DecodeStagingHandler``,
 ``handle_staging_req``, chunk-ready and status handling and staging-aware poll, loaded from the
-wheel (``sglang_machines.py``). After every input the two must agree on:
+wheel (``twin/reference/decode_machine.py``). After every input the two must agree on:
 
 * the frames sent (STAGING_RSP and WATERMARK, byte for byte, to the same prefill ranks);
 * the scatters submitted (room, chunk, ring offset, pages);
@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import sglang_ref
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -38,6 +37,7 @@ from twin.core.config import ModelShape, ServerSide, TwinConfig
 from twin.core.decode import DecodeRank
 from twin.core.grid import prefetch_chunks
 from twin.core.layout import target_decode_ranks
+from twin.reference.decode_machine import SglangDecodeRank
 
 TIMEOUT_S = 10.0
 STEPS_S = (3.7, 8.3, 12.1)  # no sum of these equals the timeout: no boundary ties
@@ -46,9 +46,8 @@ EXAMPLES = int(os.environ.get("TWIN_DIFF_EXAMPLES", "200"))
 
 
 @pytest.fixture(autouse=True)
-def _reference() -> None:
+def _reference(sglang_reference) -> None:
     """SGLang's wheel: a failure when missing, a skip only with TWIN_OFFLINE=1."""
-    sglang_ref.require()
 
 
 def _frames(effects: list[ev.Effect]) -> list[tuple[str, list[bytes]]]:
@@ -72,8 +71,6 @@ class DecodeDifferential(RuleBasedStateMachine):
                 ring_regions=st.sampled_from([0.5, 1, 2, 3]), pp=st.sampled_from([1, 1, 2]),
                 backend=st.sampled_from(["mooncake", "nixl"]), data=st.data())
     def setup(self, prefill_tp, decode_tp, page, cps, ring_regions, pp, backend, data) -> None:
-        from sglang_machines import SglangDecodeRank
-
         rank = data.draw(st.integers(0, decode_tp - 1), label="decode_rank")
         if pp > 1:
             backend = "mooncake"  # staging with PP > 1 runs only on Mooncake

@@ -1,6 +1,6 @@
 """The staging control frames: byte-exact against SGLang 0.5.23, round trips, malformed input.
 
-Expected frames come from SGLang's own builders and parsers (``sglang_ref``) wherever they run
+Expected frames come from SGLang's own builders and parsers (``twin.reference.sglang_wheel``) wherever they run
 without a server; STAGING_REQ's parser is inline in the decode allocation path, so its decoding
 side is spelled out from the source.
 """
@@ -8,7 +8,6 @@ side is spelled out from the source.
 from __future__ import annotations
 
 import pytest
-import sglang_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,13 +22,14 @@ from twin.core.wire import (
     decode,
     encode,
 )
+from twin.reference import sglang_wheel
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return sglang_ref.require()
+def ref(sglang_reference):
+    return sglang_reference
 
 
 # --- exact frames -----------------------------------------------------------------------------
@@ -39,16 +39,16 @@ def test_watermark_frames(ref):
     msg = Watermark(round=3, tail=0, session_id="session-new")
     frames = [b"WATERMARK", b"3", b"0", b"session-new"]
     assert encode(msg) == frames
-    assert sglang_ref.watermark_frames(3, 0, "session-new") == frames
+    assert sglang_wheel.watermark_frames(3, 0, "session-new") == frames
     assert decode(frames) == msg
-    assert sglang_ref.parse_watermark(frames) == {"session-new": (3, 0)}
+    assert sglang_wheel.parse_watermark(frames) == {"session-new": (3, 0)}
 
 
 def test_staging_req_frames_without_pp_rank(ref):
     msg = StagingReq(room=12345, chunk_idx=0, chunk_pages=3, session_id="10.0.0.1:7000_3")
     frames = [b"STAGING_REQ", b"12345", b"0", b"3", b"10.0.0.1:7000_3"]
     assert encode(msg) == frames
-    assert sglang_ref.prefetch_frames(12345, {"10.0.0.1:7000_3": 3}, 8192, 16) == [frames]
+    assert sglang_wheel.prefetch_frames(12345, {"10.0.0.1:7000_3": 3}, 8192, 16) == [frames]
     assert decode(frames) == msg
     assert decode(frames).pp_rank is None
 
@@ -58,7 +58,7 @@ def test_staging_req_frames_with_pp_rank(ref):
     frames = [b"STAGING_REQ", b"7", b"1", b"2", b"s", b"1"]
     assert encode(msg) == frames
     # 8192-token grid of 16-token pages: 514 pages are a full chunk and a 2-page one
-    assert sglang_ref.prefetch_frames(7, {"s": 514}, 8192, 16, pp_rank=1)[1] == frames
+    assert sglang_wheel.prefetch_frames(7, {"s": 514}, 8192, 16, pp_rank=1)[1] == frames
     assert decode(frames) == msg
 
 
@@ -67,7 +67,7 @@ def test_staging_rsp_frames(ref):
     frames = [b"STAGING_RSP", b"9", b"1", b"4096", b"2", b"8192", b"s"]
     assert encode(msg) == frames
     assert decode(frames) == msg
-    assert sglang_ref.parse_staging_rsp(frames, 9, "s") == ([-1, 4096], [0, 2], [-1, 8192])
+    assert sglang_wheel.parse_staging_rsp(frames, 9, "s") == ([-1, 4096], [0, 2], [-1, 8192])
 
 
 def test_staging_rsp_oversized(ref):
@@ -76,7 +76,7 @@ def test_staging_rsp_oversized(ref):
     frames = [b"STAGING_RSP", b"9", b"0", b"-2", b"0", b"-1", b"s"]
     assert encode(msg) == frames
     assert decode(frames) == msg
-    assert sglang_ref.parse_staging_rsp(frames, 9, "s") == ([-2], [0], [-1])
+    assert sglang_wheel.parse_staging_rsp(frames, 9, "s") == ([-2], [0], [-1])
 
 
 def test_chunk_ready_frames(ref):
@@ -84,9 +84,9 @@ def test_chunk_ready_frames(ref):
                      prefill_rank=6)
     frames = [b"CHUNK_READY", b"5", b"3", b"1536", b"512", b"w1", b"6"]
     assert encode(msg) == frames
-    assert sglang_ref.chunk_ready_frames(5, 3, 1536, 512, "w1", 6) == frames
+    assert sglang_wheel.chunk_ready_frames(5, 3, 1536, 512, "w1", 6) == frames
     assert decode(frames) == msg
-    assert sglang_ref.parse_chunk_ready(frames, 5) == [(5, 3, 1536, 512, "w1")]
+    assert sglang_wheel.parse_chunk_ready(frames, 5) == [(5, 3, 1536, 512, "w1")]
 
 
 @pytest.mark.parametrize("reason", ["", "staging chunk 3 does not fit: need 9 MiB", "é ✓"])
@@ -94,15 +94,15 @@ def test_kv_status_frames(ref, reason):
     msg = TransferStatus(room=11, status=KVPoll.Failed, prefill_rank=2, failure_reason=reason)
     frames = [b"KV_STATUS", b"11", b"0", b"2", reason.encode("utf-8")]
     assert encode(msg) == frames
-    assert sglang_ref.kv_status_frames(11, KVPoll.Failed, 2, reason or None) == frames
+    assert sglang_wheel.kv_status_frames(11, KVPoll.Failed, 2, reason or None) == frames
     assert decode(frames) == msg
-    assert sglang_ref.parse_kv_status(frames) == (11, 0, 2, reason or None)
+    assert sglang_wheel.parse_kv_status(frames) == (11, 0, 2, reason or None)
 
 
 def test_kv_status_success_and_status_is_kvpoll(ref):
     frames = encode(TransferStatus(room=1, status=KVPoll.Success, prefill_rank=0))
     assert frames == [b"KV_STATUS", b"1", b"4", b"0", b""]
-    assert sglang_ref.kv_status_frames(1, KVPoll.Success, 0, None) == frames
+    assert sglang_wheel.kv_status_frames(1, KVPoll.Success, 0, None) == frames
     assert decode(frames).status is KVPoll.Success
     assert [p.code for p in KVPoll] == [0, 1, 2, 3, 4]
 
@@ -115,14 +115,14 @@ def test_kv_status_without_reason_frame():
 
 def test_kv_status_invalid_utf8_reason_is_replaced_like_sglang(ref):
     frames = [b"KV_STATUS", b"1", b"0", b"0", b"bad \xff byte"]
-    assert decode(frames).failure_reason == sglang_ref.parse_kv_status(frames)[3]
+    assert decode(frames).failure_reason == sglang_wheel.parse_kv_status(frames)[3]
 
 
 @pytest.mark.parametrize("raw", [b"+3", b" 3", b"3 ", b"3_0", b"-0", b"007"])
 def test_integer_fields_accept_what_sglang_accepts(ref, raw):
     """Both sides parse with ``int(frame.decode("ascii"))``; the twin must not be stricter."""
     frames = [b"WATERMARK", raw, b"0", b"s"]
-    assert decode(frames).round == sglang_ref.parse_watermark(frames).get("s", (0, 0))[0]
+    assert decode(frames).round == sglang_wheel.parse_watermark(frames).get("s", (0, 0))[0]
 
 
 def test_frames_may_be_bytearray_or_memoryview():
@@ -169,24 +169,24 @@ def test_round_trip(msg):
 def test_sglang_reads_and_writes_the_same_frames(ref, msg):
     frames = encode(msg)
     if isinstance(msg, Watermark):
-        assert sglang_ref.watermark_frames(msg.round, msg.tail, msg.session_id) == frames
+        assert sglang_wheel.watermark_frames(msg.round, msg.tail, msg.session_id) == frames
         want = {msg.session_id: (msg.round, msg.tail)} if (msg.round, msg.tail) > (0, 0) else {}
-        assert sglang_ref.parse_watermark(frames) == want
+        assert sglang_wheel.parse_watermark(frames) == want
     elif isinstance(msg, StagingRsp):
-        offsets, rounds, ends = sglang_ref.parse_staging_rsp(frames, msg.room, msg.session_id)
+        offsets, rounds, ends = sglang_wheel.parse_staging_rsp(frames, msg.room, msg.session_id)
         i = msg.chunk_idx
         assert (offsets[i], rounds[i], ends[i]) == (msg.offset, msg.round, msg.end)
     elif isinstance(msg, ChunkReady):
-        assert sglang_ref.chunk_ready_frames(msg.room, msg.chunk_idx, msg.page_start,
+        assert sglang_wheel.chunk_ready_frames(msg.room, msg.chunk_idx, msg.page_start,
                                              msg.num_pages, msg.writer_id,
                                              msg.prefill_rank) == frames
-        assert sglang_ref.parse_chunk_ready(frames, msg.room) == [
+        assert sglang_wheel.parse_chunk_ready(frames, msg.room) == [
             (msg.room, msg.chunk_idx, msg.page_start, msg.num_pages, msg.writer_id)
         ]
     elif isinstance(msg, TransferStatus):
-        assert sglang_ref.kv_status_frames(msg.room, msg.status, msg.prefill_rank,
+        assert sglang_wheel.kv_status_frames(msg.room, msg.status, msg.prefill_rank,
                                            msg.failure_reason or None) == frames
-        assert sglang_ref.parse_kv_status(frames) == (
+        assert sglang_wheel.parse_kv_status(frames) == (
             msg.room, int(msg.status), msg.prefill_rank, msg.failure_reason or None
         )
     else:  # STAGING_REQ: built like prefetch_staging_reqs, parsed like handle_staging_req

@@ -17,7 +17,6 @@ from collections import deque
 import pytest
 import torch
 
-from tests.core.sglang_ref import ReferenceUnavailable, load, offline
 from twin.core import events as ev
 from twin.core.config import ModelShape, ServerSide, TwinConfig, pp_layer_range
 from twin.core.grid import pages_for_tokens
@@ -26,6 +25,7 @@ from twin.explore.loopback import Cluster
 from twin.hw.kernels import TORCH_BACKEND
 from twin.hw.kvpattern import fill_prefill_pool, rank_head_range, verify_decode_pool
 from twin.hw.pools import DTYPES, KVPool, byte_buffer
+from twin.reference.sglang_wheel import ReferenceUnavailable, load, offline
 
 # Five layers over two stages: stage 0 holds layers 0-1, stage 1 layers 2-4 (SGLang's split).
 MODEL = ModelShape(num_layers=5, num_kv_heads=4, head_dim=8, dtype_bytes=2)

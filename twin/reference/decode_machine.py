@@ -1,6 +1,6 @@
 """SGLang 0.5.23's decode-side staging state machine, run from the wheel with recording stubs.
 
-``sglang_ref`` loads SGLang's pure helpers; this module loads the code that *decides*: the
+``sglang_wheel`` loads SGLang's pure helpers; this module loads the code that *decides*: the
 whole ``DecodeStagingHandler`` class and ``handle_staging_req`` (``common/staging_handler.py``),
 ``StagingManagerMixin._handle_staging_req`` (the listener's STAGING_REQ entry),
 ``CommonKVManager.handle_chunk_ready`` and ``apply_prefill_status``, the receiver's
@@ -12,34 +12,44 @@ the code's shape changed (a method or a function-local import that is not where 
 ``SglangDecodeRank`` wraps one decode rank around that code. What is *not* SGLang's own code
 here is the thin glue a decode scheduler supplies, written after ``decode.py``
 (``pop_transferred`` with deferred release off: conclude on the reduced poll, then
-``unregister_decode_req``) and the end of ``send_metadata`` (``init_time``, the start of the
-waiting clock the loaded ``_check_waiting_timeout`` reads); it is marked ``# glue`` below.
+``unregister_decode_req``), the end of ``send_metadata`` (``init_time``, the start of the
+waiting clock the loaded ``_check_waiting_timeout`` reads), the receiver's ``abort`` and the
+decode TP group's MIN all-reduce of polls (the peers' polls are inputs, ``on_peer_poll``, as
+the twin's decode ranks share them); it is marked ``# glue`` below.
+
+Contract: every ``on_*`` call is one input; the rank polls its transfer queue after it and
+records what SGLang decided (frames sent, scatters submitted, allocations freed, rooms
+concluded), which ``drain`` hands over. The loaded code reads one fake clock shared by every
+``SglangDecodeRank`` of the process: call ``at(now)`` before each input (or ``on_time``) when
+several ranks are driven in turn. ``ReferenceUnavailable`` when the wheel cannot be had.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import linecache
 import logging
-import sys
 import threading
 import types
-import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_ref import (
+from twin.reference.sglang_wheel import (
+    CONN,
     STAGING_HANDLER,
+    UTILS,
     ReferenceUnavailable,
-    _namespace,
-    load,
+    exec_definitions,
+    load_wheel,
+    method_of,
+    read_sources,
+    say_on_stderr,
+    strip_local_imports,
+    top_level,
     wheel_path,
 )
-
-CONN = "sglang/srt/disaggregation/common/conn.py"
-UTILS = "sglang/srt/disaggregation/utils.py"
 
 HANDLER_METHODS = {
     "register_wm_subscriber", "num_writers_for", "register_decode_req",
@@ -64,6 +74,8 @@ class KVPoll:
 
 
 class FakeClock:
+    """``time.monotonic()`` and ``time.time()`` for the loaded code: ``now``, set by hand."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -92,63 +104,17 @@ class Stream:
         pass
 
 
-class _DropImports(ast.NodeTransformer):
-    """Remove function-local imports anywhere in a function; collects the names they bound."""
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-    def _drop(self, node: ast.Import | ast.ImportFrom) -> ast.AST:
-        self.names.update(a.asname or a.name for a in node.names)
-        return ast.copy_location(ast.Pass(), node)
-
-    visit_Import = visit_ImportFrom = _drop  # noqa: N815
+def load_machines(note: Callable[[str], None] = say_on_stderr) -> types.SimpleNamespace:
+    """SGLang's decode-side decision code, executed from the wheel's source (memoised per
+    wheel file; ``note`` hears of a download before it starts)."""
+    return load_machines_from(wheel_path(note))
 
 
-def _strip_local_imports(fn: ast.FunctionDef, expected: set[str]) -> None:
-    dropper = _DropImports()
-    dropper.visit(fn)
-    if dropper.names != expected:
-        raise ReferenceUnavailable(f"{fn.name} imports changed: {sorted(dropper.names)}")
-
-
-def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return node
-    raise ReferenceUnavailable(f"no {cls.name}.{name} in the sglang wheel")
-
-
-def _top(tree: ast.Module, name: str, path: str) -> ast.stmt:
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
-            return node
-    raise ReferenceUnavailable(f"{path}: no top-level {name!r}")
-
-
-def _exec(path: str, source: str, body: list[ast.stmt], namespace: dict[str, Any],
-          wheel: Path) -> dict[str, Any]:
-    name = "sglang_sm_" + Path(path).stem
-    module = types.ModuleType(name)
-    module.__dict__.update(_namespace(name))
-    module.__dict__.update(namespace)
-    sys.modules[name] = module
-    filename = f"{wheel.name}/{path}"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    future = ast.parse("from __future__ import annotations").body
-    code = compile(ast.Module(body=[*future, *body], type_ignores=[]), filename, "exec",
-                   dont_inherit=True)
-    exec(code, module.__dict__)
-    return module.__dict__
-
-
-@functools.lru_cache(maxsize=1)
-def load_machines() -> types.SimpleNamespace:
-    """SGLang's decode-side decision code, executed from the wheel's source."""
-    ref = load()
-    wheel = wheel_path()
-    with zipfile.ZipFile(wheel) as zf:
-        src = {p: zf.read(p).decode("utf-8") for p in (STAGING_HANDLER, CONN, UTILS)}
+@functools.lru_cache(maxsize=4)
+def load_machines_from(wheel: Path) -> types.SimpleNamespace:
+    """``load_machines()`` from this wheel file."""
+    ref = load_wheel(wheel)
+    src = read_sources(wheel, (STAGING_HANDLER, CONN, UTILS))
     clock = FakeClock()
     events: list[Event] = []
 
@@ -159,19 +125,20 @@ def load_machines() -> types.SimpleNamespace:
 
     # staging_handler.py: the handler class, handle_staging_req, the mixin's entry point.
     tree = ast.parse(src[STAGING_HANDLER])
-    handler = _top(tree, "DecodeStagingHandler", STAGING_HANDLER)
+    handler = top_level(tree, "DecodeStagingHandler", STAGING_HANDLER)
     assert isinstance(handler, ast.ClassDef)
     have = {n.name for n in handler.body if isinstance(n, ast.FunctionDef)}
     missing = HANDLER_METHODS - have
     if missing:
         raise ReferenceUnavailable(f"DecodeStagingHandler changed shape: no {sorted(missing)}")
-    hsr = _top(tree, "handle_staging_req", STAGING_HANDLER)
+    hsr = top_level(tree, "handle_staging_req", STAGING_HANDLER)
     assert isinstance(hsr, ast.FunctionDef)
-    _strip_local_imports(hsr, _LOCAL_IMPORTS["handle_staging_req"])
-    mixin = _top(tree, "StagingManagerMixin", STAGING_HANDLER)
+    strip_local_imports(hsr, _LOCAL_IMPORTS["handle_staging_req"])
+    mixin = top_level(tree, "StagingManagerMixin", STAGING_HANDLER)
     assert isinstance(mixin, ast.ClassDef)
-    entry = _method(mixin, "_handle_staging_req")
-    ns = _exec(STAGING_HANDLER, src[STAGING_HANDLER], [handler, hsr, entry], {
+    entry = method_of(mixin, "_handle_staging_req")
+    ns = exec_definitions("sglang_sm_staging_handler", STAGING_HANDLER, src[STAGING_HANDLER],
+                          [handler, hsr, entry], {
         "time": clock, "torch": types.SimpleNamespace(), "create_device_event":
         create_device_event, "create_device_stream": lambda _d: Stream(),
         "device_stream_context": None, "get_schedule": None,
@@ -182,26 +149,27 @@ def load_machines() -> types.SimpleNamespace:
 
     # conn.py: the listener's CHUNK_READY path and the status bookkeeping.
     ctree = ast.parse(src[CONN])
-    manager = _top(ctree, "CommonKVManager", CONN)
+    manager = top_level(ctree, "CommonKVManager", CONN)
     assert isinstance(manager, ast.ClassDef)
-    conn_fns = [_method(manager, m) for m in ("handle_chunk_ready", "apply_prefill_status")]
-    receiver = _top(ctree, "CommonKVReceiver", CONN)
+    conn_fns = [method_of(manager, m) for m in ("handle_chunk_ready", "apply_prefill_status")]
+    receiver = top_level(ctree, "CommonKVReceiver", CONN)
     assert isinstance(receiver, ast.ClassDef)
-    recv_fns = [_method(receiver, m) for m in ("poll", "_poll", "_check_waiting_timeout")]
+    recv_fns = [method_of(receiver, m) for m in ("poll", "_poll", "_check_waiting_timeout")]
     logger = logging.getLogger("sglang_sm_conn")
-    cns = _exec(CONN, src[CONN], [*conn_fns, *recv_fns], {
+    cns = exec_definitions("sglang_sm_conn", CONN, src[CONN], [*conn_fns, *recv_fns], {
         "KVPoll": KVPoll, "time": clock,
         "logger": types.SimpleNamespace(debug=logger.debug, warning=logger.warning,
                                         error=logger.error, warning_once=logger.warning),
     }, wheel)
 
-    # utils.py: the staging-aware poll (one rank: the all-reduce is the identity).
-    poll_fn = _top(ast.parse(src[UTILS]), "poll_and_all_reduce_with_staging", UTILS)
-    uns = _exec(UTILS, src[UTILS], [poll_fn], {
+    # utils.py: the staging-aware poll. The gloo group's MIN all-reduce is glue: the group
+    # argument is None for a rank alone, or a function over the polls (SglangDecodeRank's).
+    poll_fn = top_level(ast.parse(src[UTILS]), "poll_and_all_reduce_with_staging", UTILS)
+    uns = exec_definitions("sglang_sm_utils", UTILS, src[UTILS], [poll_fn], {
         "KVPoll": KVPoll,
         "_poll_with_failure_injection": lambda pollers: [int(p.poll()) for p in pollers],
         "_apply_metadata_gate": lambda *a: None,
-        "_all_reduce_polls": lambda polls, _group: polls,
+        "_all_reduce_polls": lambda polls, group: polls if group is None else group(polls),
         "dist": None,
     }, wheel)
     return types.SimpleNamespace(
@@ -212,7 +180,7 @@ def load_machines() -> types.SimpleNamespace:
         receiver_poll=cns["poll"], receiver_poll_inner=cns["_poll"],
         check_waiting_timeout=cns["_check_waiting_timeout"],
         poll_and_all_reduce_with_staging=uns["poll_and_all_reduce_with_staging"],
-        StagingAllocator=ref.StagingAllocator, clock=clock, events=events,
+        StagingAllocator=ref.StagingAllocator, clock=clock, events=events, wheel=wheel,
     )
 
 
@@ -318,14 +286,14 @@ class SglangDecodeRank:
     """One decode attention-TP rank: SGLang's handler, allocator, entry points and poll.
 
     Every ``on_*`` call is one input; it runs the decode poll afterwards (the twin's core
-    advances its rooms after every input), and returns what SGLang decided: frames sent,
-    scatters submitted, allocations freed, rooms concluded.
+    advances its rooms after every input), and records what SGLang decided: frames sent,
+    scatters submitted, allocations freed, rooms concluded (``drain``).
     """
 
     def __init__(self, *, ring_bytes: int, page_size: int, decode_tp: int, tp_rank: int,
                  total_kv_heads: int, head_bytes: int, num_layers: int,
-                 timeout_s: float) -> None:
-        m = load_machines()
+                 timeout_s: float, note: Callable[[str], None] = say_on_stderr) -> None:
+        m = load_machines(note)
         self.m = m
         m.events.clear()
         m.clock.now = 0.0
@@ -374,6 +342,8 @@ class SglangDecodeRank:
         self.queue: list[Any] = []  # decode requests in the transfer queue, in arrival order
         self.events: dict[int, tuple[int, Event]] = {}  # alloc_id -> (room, event)
         self.concluded: list[tuple[int, str]] = []
+        self.peers: dict[int, tuple[str, ...]] = {}  # room -> the other ranks of its TP group
+        self.peer_polls: dict[int, dict[str, int]] = {}  # room -> peer -> its last poll
 
     def _scatter_region(self, staging_offset: int, page_start: int, num_pages: int,
                         decode_req: Any, receiver: Any) -> bool:
@@ -383,26 +353,37 @@ class SglangDecodeRank:
         return True
 
     # -- inputs -------------------------------------------------------------------------------
+    def at(self, now: float) -> None:
+        """Set the clock the loaded code reads, without polling (before an input at ``now``)."""
+        self.m.clock.now = now
+
     def on_room(self, room: int, prefill_ranks: list[str], prefill_ranks_ids: list[int],
                 prefill_tp: int, prefix: int, pp_ranks: list[int] | None = None,
-                pp_size: int = 1) -> None:
-        """``pp_ranks``: each prefill rank's PP stage (its bootstrap info's ``pp_rank``)."""
+                pp_size: int = 1, peers: tuple[str, ...] = (), staged: bool = True) -> None:
+        """A room whose metadata went to ``prefill_ranks``. ``pp_ranks``: each prefill rank's
+        PP stage (its bootstrap info's ``pp_rank``); ``peers``: the other decode ranks of its
+        TP group, whose polls the all-reduce takes (``on_peer_poll``); ``staged``: the
+        receiver ``require_staging`` (else ``register_decode_req`` is not called)."""
         mgr, m = self.mgr, self.m
         info = types.SimpleNamespace(attn_tp_size=prefill_tp, pp_size=pp_size)
         stages = pp_ranks or [0] * len(prefill_ranks)
         receiver = _Receiver(room, [{"rank_ip": p, "rank_port": i, "pp_rank": s}
                                     for p, i, s in zip(prefill_ranks, prefill_ranks_ids,
                                                        stages, strict=True)],
-                             info, mgr, self.sent, m.clock.now)  # glue: send_metadata ends
+                             info, mgr, self.sent, m.clock.now,  # glue: send_metadata ends
+                             require_staging=staged)
         req = types.SimpleNamespace(bootstrap_room=room, kv=types.SimpleNamespace(
             cache_protected_len=prefix, req_pool_idx=0))
         decode_req = types.SimpleNamespace(req=req, kv_receiver=receiver)
         mgr.request_status[room] = KVPoll.WaitingForInput  # glue: bootstrapped, metadata sent
         mgr.prefill_response_tracker[room] = set()
         mgr.required_prefill_response_num_table[room] = len(prefill_ranks)
-        self.handler.register_decode_req(room, decode_req)
-        mgr._staging_ctx.room_bootstrap[room] = receiver.bootstrap_infos  # send_metadata
-        mgr._staging_ctx.room_receivers[room] = receiver
+        if staged:
+            self.handler.register_decode_req(room, decode_req)
+            mgr._staging_ctx.room_bootstrap[room] = receiver.bootstrap_infos  # send_metadata
+            mgr._staging_ctx.room_receivers[room] = receiver
+        if peers:
+            self.peers[room] = tuple(peers)
         self.queue.append(decode_req)
         self._poll()
 
@@ -424,8 +405,11 @@ class SglangDecodeRank:
         self._poll()
 
     def on_scatter_done(self, alloc_id: int) -> None:
-        _, ev = self.events.pop(alloc_id)
-        ev.done = True
+        """The scatter of ``alloc_id`` finished (one whose room was released already: its
+        event is no longer polled, release_room drained and freed it)."""
+        got = self.events.pop(alloc_id, None)
+        if got is not None:
+            got[1].done = True
         self._poll()
 
     def on_abort(self, room: int) -> None:  # glue: CommonKVReceiver.abort
@@ -437,15 +421,32 @@ class SglangDecodeRank:
                 receiver.conclude_state = KVPoll.Failed
         self._poll()
 
+    def on_peer_poll(self, room: int, peer: str, poll: int) -> None:  # glue: the all-reduce
+        """Decode rank ``peer`` of ``room``'s TP group now polls ``poll`` (a ``KVPoll``)."""
+        self.peer_polls.setdefault(room, {})[peer] = poll
+        self._poll()
+
     def on_time(self, now: float) -> None:
         self.m.clock.now = now
         self._poll()
 
     # -- the decode loop's transfer-queue poll (glue after pop_transferred) -------------------
+    def _reduce(self, polls: list[int]) -> list[int]:
+        """glue: the TP group's MIN all-reduce, each room's poll against its peers' last ones
+        (a peer not heard from yet is still transferring)."""
+        out = []
+        for decode_req, poll in zip(self.queue, polls, strict=True):
+            room = decode_req.req.bootstrap_room
+            heard = self.peer_polls.get(room, {})
+            out.append(min([poll, *(heard.get(p, KVPoll.Transferring)
+                                    for p in self.peers.get(room, ()))]))
+        return out
+
     def _poll(self) -> None:
         if not self.queue:
             return
-        polls = self.m.poll_and_all_reduce_with_staging(self.queue, self.handler, None)
+        polls = self.m.poll_and_all_reduce_with_staging(self.queue, self.handler,
+                                                        self._reduce if self.peers else None)
         done = []
         for decode_req, poll in zip(self.queue, polls, strict=True):
             room = decode_req.req.bootstrap_room
@@ -462,6 +463,8 @@ class SglangDecodeRank:
                 del self.events[alloc_id]  # release_room drains the stream and frees them
             self.handler.unregister_decode_req(room)
             self.mgr.request_status.pop(room, None)
+            self.peers.pop(room, None)
+            self.peer_polls.pop(room, None)
 
     def drain(self) -> tuple[list[tuple[str, list[bytes]]], list[tuple[int, int, int, int, int]],
                              list[int], list[tuple[int, str]]]:
@@ -474,6 +477,7 @@ class SglangDecodeRank:
         return out
 
     def ring(self) -> tuple[int, int, tuple[int, int], list[tuple[int, int, int, int]]]:
+        """``(head, round, watermark, live allocations (id, offset, size, round))``."""
         a = self.alloc
         live = [(i, *a.allocations[i]) for i in a.alloc_order if i in a.allocations]
         return a.head, a.round, a.get_watermark(), [(i, o, n, r) for i, o, n, r in live]

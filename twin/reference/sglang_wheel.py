@@ -3,25 +3,31 @@
 Importing ``sglang`` needs torch, triton and a GPU stack. The staging protocol's pure parts
 (ring allocator, grid, head slicing, readiness rule, frame encoders and parsers) do not, so this
 module reads their source out of the ``sglang==0.5.23`` wheel, keeps exactly the top-level
-definitions the conformance tests need, and executes that code. Changes made to SGLang's code,
+definitions the conformance checks need, and executes that code. Changes made to SGLang's code,
 all as AST transforms checked against the expected shape:
 
 * ``StagingAllocator.__init__`` loses its device buffer (the statements touching
   ``StagingBuffer`` / ``self.buffer`` and the pointer log line); the ring logic is untouched.
 * ``prefetch_staging_reqs`` loses its function-local imports (zmq, NetworkAddress and SGLang's
-  own ``staging_grid_tokens``); the tests hand it sockets, so nothing else changes.
+  own ``staging_grid_tokens``); callers hand it sockets, so nothing else changes.
 * A few methods of server classes (frame builders and parsers) are lifted out of their class and
   called with a stand-in ``self`` that carries only the attributes they read.
 
-Where the wheel comes from:
+Where the wheel comes from (``wheel_path``):
 
-* ``TWIN_SGLANG_WHEEL``: path of the wheel file, used as is.
+* ``TWIN_SGLANG_WHEEL``: path of the wheel file, used as is (a missing file is an error, never
+  a download).
 * otherwise ``$TWIN_CACHE_DIR`` (default ``~/.cache/staging-twin``)/``sglang-0.5.23-*.whl``,
   downloaded there (about 40 MB, once) with ``pip download --no-deps sglang==0.5.23`` when
-  missing.
+  missing, unless ``TWIN_OFFLINE=1``. A download is announced on stderr before it starts, and
+  one that failed is not tried again in the same process.
 
-When the wheel cannot be had, ``load()`` raises ``ReferenceUnavailable``; the tests turn that
-into a failure, or into a skip only when ``TWIN_OFFLINE=1`` is set.
+Contracts: ``wheel_path()`` returns an existing file or raises ``ReferenceUnavailable`` with
+the reason; ``load()`` returns SGLang's functions (memoised per wheel file, so pointing
+``TWIN_SGLANG_WHEEL`` elsewhere takes effect at the next call) or raises
+``ReferenceUnavailable`` when the wheel cannot be had or its code changed shape. Nothing here
+imports pytest: the tests turn ``ReferenceUnavailable`` into a failure, or into a skip only
+when ``TWIN_OFFLINE=1`` (``tests/conftest.py``, fixture ``sglang_reference``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import sys
 import threading
 import types
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,9 +52,10 @@ _PKG = "sglang/srt/disaggregation/common/"
 STAGING_BUFFER = _PKG + "staging_buffer.py"
 STAGING_HANDLER = _PKG + "staging_handler.py"
 CONN = _PKG + "conn.py"
+UTILS = "sglang/srt/disaggregation/utils.py"
 
 # What each source file must provide: top-level names, and (class, method) pairs lifted out of
-# classes that cannot be built without a server (their ``self`` is a stand-in in the tests).
+# classes that cannot be built without a server (their ``self`` is a stand-in).
 _WANTED: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
     STAGING_BUFFER: (
         [
@@ -76,17 +84,23 @@ _WANTED: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
 }
 
 
-# Functions whose body imports what the tests provide instead: the imports are dropped and the
+# Functions whose body imports what callers provide instead: the imports are dropped and the
 # names come from the namespace (staging_grid_tokens is SGLang's own, loaded above).
 _LOCAL_IMPORTS = {"prefetch_staging_reqs": {"zmq", "staging_grid_tokens", "NetworkAddress"}}
 
 
 class ReferenceUnavailable(RuntimeError):
-    """The sglang wheel could not be found or downloaded."""
+    """The sglang wheel could not be found or downloaded, or its code changed shape."""
 
 
 def cache_dir() -> Path:
+    """Where a downloaded wheel is kept: ``$TWIN_CACHE_DIR`` or ``~/.cache/staging-twin``."""
     return Path(os.environ.get("TWIN_CACHE_DIR") or Path.home() / ".cache" / "staging-twin")
+
+
+def offline() -> bool:
+    """``TWIN_OFFLINE=1``: never download the wheel (and the tests skip without it)."""
+    return os.environ.get("TWIN_OFFLINE") == "1"
 
 
 def _cached_wheel(directory: Path) -> Path | None:
@@ -94,7 +108,21 @@ def _cached_wheel(directory: Path) -> Path | None:
     return found[0] if found else None
 
 
-def _download(directory: Path) -> Path:
+_FAILED_DOWNLOADS: dict[Path, str] = {}
+"""Directories a download into failed in this process, with why (not tried again)."""
+
+
+def say_on_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _download(directory: Path, note: Callable[[str], None]) -> Path:
+    if directory in _FAILED_DOWNLOADS:
+        raise ReferenceUnavailable(_FAILED_DOWNLOADS[directory] + " (not retried in this "
+                                   "process)")
+    note(f"staging-twin: downloading sglang=={SGLANG_VERSION} (about 40 MB, once) into "
+         f"{directory}, to run SGLang's own staging code from it; set TWIN_SGLANG_WHEEL=<path> "
+         f"to use a wheel you have, or TWIN_OFFLINE=1 to do without")
     directory.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
             f"sglang=={SGLANG_VERSION}", "-d", str(directory)]
@@ -115,18 +143,16 @@ def _download(directory: Path) -> Path:
         if wheel is not None:
             return wheel
         errors.append(f"$ {' '.join(cmd[2:])}\n{output[-1500:]}")
-    raise ReferenceUnavailable(
-        f"could not download sglang=={SGLANG_VERSION} into {directory}; the conformance tests "
-        f"run SGLang's own code from that wheel. Provide it with TWIN_SGLANG_WHEEL=<path>, put "
-        f"it in {directory}, or set TWIN_OFFLINE=1 to skip these tests.\n" + "\n".join(errors)
-    )
+    reason = (f"could not download sglang=={SGLANG_VERSION} into {directory}. Provide it with "
+              f"TWIN_SGLANG_WHEEL=<path>, put it in {directory}, or set TWIN_OFFLINE=1 to do "
+              f"without.\n" + "\n".join(errors))
+    _FAILED_DOWNLOADS[directory] = reason
+    raise ReferenceUnavailable(reason)
 
 
-def offline() -> bool:
-    return os.environ.get("TWIN_OFFLINE") == "1"
-
-
-def wheel_path() -> Path:
+def wheel_path(note: Callable[[str], None] = say_on_stderr) -> Path:
+    """The wheel file: ``TWIN_SGLANG_WHEEL``, else the cached one, else downloaded (``note``
+    says so first; on stderr by default). ``ReferenceUnavailable`` says why there is none."""
     env = os.environ.get("TWIN_SGLANG_WHEEL")
     if env:
         p = Path(env)
@@ -138,11 +164,61 @@ def wheel_path() -> Path:
     if wheel is not None:
         return wheel
     if offline():
-        raise ReferenceUnavailable(f"no sglang-{SGLANG_VERSION}-*.whl in {directory}")
-    return _download(directory)
+        raise ReferenceUnavailable(f"TWIN_OFFLINE=1 and no sglang-{SGLANG_VERSION}-*.whl in "
+                                   f"{directory}")
+    return _download(directory, note)
+
+
+def read_sources(wheel: Path, paths: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """The text of ``paths`` inside ``wheel``; ``ReferenceUnavailable`` if it is not a usable
+    sglang wheel."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return {path: zf.read(path).decode("utf-8") for path in paths}
+    except (OSError, zipfile.BadZipFile, KeyError) as exc:
+        raise ReferenceUnavailable(f"{wheel}: not a usable sglang wheel: {exc}") from None
 
 
 # --- source extraction ------------------------------------------------------------------------
+
+
+def top_level(tree: ast.Module, name: str, path: str) -> ast.stmt:
+    """The top-level function or class ``name`` of ``tree`` (the source at ``path``)."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+    raise ReferenceUnavailable(f"{path}: no top-level {name!r} in sglang {SGLANG_VERSION}")
+
+
+def method_of(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    """Method ``name`` of the class definition ``cls``."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise ReferenceUnavailable(f"no {cls.name}.{name} in sglang {SGLANG_VERSION}")
+
+
+class _DropImports(ast.NodeTransformer):
+    """Replace function-local imports anywhere in a function by ``pass``; collects the names
+    they bound."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def _drop(self, node: ast.Import | ast.ImportFrom) -> ast.AST:
+        self.names.update(a.asname or a.name for a in node.names)
+        return ast.copy_location(ast.Pass(), node)
+
+    visit_Import = visit_ImportFrom = _drop  # noqa: N815
+
+
+def strip_local_imports(fn: ast.FunctionDef, expected: set[str]) -> None:
+    """Drop ``fn``'s function-local imports, refusing unless they bind exactly ``expected``
+    (the caller's namespace provides those names)."""
+    dropper = _DropImports()
+    dropper.visit(fn)
+    if dropper.names != expected:
+        raise ReferenceUnavailable(f"{fn.name} imports changed: {sorted(dropper.names)}")
 
 
 def _mentions(node: ast.AST, names: set[str]) -> bool:
@@ -157,7 +233,7 @@ def _mentions(node: ast.AST, names: set[str]) -> bool:
 
 def _strip_device_buffer(cls: ast.ClassDef) -> None:
     """Drop the device buffer from ``StagingAllocator.__init__``; the ring logic is untouched."""
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    init = method_of(cls, "__init__")
     device_names = {"StagingBuffer", "buffer", "_device_ptr_type_str", "ptr_type_str"}
     kept = [s for s in init.body if not _mentions(s, device_names)]
     dropped = len(init.body) - len(kept)
@@ -171,38 +247,24 @@ def _strip_device_buffer(cls: ast.ClassDef) -> None:
     init.body = kept
 
 
-def _strip_local_imports(fn: ast.FunctionDef, expected: set[str]) -> None:
-    imports = [s for s in fn.body if isinstance(s, (ast.Import, ast.ImportFrom))]
-    names = {(a.asname or a.name) for s in imports for a in s.names}
-    if names != expected:
-        raise ReferenceUnavailable(f"{fn.name} imports changed: {sorted(names)}")
-    fn.body = [s for s in fn.body if s not in imports]
-
-
-def _select(tree: ast.Module, path: str, top: list[str], methods: list[tuple[str, str]]):
-    by_name: dict[str, ast.stmt] = {}
-    classes: dict[str, ast.ClassDef] = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            by_name[node.name] = node
-        if isinstance(node, ast.ClassDef):
-            classes[node.name] = node
+def _select(tree: ast.Module, path: str, top: list[str],
+            methods: list[tuple[str, str]]) -> list[ast.stmt]:
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     chosen: list[ast.stmt] = []
     for name in top:
-        if name not in by_name:
-            raise ReferenceUnavailable(f"{path}: no top-level {name!r} in sglang {SGLANG_VERSION}")
-        node = by_name[name]
+        node = top_level(tree, name, path)
         if name == "StagingAllocator":
-            _strip_device_buffer(node)  # type: ignore[arg-type]
+            assert isinstance(node, ast.ClassDef)
+            _strip_device_buffer(node)
         if name in _LOCAL_IMPORTS:
-            _strip_local_imports(node, _LOCAL_IMPORTS[name])  # type: ignore[arg-type]
+            assert isinstance(node, ast.FunctionDef)
+            strip_local_imports(node, _LOCAL_IMPORTS[name])
         chosen.append(node)
     for cls_name, meth in methods:
         cls = classes.get(cls_name)
-        fn = next((n for n in (cls.body if cls else []) if isinstance(n, ast.FunctionDef)
-                   and n.name == meth), None)
-        if fn is None:
-            raise ReferenceUnavailable(f"{path}: no {cls_name}.{meth} in sglang {SGLANG_VERSION}")
+        if cls is None:
+            raise ReferenceUnavailable(f"{path}: no class {cls_name} in sglang {SGLANG_VERSION}")
+        fn = method_of(cls, meth)
         fn.decorator_list = [d for d in fn.decorator_list
                              if not (isinstance(d, ast.Name) and d.id == "staticmethod")]
         chosen.append(fn)
@@ -222,7 +284,8 @@ class _NetworkAddress:
         return f"{self.host}:{self.port}"
 
 
-def _namespace(name: str) -> dict[str, Any]:
+def namespace(name: str) -> dict[str, Any]:
+    """The module globals SGLang's staging code reads besides what each loader adds."""
     import dataclasses as dataclasses_mod
     from typing import Optional
 
@@ -240,40 +303,47 @@ def _namespace(name: str) -> dict[str, Any]:
     }
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> types.SimpleNamespace:
-    """SGLang's staging functions and classes, executed from the wheel's source."""
-    wheel = wheel_path()
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            sources = {path: zf.read(path).decode("utf-8") for path in _WANTED}
-    except (zipfile.BadZipFile, KeyError) as exc:
-        raise ReferenceUnavailable(f"{wheel}: not a usable sglang wheel: {exc}") from None
+def exec_definitions(module_name: str, path: str, source: str, body: list[ast.stmt],
+                     extra: dict[str, Any], wheel: Path) -> dict[str, Any]:
+    """Execute ``body`` (definitions taken from ``source``, the wheel's ``path``) as module
+    ``module_name`` with ``namespace()`` plus ``extra`` as its globals; its dict. Tracebacks
+    show the wheel's own lines."""
+    module = types.ModuleType(module_name)
+    module.__dict__.update(namespace(module_name))
+    module.__dict__.update(extra)
+    sys.modules[module_name] = module  # dataclasses resolves string annotations through it
+    filename = f"{wheel.name}/{path}"
+    # Line numbers are the wheel's; register the text so tracebacks show SGLang's lines.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    future = ast.parse("from __future__ import annotations").body
+    code = compile(ast.Module(body=[*future, *body], type_ignores=[]), filename, "exec",
+                   dont_inherit=True)
+    exec(code, module.__dict__)
+    return module.__dict__
+
+
+def load(note: Callable[[str], None] = say_on_stderr) -> types.SimpleNamespace:
+    """SGLang's staging functions and classes, executed from the wheel's source (memoised per
+    wheel file). ``note`` hears of a download before it starts."""
+    return load_wheel(wheel_path(note))
+
+
+@functools.lru_cache(maxsize=4)
+def load_wheel(wheel: Path) -> types.SimpleNamespace:
+    """``load()`` from this wheel file."""
+    sources = read_sources(wheel, list(_WANTED))
     out: dict[str, Any] = {}
     for path, (top, methods) in _WANTED.items():
         tree = ast.parse(sources[path], filename=path)
-        body = [node for node in tree.body if isinstance(node, ast.ImportFrom)
-                and node.module == "__future__"]
-        body += _select(tree, path, top, methods)
-        module_name = "sglang_ref_" + Path(path).stem
-        module = types.ModuleType(module_name)
-        module.__dict__.update(_namespace(module_name))
-        module.__dict__.update(
-            staging_grid_tokens=out.get("staging_grid_tokens"),
-            zmq=types.SimpleNamespace(),  # sockets are handed in; nothing may create one
-        )
-        sys.modules[module_name] = module  # dataclasses resolves string annotations through it
-        filename = f"{wheel.name}/{path}"
-        src = sources[path]
-        # Line numbers are the wheel's; register the text so tracebacks show SGLang's lines.
-        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        code = compile(ast.Module(body=body, type_ignores=[]), filename, "exec",
-                       dont_inherit=True)
-        exec(code, module.__dict__)
+        body = _select(tree, path, top, methods)
+        ns = exec_definitions("sglang_ref_" + Path(path).stem, path, sources[path], body, {
+            "staging_grid_tokens": out.get("staging_grid_tokens"),
+            "zmq": types.SimpleNamespace(),  # sockets are handed in; nothing may create one
+        }, wheel)
         for name in top:
-            out[name] = module.__dict__[name]
+            out[name] = ns[name]
         for _, meth in methods:
-            out[meth] = module.__dict__[meth]
+            out[meth] = ns[meth]
     out["wheel"] = wheel
     return types.SimpleNamespace(**out)
 
@@ -290,7 +360,7 @@ def make_allocator(total_size_bytes: int) -> Any:
 class StagingState:
     """The two attributes of SGLang's ``PrefillStagingContext`` the watermark code reads."""
 
-    remote_watermarks: dict = field(default_factory=dict)
+    remote_watermarks: dict[str, tuple[int, int]] = field(default_factory=dict)
     watermark_cv: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -300,7 +370,7 @@ def is_watermark_ready(watermark: tuple[int, int] | None, alloc_round: int,
     state = StagingState()
     if watermark is not None:
         state.remote_watermarks[session_id] = watermark
-    return load().is_watermark_ready(state, session_id, alloc_round, alloc_end)
+    return bool(load().is_watermark_ready(state, session_id, alloc_round, alloc_end))
 
 
 class _Socket:
@@ -332,7 +402,7 @@ class _Manager:
         self.rank = prefill_rank
         self.sent: list[list[bytes]] = []
         self.request_status = dict.fromkeys(rooms, 0)
-        self.arrived: list[tuple] = []
+        self.arrived: list[tuple[Any, ...]] = []
         self._staging_handler = self
 
     def _prefill_unique_rank(self) -> int:
@@ -346,6 +416,7 @@ class _Manager:
 
 
 def watermark_frames(wm_round: int, wm_tail: int, session_id: str) -> list[bytes]:
+    """The WATERMARK frames SGLang's decode sends for this watermark."""
     receiver = _Receiver()
     load()._send_watermark(receiver, session_id, (wm_round, wm_tail))
     (frames,) = receiver.sock.sent
@@ -375,7 +446,8 @@ def parse_watermark(frames: list[bytes]) -> dict[str, tuple[int, int]]:
     return state.remote_watermarks
 
 
-def parse_staging_rsp(frames: list[bytes], room: int, session_id: str) -> tuple | None:
+def parse_staging_rsp(frames: list[bytes], room: int,
+                      session_id: str) -> tuple[Any, Any, Any] | None:
     """``(offsets, rounds, ends)`` SGLang records for ``room``/``session_id``, or None."""
     tinfo = types.SimpleNamespace(staging=None)
     load().handle_staging_rsp(frames, {room: {session_id: tinfo}})
@@ -386,6 +458,7 @@ def parse_staging_rsp(frames: list[bytes], room: int, session_id: str) -> tuple 
 
 def chunk_ready_frames(room: int, chunk_idx: int, page_start: int, num_pages: int,
                        writer_id: str, prefill_rank: int) -> list[bytes]:
+    """The CHUNK_READY frames SGLang's prefill sends."""
     mgr = _Manager(prefill_rank)
     load().send_chunk_ready(mgr, room=room, chunk_idx=chunk_idx, page_start=page_start,
                             num_pages=num_pages, writer_id=writer_id, targets=[("h", 1)])
@@ -393,7 +466,7 @@ def chunk_ready_frames(room: int, chunk_idx: int, page_start: int, num_pages: in
     return frames
 
 
-def parse_chunk_ready(frames: list[bytes], room: int) -> list[tuple]:
+def parse_chunk_ready(frames: list[bytes], room: int) -> list[tuple[Any, ...]]:
     """``handle_chunk_arrived`` calls SGLang's decode makes for ``frames`` (room registered)."""
     mgr = _Manager(rooms=(room,))
     load().handle_chunk_ready(mgr, frames)
@@ -402,23 +475,13 @@ def parse_chunk_ready(frames: list[bytes], room: int) -> list[tuple]:
 
 def kv_status_frames(room: int, status: int, prefill_rank: int,
                      failure_reason: str | None) -> list[bytes]:
-    return load()._encode_kv_status_message(
+    """The KV_STATUS frames SGLang's prefill sends (NIXL's framing)."""
+    return list(load()._encode_kv_status_message(
         _Manager(prefill_rank), bootstrap_room=room, status=status, failure_reason=failure_reason
-    )
+    ))
 
 
-def parse_kv_status(frames: list[bytes]) -> tuple | None:
-    return load().parse_kv_status_message(_Manager(), frames)
-
-
-def require() -> types.SimpleNamespace:
-    """``load()`` for tests: fail with the reason, or skip when ``TWIN_OFFLINE=1``."""
-    import pytest
-
-    try:
-        return load()
-    except ReferenceUnavailable as exc:
-        problem = str(exc)
-    if offline():
-        pytest.skip(f"TWIN_OFFLINE=1: SGLang reference unavailable: {problem}")
-    pytest.fail(problem, pytrace=False)
+def parse_kv_status(frames: list[bytes]) -> tuple[Any, ...] | None:
+    """What SGLang's decode reads out of KV_STATUS frames, or None."""
+    got = load().parse_kv_status_message(_Manager(), frames)
+    return None if got is None else tuple(got)
