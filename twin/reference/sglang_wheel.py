@@ -289,12 +289,17 @@ def namespace(name: str) -> dict[str, Any]:
     import dataclasses as dataclasses_mod
     from typing import Optional
 
+    # SGLang's log lines (a released allocation, a timeout) go where the application's logging
+    # sends them, and nowhere when it configured none (not to stderr by logging's last resort).
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
     # SGLang's code names typing.List/Tuple; with postponed annotations the builtins serve.
     return {
         "__name__": name,
         "threading": threading,
         "logging": logging,
-        "logger": logging.getLogger(name),
+        "logger": logger,
         "dataclasses": dataclasses_mod,
         "Optional": Optional,
         "List": list,
