@@ -156,6 +156,7 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
             click.echo(f"finding     {f.kind}: {f.root}\n            run {f.first_run}, "
                        f"{f.first_seconds:.1f} s; shrunk to {len(s.requests)} request(s), "
                        f"{len(s.faults)} fault(s)" + (f" ({needs})" if needs else "")
+                       + f"; SGLang 0.5.23: {f.exposure.get('label', 'not computed')}"
                        + f" -> {out_dir}/findings/{f.slug}/", err=True)
 
     campaign.save()
@@ -176,7 +177,8 @@ def explore_command(budget: float | None, runs: int | None, seed: int, out: str 
         click.echo(f"coverage    {cov}")
         click.echo(f"findings    {len(campaign.findings)} -> {out_dir}/findings.md")
         for f in campaign.findings.values():
-            click.echo(f"            {f.kind}: {f.root} (x{f.hits})")
+            click.echo(f"            {f.kind}: {f.root} (x{f.hits}; SGLang 0.5.23: "
+                       f"{f.exposure.get('label', 'not computed')})")
     if report.interrupted:
         click.echo(f"interrupted: findings so far are in {out_dir}; continue with "
                    f"--resume {out_dir}", err=True)

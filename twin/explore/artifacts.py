@@ -63,8 +63,8 @@ def write_summary(campaign: Campaign, out: Path, *, interrupted: bool = False) -
         lines.append("No findings.")
     else:
         lines += ["| # | kind | root | smallest repro | faults it needs | first seen | hits | "
-                  "needs | hardware | dir |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "needs | SGLang 0.5.23 | hardware | dir |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, f in enumerate(campaign.findings.values(), 1):
             s = f.shrunk
             size = (f"{len(s.requests)} req, {len(s.faults)} fault(s), "
@@ -73,9 +73,21 @@ def write_summary(campaign: Campaign, out: Path, *, interrupted: bool = False) -
                          f"{', '.join(classes_of(s.faults)) or 'none'} | run "
                          f"{f.first_run}, {f.first_seconds:.1f} s | {f.hits} | "
                          f"{', '.join(f.needs_defects) or '-'} | "
+                         f"{f.exposure.get('label', 'not computed')} | "
                          f"{f.hw.replace('|', '/') or 'not tried'} | findings/{f.slug}/ |")
+        lines += ["", "Would SGLang 0.5.23 meet each finding (`exposed`, `not exposed`, "
+                  "`unchecked`; docs/explore.md, \"Exposure of SGLang 0.5.23\"):", ""]
+        for i, f in enumerate(campaign.findings.values(), 1):
+            lines.append(f"{i}. {exposure_text(f.exposure)}")
     (out / "findings.md").write_text("\n".join(lines) + "\n")
     return data
+
+
+def exposure_text(exposure: dict[str, str]) -> str:
+    """A finding's ``sglang_exposure`` in words: the label, then why."""
+    if not exposure:
+        return "not computed (the finding was recorded before the label existed)"
+    return f"**{exposure['label']}**: {exposure.get('detail', '')}".rstrip(": ")
 
 
 def write_finding(base: Base, f: Finding, out: Path) -> dict[str, Any]:
@@ -232,6 +244,8 @@ def _story(base: Base, f: Finding, log: list[tuple[float, str, str]],
     if f.failures:
         lines += ["## Failed requests", ""]
         lines += [f"- {n} x {reason}" for reason, n in f.failures.items()] + [""]
+    if f.exposure:
+        lines += ["## Would SGLang 0.5.23 meet it?", "", exposure_text(f.exposure), ""]
     lines += ["## Reproduce", "", f"- `twin replay repro.jsonl.gz`: {checks.get('replay')}",
               f"- `twin sim`: {checks.get('command')}", "- `pytest test_repro.py`", ""]
     if "simulator" in checks:

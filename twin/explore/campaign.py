@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from twin.explore.coverage import coverage_report
+from twin.explore.exposure import exposure
 from twin.explore.faultmodel import MODELS, classes_of
 from twin.explore.oracles import TrialResult, run_trial
 from twin.explore.shrink import shrink
@@ -57,6 +58,9 @@ class Finding:
     needs_defects: list[str] = field(default_factory=list)
     slug: str = ""
     hw: str = ""  # the hardware replay's verdict (``twin/explore/confirm.py``); "" not tried
+    # Would SGLang 0.5.23 meet it (``twin/explore/exposure.py``): {"label", "detail"}; empty
+    # for a finding recorded before the label existed.
+    exposure: dict[str, str] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -78,6 +82,7 @@ class Finding:
                 "diagnosis": self.diagnosis, "corruption": self.corruption,
                 "failures": self.failures, "needs_defects": self.needs_defects,
                 "fault_classes": classes_of(self.shrunk.faults),
+                "sglang_exposure": self.exposure or None,
                 "dir": f"findings/{self.slug}", "hw": self.hw}
 
     @classmethod
@@ -86,7 +91,8 @@ class Finding:
                    Trial.from_json(d["trial"]), Trial.from_json(d["shrunk"]),
                    d.get("shrink_runs", 0), d.get("hits", 1), d.get("diagnosis", []),
                    d.get("corruption", []), d.get("failures", {}), d.get("needs_defects", []),
-                   d["dir"].split("/", 1)[1], d.get("hw", ""))
+                   d["dir"].split("/", 1)[1], d.get("hw", ""),
+                   dict(d.get("sglang_exposure") or {}))
 
 
 class ExploreJob:
@@ -279,6 +285,9 @@ class Campaign:
         f = Finding(sig, res.status, index + 1, found_at, trial, shrunk.trial,
                     shrunk.runs, 1, shrunk.result.diagnosis[:12], shrunk.result.corruption[:12],
                     shrunk.result.failures, needs, slug_for(sig, len(self.findings)))
+        # Would SGLang 0.5.23 meet it? Once per finding, on its shrunk trial.
+        f.exposure = exposure(self.base, shrunk.trial, sig[0], needs_defects=tuple(needs),
+                              should_stop=stop).to_json()
         self.findings[sig] = f
         return f
 

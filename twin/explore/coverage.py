@@ -88,8 +88,9 @@ class CoverageRecorder:
     """A recorder for ``run_sim`` that keeps coverage keys and a short event log (for the
     finding's story), and checks allocation overlap and watermark monotonicity."""
 
-    def __init__(self, ring_bytes: int, log_limit: int = 0) -> None:
+    def __init__(self, ring_bytes: int, log_limit: int = 0, tap: Any = None) -> None:
         self.ring = ring_bytes
+        self.tap = tap  # another recorder that hears every record too (``run_trial``'s tap)
         self.keys: set[str] = set()
         self.safety: list[str] = []
         self.failed: dict[int, str] = {}  # room -> the first reason a decode rank failed it
@@ -100,12 +101,16 @@ class CoverageRecorder:
         self._round: dict[str, int] = {}
 
     def write_input(self, t: float, node: str, event: ev.Input) -> None:
+        if self.tap is not None:
+            self.tap.write_input(t, node, event)
         if self.log_limit and len(self.log) < self.log_limit:
             text = _input_text(event)
             if text:
                 self.log.append((t, node, text))
 
     def write_effects(self, t: float, node: str, effects: list[ev.Effect]) -> None:
+        if self.tap is not None:
+            self.tap.write_effects(t, node, effects)
         role = "decode" if node.startswith("d") else "prefill"
         keys = self.keys
         for e in effects:
@@ -124,6 +129,8 @@ class CoverageRecorder:
                     self.log.append((t, node, text))
 
     def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None:
+        if self.tap is not None:
+            self.tap.write_sys(t, node, record)
         if record.get("type") == "FaultInjected":
             text = str(record.get("fault", ""))
             self.keys.add(fault_key(text))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twin.explore.coverage import CoverageRecorder, observe_transitions
 from twin.explore.trial import Base, InvalidTrial, Trial
@@ -95,6 +95,20 @@ class TrialResult:
                    needs=list(d.get("needs", [])))
 
 
+class Tap(Protocol):
+    """A second recorder for one trial's run (``run_trial(tap=...)``): it hears what the
+    run's recorder hears, input by input. ``clear`` is called when the run is redone (a
+    loopback run on a finer clock), so it holds one run's records."""
+
+    def write_input(self, t: float, node: str, event: Any) -> None: ...
+
+    def write_effects(self, t: float, node: str, effects: list[Any]) -> None: ...
+
+    def write_sys(self, t: float, node: str, record: dict[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
 def judge(status: str, *, corruption_kinds: list[str], safety: list[str],
           diagnosis: list[str], failures: dict[str, int], caused: bool,
           corruption: list[str] | None = None, leaks: list[str] | None = None,
@@ -146,17 +160,19 @@ def _names_only(root: str, rooms: set[int] | frozenset[int]) -> bool:
 
 def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
               log_limit: int = 0, defects: tuple[str, ...] | None = None,
-              driver: Driver | None = None, max_steps: int | None = None) -> TrialResult:
+              driver: Driver | None = None, max_steps: int | None = None,
+              tap: Tap | None = None) -> TrialResult:
     """Run ``trial`` (in the simulator, or on the loopback cluster when it has a schedule or a
     ``driver``, which then admits the requests, aborts rooms and picks every step; at most
-    ``max_steps`` steps) and judge it. ``defects`` replaces the base's.
+    ``max_steps`` steps) and judge it. ``defects`` replaces the base's. ``tap`` hears every
+    input, effect and driver record of the run the trial's status comes from (``Tap``).
 
     With defects on (and ``defects`` not given), a trial that found something is rerun with
     each defect off alone: the defects whose absence makes its signature go are the ones it
     *needs*, and they become part of the signature (``root [needs NAME]``), so the same symptom
     with and without a defect's help are two findings, not one."""
     res = _run_trial(base, trial, trace_out=trace_out, log_limit=log_limit, defects=defects,
-                     driver=driver, max_steps=max_steps)
+                     driver=driver, max_steps=max_steps, tap=tap)
     if defects is not None or not base.defects or res.signature is None or driver is not None:
         return res
     needs = []
@@ -172,7 +188,8 @@ def run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
 
 def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
                log_limit: int = 0, defects: tuple[str, ...] | None = None,
-               driver: Driver | None = None, max_steps: int | None = None) -> TrialResult:
+               driver: Driver | None = None, max_steps: int | None = None,
+               tap: Tap | None = None) -> TrialResult:
     from twin.runtime.faults import parse_fault
     from twin.sim.runner import run_sim
 
@@ -181,7 +198,7 @@ def _run_trial(base: Base, trial: Trial, *, trace_out: str | None = None,
         cfg = base.check(trial)
     except InvalidTrial as exc:
         return TrialResult("invalid", None, invalid=str(exc))
-    recorder = CoverageRecorder(cfg.ring_bytes, log_limit)
+    recorder = CoverageRecorder(cfg.ring_bytes, log_limit, tap)
     on = base.defects_on(defects)
     faults = [parse_fault(f) for f in trial.faults]
     keys: set[str] = set()
@@ -246,7 +263,9 @@ def _run_loopback(base: Base, trial: Trial, cfg: Any, on: Any, recorder: Coverag
                 # The loopback's clock, not the protocol: one action a millisecond cannot keep
                 # up with every writer re-requesting each 50 ms (SGLang's listener answers far
                 # faster). The same schedule on a ten times finer clock decides it.
-                recorder = CoverageRecorder(cfg.ring_bytes, recorder.log_limit)
+                if recorder.tap is not None:
+                    recorder.tap.clear()
+                recorder = CoverageRecorder(cfg.ring_bytes, recorder.log_limit, recorder.tap)
                 run = run_loopback(cfg, reqs, trial.faults, on, trial.schedule, recorder,
                                    max_steps=10 * (max_steps or MAX_STEPS),
                                    step_s=FINE_STEP_S)
