@@ -53,6 +53,33 @@ _T_COMPLETE: Final = DecodeTrigger.COMPLETE
 _T_FAIL: Final = DecodeTrigger.FAIL
 _T_GROUP_SUCCESS: Final = DecodeTrigger.GROUP_SUCCESS
 
+# The event and frame classes the handlers build or test, as module constants: compiled, a
+# Final name is a C static, where ``ev.Send`` is a lookup in this module's globals and
+# then in the events module's, on every use.
+_Abort: Final = wire.Abort
+_AbortAck: Final = wire.AbortAck
+_Allocated: Final = ev.Allocated
+_ChunkReady: Final = wire.ChunkReady
+_Dropped: Final = ev.Dropped
+_Freed: Final = ev.Freed
+_GroupPoll: Final = ev.GroupPoll
+_KVPoll: Final = wire.KVPoll
+_MessageArrived: Final = ev.MessageArrived
+_RankCrashed: Final = ev.RankCrashed
+_RoomConcluded: Final = ev.RoomConcluded
+_RoomHeld: Final = ev.RoomHeld
+_RoomReleased: Final = ev.RoomReleased
+_Send: Final = ev.Send
+_SendMetadata: Final = ev.SendMetadata
+_SetTimer: Final = ev.SetTimer
+_StagingReq: Final = wire.StagingReq
+_StagingRsp: Final = wire.StagingRsp
+_StartScatter: Final = ev.StartScatter
+_Tick: Final = ev.Tick
+_TransferStatus: Final = wire.TransferStatus
+_Watermark: Final = wire.Watermark
+_WatermarkMoved: Final = ev.WatermarkMoved
+
 POLL_SUCCESS: Final = "Success"
 POLL_FAILED: Final = "Failed"
 POLL_RELEASE_READY: Final = "ReleaseReady"
@@ -234,17 +261,17 @@ class DecodeRank:
         assert now >= self.now - 1e-12, (now, self.now)
         self.now = now
         if self._crashed is not None:
-            return [ev.Dropped(what=type(event).__name__, room=-1, reason="rank crashed")]
-        if self._listener_dead is not None and type(event) is ev.MessageArrived:
+            return [_Dropped(what=type(event).__name__, room=-1, reason="rank crashed")]
+        if self._listener_dead is not None and type(event) is _MessageArrived:
             msg = event.msg
-            return [ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
-                               reason="decode listener thread ended")]
+            return [_Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                             reason="decode listener thread ended")]
         out: list[ev.Effect] = []
         handler = _DECODE_HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"decode rank cannot handle {type(event).__name__}")
         handler(self, event, out)
-        if type(event) is ev.Tick:
+        if type(event) is _Tick:
             while self._deadlines and self._deadlines[0][0] <= now:
                 self._dirty.add(heapq.heappop(self._deadlines)[1])
         if self._dirty:
@@ -255,26 +282,26 @@ class DecodeRank:
              after_s: float | None = None) -> None:
         at = start + (self.cfg.waiting_timeout_s if after_s is None else after_s) + 1e-6
         heapq.heappush(self._deadlines, (at, room.room))
-        out.append(ev.SetTimer(at=at))
+        out.append(_SetTimer(at=at))
 
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
-        if isinstance(msg, wire.StagingReq):
+        if isinstance(msg, _StagingReq):
             self._on_staging_req(msg, out)
-        elif isinstance(msg, wire.ChunkReady):
+        elif isinstance(msg, _ChunkReady):
             self._on_chunk_ready(msg, out)
-        elif isinstance(msg, wire.TransferStatus):
+        elif isinstance(msg, _TransferStatus):
             self._on_status(e.src, msg, out)
-        elif isinstance(msg, wire.AbortAck):
+        elif isinstance(msg, _AbortAck):
             self._on_abort_ack(msg, out)
         else:
-            out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
-                                  reason="unexpected message kind at decode"))
+            out.append(_Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                                reason="unexpected message kind at decode"))
 
     # -- registration ------------------------------------------------------------------------
     def _on_room_init(self, e: ev.DecodeRoomInit, out: list[ev.Effect]) -> None:
         if e.room in self._rooms:
-            out.append(ev.Dropped(what="DecodeRoomInit", room=e.room, reason="room exists"))
+            out.append(_Dropped(what="DecodeRoomInit", room=e.room, reason="room exists"))
             return
         late = self.defects.on(LATE_DECODE_REGISTRATION)
         room = DecodeRoom(
@@ -292,7 +319,7 @@ class DecodeRank:
             self._register(room, out)
             if self._crashed is not None:
                 return
-        out.append(ev.SendMetadata(
+        out.append(_SendMetadata(
             room=e.room, prefill_ranks=e.prefill_ranks, session=self.session,
             decode_rank=self.rank, decode_prefix_len=e.decode_prefix_len,
             total_pages=e.total_pages,
@@ -316,30 +343,31 @@ class DecodeRank:
                       f"(page_size={self.cfg.page_size})")
             if self.defects.on(RAISE_ON_UNALIGNED_PREFIX):
                 self._crashed = f"room {room.room}: {reason}"
-                out.append(ev.RankCrashed(reason=self._crashed))
+                out.append(_RankCrashed(reason=self._crashed))
                 return
             self._fail(room, reason, out)
 
     # -- STAGING_REQ -------------------------------------------------------------------------
     def _on_staging_req(self, msg: wire.StagingReq, out: list[ev.Effect]) -> None:
-        room = self._rooms.get(msg.room)
+        room_id, chunk_idx = msg.room, msg.chunk_idx  # read once each
+        room = self._rooms.get(room_id)
         if room is None or not room.registered:
-            out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason="room not registered"))
+            out.append(_Dropped(what="STAGING_REQ", room=room_id, reason="room not registered"))
             return
-        if self._bound_chunk and not (0 <= msg.chunk_idx < room.total_pages
+        if self._bound_chunk and not (0 <= chunk_idx < room.total_pages
                                       and msg.chunk_pages > 0):
             # PR #39792: a negative chunk_idx, a non-positive page count or an index at or
             # past the room's recorded page count is rejected before anything is allocated.
-            out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
-                                  reason=f"chunk_idx {msg.chunk_idx} / chunk_pages "
-                                  f"{msg.chunk_pages} out of range (room of "
-                                  f"{room.total_pages} pages)"))
+            out.append(_Dropped(what="STAGING_REQ", room=room_id,
+                                reason=f"chunk_idx {chunk_idx} / chunk_pages "
+                                f"{msg.chunk_pages} out of range (room of "
+                                f"{room.total_pages} pages)"))
             return
-        key = msg.chunk_idx
+        key = chunk_idx
         if key < 0:
             # 0.5.23 indexes its chunk_staging_infos list with the wire's chunk_idx: a negative
             # one is a Python index from the end (sh ~833-863).
-            key = room.info_len + msg.chunk_idx
+            key = room.info_len + chunk_idx
             if key < 0:
                 self._index_error(room, msg, out)
                 return
@@ -350,8 +378,8 @@ class DecodeRank:
         elif key in room.oversized:
             offset, rnd, end = ALLOC_OVERSIZED, 0, -1
         elif key in room.scattered and self.fixes.on(DROP_LATE_STAGING_REQ):
-            out.append(ev.Dropped(what="STAGING_REQ", room=msg.room,
-                                  reason=f"chunk {key} was already scattered"))
+            out.append(_Dropped(what="STAGING_REQ", room=room_id,
+                                reason=f"chunk {key} was already scattered"))
             return
         else:
             # A STAGING_REQ that arrives after its chunk was scattered (it travels on its own
@@ -360,15 +388,15 @@ class DecodeRank:
             # waiting timeout fails the room.
             offset, rnd, end = self._allocate(room, key, msg.chunk_pages, out,
                                               late=key in room.scattered)
-        rsp = wire.StagingRsp(room=msg.room, chunk_idx=msg.chunk_idx, offset=offset, round=rnd,
-                              end=end, session_id=msg.session_id)
+        rsp = _StagingRsp(room=room_id, chunk_idx=chunk_idx, offset=offset, round=rnd,
+                          end=end, session_id=msg.session_id)
         pp_rank = msg.pp_rank
         for dst in room.prefill_ranks:
             # A request naming its PP rank (Mooncake) is answered only to that stage's ranks
             # (staging_handler.py ~895-897); one naming none, to every prefill rank.
             if pp_rank is not None and pp_stage_of(dst) != pp_rank:
                 continue
-            out.append(ev.Send(dst=dst, msg=rsp))
+            out.append(_Send(dst=dst, msg=rsp))
         self._subscribe(room.prefill_ranks, msg.session_id, out)
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
             # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
@@ -385,13 +413,13 @@ class DecodeRank:
         got = self._allocator.assign(required)
         if got is not None:
             alloc_id, offset, rnd = got
-            out.append(ev.Allocated(room=room.room, chunk_idx=msg.chunk_idx,
-                                               alloc_id=alloc_id, offset=offset, round=rnd,
-                                               size=required))
+            out.append(_Allocated(room=room.room, chunk_idx=msg.chunk_idx,
+                                             alloc_id=alloc_id, offset=offset, round=rnd,
+                                             size=required))
         self._listener_dead = (f"STAGING_REQ room {msg.room} chunk_idx {msg.chunk_idx}: "
                                f"IndexError on a chunk list of {room.info_len} entries ended "
                                f"decode_listener_thread")
-        out.append(ev.Dropped(what="STAGING_REQ", room=msg.room, reason=self._listener_dead))
+        out.append(_Dropped(what="STAGING_REQ", room=msg.room, reason=self._listener_dead))
 
     def region_bytes(self, room: DecodeRoom, chunk_pages: int) -> int:
         """Bytes of one staging region holding ``chunk_pages`` pages from every writer."""
@@ -417,14 +445,14 @@ class DecodeRank:
         got = self._allocator.assign(required)
         if got is None:
             room.oversized.add(chunk_idx)
-            out.append(ev.Dropped(what="STAGING_REQ", room=room.room,
-                                  reason=f"oversized: {required} > ring {self._allocator.total_size}"))
+            out.append(_Dropped(what="STAGING_REQ", room=room.room,
+                                reason=f"oversized: {required} > ring {self._allocator.total_size}"))
             return ALLOC_OVERSIZED, 0, -1
         alloc_id, offset, rnd = got
         room.chunks[chunk_idx] = ChunkAlloc(alloc_id, offset, rnd, offset + required, chunk_pages,
                                             late)
-        out.append(ev.Allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
-                                offset=offset, round=rnd, size=required))
+        out.append(_Allocated(room=room.room, chunk_idx=chunk_idx, alloc_id=alloc_id,
+                              offset=offset, round=rnd, size=required))
         return offset, rnd, offset + required
 
     def _subscribe(self, prefill_ranks: tuple[str, ...], session_id: str,
@@ -438,15 +466,15 @@ class DecodeRank:
 
     def _send_watermark(self, key: tuple[str, ...], session_id: str, out: list[ev.Effect]) -> None:
         wm_round, wm_tail = self._allocator.get_watermark()
-        msg = wire.Watermark(round=wm_round, tail=wm_tail, session_id=session_id)
+        msg = _Watermark(round=wm_round, tail=wm_tail, session_id=session_id)
         for dst in key:
-            out.append(ev.Send(dst=dst, msg=msg))
+            out.append(_Send(dst=dst, msg=msg))
 
     # -- CHUNK_READY and scatter -------------------------------------------------------------
     def _on_chunk_ready(self, msg: wire.ChunkReady, out: list[ev.Effect]) -> None:
         room = self._rooms.get(msg.room)
         if room is None or not room.registered:
-            out.append(ev.Dropped(what="CHUNK_READY", room=msg.room, reason="room not registered"))
+            out.append(_Dropped(what="CHUNK_READY", room=msg.room, reason="room not registered"))
             return
         self._dirty.add(room.room)
         arrivals = room.arrivals.setdefault(msg.chunk_idx, [])
@@ -460,14 +488,14 @@ class DecodeRank:
                         out: list[ev.Effect], blind: bool = False) -> bool:
         info = room.chunks.pop(chunk_idx, None)
         if info is None:
-            out.append(ev.Dropped(what="CHUNK_READY", room=room.room,
-                                  reason=f"chunk {chunk_idx} has no unscattered allocation"))
+            out.append(_Dropped(what="CHUNK_READY", room=room.room,
+                                reason=f"chunk {chunk_idx} has no unscattered allocation"))
             return False
         room.scattering[info.alloc_id] = chunk_idx
         room.scattered.add(chunk_idx)
         room.events[info.alloc_id] = chunk_idx
         _, writer_bytes, total = self._layout(num_pages, room.prefill_attn_tp)
-        out.append(ev.StartScatter(
+        out.append(_StartScatter(
             room=room.room, chunk_idx=chunk_idx, alloc_id=info.alloc_id, offset=info.offset,
             nbytes=total, page_start=page_start, num_pages=num_pages, blind=blind,
             prefill_attn_tp=room.prefill_attn_tp, writer_bytes=writer_bytes,
@@ -494,11 +522,11 @@ class DecodeRank:
         a = self._allocator
         before = a.get_watermark()
         a.free(alloc_id)
-        out.append(ev.Freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
+        out.append(_Freed(alloc_id=alloc_id, room=room, chunk_idx=chunk_idx, reason=reason))
         after = a.get_watermark()
         if after != before:
             lag = (a.round - after[0]) * a.total_size + a.head - after[1]
-            out.append(ev.WatermarkMoved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
+            out.append(_WatermarkMoved(round=after[0], tail=after[1], lag_bytes=max(0, lag)))
         for key, session_id in self._subscribers.items():
             self._send_watermark(key, session_id, out)
 
@@ -506,19 +534,19 @@ class DecodeRank:
     def _on_status(self, src: str, msg: wire.TransferStatus, out: list[ev.Effect]) -> None:
         room = self._rooms.get(msg.room)
         if room is None:
-            out.append(ev.Dropped(what="KV_STATUS", room=msg.room, reason="room cleared"))
+            out.append(_Dropped(what="KV_STATUS", room=msg.room, reason="room cleared"))
             return
-        if msg.status == wire.KVPoll.Failed:
+        if msg.status == _KVPoll.Failed:
             if room.state in (_S_ALL_SUCCESS, _S_DONE):
                 # The receiver concluded Success when every rank reported it
                 # (CommonKVReceiver._poll caches it): a later Failed is not seen, and the room
                 # waits for its chunks until the completion timeout.
-                out.append(ev.Dropped(what="KV_STATUS", room=msg.room,
-                                      reason="Failed after all-ranks Success"))
+                out.append(_Dropped(what="KV_STATUS", room=msg.room,
+                                    reason="Failed after all-ranks Success"))
                 return
             self._fail(room, f"prefill {src} failed: {msg.failure_reason}", out)
             return
-        if msg.status != wire.KVPoll.Success or room.state is _S_FAILED:
+        if msg.status != _KVPoll.Success or room.state is _S_FAILED:
             return
         self._dirty.add(room.room)
         room.success_ranks.add(src)
@@ -573,7 +601,7 @@ class DecodeRank:
         poll = self._poll_value(room)
         if poll and poll != room.shared and room.room in self._rooms:
             room.shared = poll
-            out.append(ev.GroupPoll(room=room.room, poll=poll, peers=room.group))
+            out.append(_GroupPoll(room=room.room, poll=poll, peers=room.group))
 
     def _reduce(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
         """The MIN of the group's polls: Failed anywhere fails the room here; Success
@@ -588,22 +616,22 @@ class DecodeRank:
         if room.state is _S_DONE and all(p == POLL_SUCCESS for p in peers):
             room.state = decode_next(room.state, _T_GROUP_SUCCESS)
             room.concluded = True
-            out.append(ev.RoomConcluded(room=room.room, status=room.state.value))
+            out.append(_RoomConcluded(room=room.room, status=room.state.value))
             self._unregister(room, out)
             return
         if room.state is not _S_FAILED:
             return
         if not room.concluded:
             room.concluded = True
-            out.append(ev.RoomConcluded(room=room.room, status=room.state.value,
-                                        reason=room.fail_reason))
+            out.append(_RoomConcluded(room=room.room, status=room.state.value,
+                                      reason=room.fail_reason))
             if not self.cfg.deferred_decode_kv_release:
                 self._unregister(room, out)
                 return
             self._hold(room, out)
         if self._release_ready(room) and all(p == POLL_RELEASE_READY for p in peers):
-            out.append(ev.RoomReleased(room=room.room,
-                                       drained=len(room.acks) >= room.expected_responses))
+            out.append(_RoomReleased(room=room.room,
+                                     drained=len(room.acks) >= room.expected_responses))
             self._unregister(room, out)
 
     def _hold(self, room: DecodeRoom, out: list[ev.Effect]) -> None:
@@ -611,8 +639,8 @@ class DecodeRank:
         self._notify_abort(room, out)
         room.held = True
         room.release_at = self.now + self.cfg.deferred_decode_kv_release_timeout_s
-        out.append(ev.RoomHeld(room=room.room, generation=room.generation or 0,
-                               required_acks=room.expected_responses, release_at=room.release_at))
+        out.append(_RoomHeld(room=room.room, generation=room.generation or 0,
+                             required_acks=room.expected_responses, release_at=room.release_at))
         self._arm(room, self.now, out, self.cfg.deferred_decode_kv_release_timeout_s)
 
     def _release_ready(self, room: DecodeRoom) -> bool:
@@ -628,16 +656,16 @@ class DecodeRank:
         if self.cfg.deferred_decode_kv_release:
             self._generation += 1
             room.generation = self._generation
-        msg = wire.Abort(room=room.room, decode_ip=self.session, decode_port=self.port,
-                         generation=room.generation)
+        msg = _Abort(room=room.room, decode_ip=self.session, decode_port=self.port,
+                     generation=room.generation)
         for dst in room.prefill_ranks:
-            out.append(ev.Send(dst=dst, msg=msg))
+            out.append(_Send(dst=dst, msg=msg))
 
     def _on_abort_ack(self, msg: wire.AbortAck, out: list[ev.Effect]) -> None:
         room = self._rooms.get(msg.room)
         if room is None or room.generation is None or msg.generation != room.generation:
-            out.append(ev.Dropped(what="ABORT_ACK", room=msg.room,
-                                  reason="no armed generation for it"))
+            out.append(_Dropped(what="ABORT_ACK", room=msg.room,
+                                reason="no armed generation for it"))
             return
         room.acks.add(msg.prefill_rank)
         self._dirty.add(room.room)

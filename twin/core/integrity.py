@@ -150,49 +150,52 @@ class IntegrityModel:
 
     def on_transfer(self, node: str, t: ev.StartTransfer) -> None:
         """A prefill writer's bytes land in ``node``'s ring (called when the WRITE completes)."""
+        room, page_start, num_pages = t.room, t.page_start, t.num_pages  # read once each
         if not t.staged:
-            self.pages.setdefault((node, t.room), []).append(
-                (t.page_start, t.page_start + t.num_pages, True))
+            self.pages.setdefault((node, room), []).append(
+                (page_start, page_start + num_pages, True))
             return
         ring = self._ring(node)
-        a, b = t.dst_offset, t.dst_offset + t.nbytes
+        a = t.dst_offset
+        b = a + t.nbytes
         if b > t.region_end:
-            self._flag("overrun", node, t.room,
-                       f"chunk {t.chunk_idx} (pages [{t.page_start}, "
-                       f"{t.page_start + t.num_pages})) writes [{a}, {b}) past its allocation "
+            self._flag("overrun", node, room,
+                       f"chunk {t.chunk_idx} (pages [{page_start}, "
+                       f"{page_start + num_pages})) writes [{a}, {b}) past its allocation "
                        f"[{t.region_offset}, {t.region_end})")
         if b > self.ring_bytes:
-            self._flag("overwrite", node, t.room,
+            self._flag("overwrite", node, room,
                        f"chunk {t.chunk_idx} write [{a}, {b}) runs past the ring end "
                        f"{self.ring_bytes}")
             b = self.ring_bytes
         for i in ring.overlapping(a, b):
             s, e, tag, live = ring.spans[i]
-            if live and (tag[0], tag[1]) != (t.room, t.page_start):
+            if live and (tag[0], tag[1]) != (room, page_start):
                 self._flag("overwrite", node, tag[0],
-                           f"write of room {t.room} pages [{t.page_start}, "
-                           f"{t.page_start + t.num_pages}) landed on unscattered data of room "
+                           f"write of room {room} pages [{page_start}, "
+                           f"{page_start + num_pages}) landed on unscattered data of room "
                            f"{tag[0]} pages [{tag[1]}, {tag[1] + tag[2]}) at bytes "
                            f"[{max(s, a)}, {min(e, b)})")
         # A write for a room that already ended on ``node``, or a repeat write of a chunk that
         # was already scattered there, is garbage nobody scatters: it may clobber live data
         # (flagged above) but is itself free to be overwritten.
         ended = self._ended.get(node)
-        dead = ((ended is not None and t.room in ended)
-                or t.page_start in self._scattered.get((node, t.room), ()))
-        ring.put(a, b, (t.room, t.page_start, t.num_pages, t.writer), live=not dead)
+        dead = ((ended is not None and room in ended)
+                or page_start in self._scattered.get((node, room), ()))
+        ring.put(a, b, (room, page_start, num_pages, t.writer), live=not dead)
 
     def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
         """A scatter reads the region and writes pages of ``s.room``."""
         ring = self._ring(node)
-        self._scattered.setdefault((node, s.room), set()).add(s.page_start)
+        room, page_start, num_pages = s.room, s.page_start, s.num_pages  # read once each
+        self._scattered.setdefault((node, room), set()).add(page_start)
         pos = s.offset
         ok = True
         for w, nb in enumerate(writer_bytes):
             a, b = pos, pos + nb
             pos = b
             hits = ring.overlapping(a, b)
-            want = (s.room, s.page_start, s.num_pages, w)
+            want = (room, page_start, num_pages, w)
             good = _covers(ring, hits, a, b, want, self.pp_stages)
             if not good:
                 ok = False
@@ -203,8 +206,7 @@ class IntegrityModel:
                            f"{s.page_start + s.num_pages}), writer {w}) read bytes [{a}, {b}) "
                            f"holding {what}" + (" (blind tail scatter)" if s.blind else ""))
             ring.consume(a, b)
-        self.pages.setdefault((node, s.room), []).append(
-            (s.page_start, s.page_start + s.num_pages, ok))
+        self.pages.setdefault((node, room), []).append((page_start, page_start + num_pages, ok))
 
     def on_freed(self, node: str, offset: int, size: int) -> None:
         self._ring(node).consume(offset, offset + size)

@@ -68,6 +68,32 @@ _T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
 _T_FAIL: Final = PrefillTrigger.FAIL
 _T_LAST_CHUNK_DONE: Final = PrefillTrigger.LAST_CHUNK_DONE
 
+# The event and frame classes the handlers build or test, as module constants: compiled, a
+# Final name is a C static, where ``ev.Send`` is a lookup in this module's globals and
+# then in the events module's, on every use.
+_Abort: Final = wire.Abort
+_AbortAck: Final = wire.AbortAck
+_ChunkQueued: Final = ev.ChunkQueued
+_ChunkReady: Final = wire.ChunkReady
+_ChunkSkipped: Final = ev.ChunkSkipped
+_DeferralsCounted: Final = ev.DeferralsCounted
+_Deferred: Final = ev.Deferred
+_Dropped: Final = ev.Dropped
+_KVPoll: Final = wire.KVPoll
+_PollsDue: Final = ev.PollsDue
+_RoomConcluded: Final = ev.RoomConcluded
+_RoomTornDown: Final = ev.RoomTornDown
+_Send: Final = ev.Send
+_StagingReq: Final = wire.StagingReq
+_StagingRsp: Final = wire.StagingRsp
+_StartTransfer: Final = ev.StartTransfer
+_TargetsKnown: Final = ev.TargetsKnown
+_TransferStatus: Final = wire.TransferStatus
+_WakeWorkers: Final = ev.WakeWorkers
+_Watermark: Final = wire.Watermark
+_WorkerIdle: Final = ev.WorkerIdle
+_WorkerPoll: Final = ev.WorkerPoll
+
 # What a queued chunk's next poll does (coalesced polls): act (post, skip, fail or finish it),
 # or defer again until its first target's allocation arrives or its watermark moves past it.
 _ACTS: Final = 0
@@ -327,9 +353,9 @@ class PrefillRank:
         exactly ``now`` goes first, except behind a fed poll of a later worker and for
         ``PollsDue``. The polls run the fed polls' code at their own times."""
         workers = self._workers
-        if isinstance(event, ev.WorkerPoll):
+        if isinstance(event, _WorkerPoll):
             limit = event.worker
-        elif isinstance(event, ev.PollsDue):
+        elif isinstance(event, _PollsDue):
             limit = -1
         else:
             limit = len(workers)
@@ -417,8 +443,8 @@ class PrefillRank:
         w.next_seq = seq
         w.blocked_streak = streak
         w.poll_at = at
-        out.append(ev.DeferralsCounted(worker=index, rooms=tuple(counts),
-                                       counts=tuple(counts.values())))
+        out.append(_DeferralsCounted(worker=index, rooms=tuple(counts),
+                                     counts=tuple(counts.values())))
 
     def _schedule_polls(self, out: list[ev.Effect]) -> None:
         """Ask the driver to feed each waiting worker's first poll that acts or sleeps (a
@@ -447,7 +473,7 @@ class PrefillRank:
                 at += wait_s  # as a fed poll adds its wait to the time it ran at
             if at != w.fed_at:
                 w.fed_at = at
-                out.append(ev.WakeWorkers(workers=(i,), at=at))
+                out.append(_WakeWorkers(workers=(i,), at=at))
 
     def _enqueue(self, index: int, chunk: TransferChunk, fresh: bool) -> None:
         """Append ``chunk`` to worker ``index``'s queue; a ``fresh`` chunk (not a re-put) or
@@ -534,31 +560,33 @@ class PrefillRank:
 
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
-        if isinstance(msg, wire.Watermark):
-            prev = self._watermarks.get(msg.session_id, (0, 0))
-            advanced = (msg.round, msg.tail) > prev
+        if isinstance(msg, _Watermark):
+            session = msg.session_id
+            mark = (msg.round, msg.tail)
+            advanced = mark > self._watermarks.get(session, (0, 0))
             if advanced:
-                self._watermarks[msg.session_id] = (msg.round, msg.tail)
+                self._watermarks[session] = mark
                 if self._indexing:
-                    self._watermark_advanced(msg.session_id, (msg.round, msg.tail))
+                    self._watermark_advanced(session, mark)
             if advanced or not self._eager:
                 self._wake(out)  # handle_watermark_msg notifies the condition, advancing or not
-        elif isinstance(msg, wire.StagingRsp):
-            room = self._rooms.get(msg.room)
+        elif isinstance(msg, _StagingRsp):
+            room_id, chunk_idx = msg.room, msg.chunk_idx
+            room = self._rooms.get(room_id)
             target = None if room is None else _find(room.targets, msg.session_id)
             if target is None:
-                out.append(ev.Dropped(what="STAGING_RSP", room=msg.room, reason="no transfer info"))
+                out.append(_Dropped(what="STAGING_RSP", room=room_id, reason="no transfer info"))
                 return
-            first = msg.chunk_idx not in target.staging
-            target.staging[msg.chunk_idx] = (msg.offset, msg.round, msg.end)
+            first = chunk_idx not in target.staging
+            target.staging[chunk_idx] = (msg.offset, msg.round, msg.end)
             if self._indexing:
-                self._allocation_known(msg.room, msg.chunk_idx, first)
+                self._allocation_known(room_id, chunk_idx, first)
             self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
-        elif isinstance(msg, wire.Abort):
+        elif isinstance(msg, _Abort):
             self._on_decode_abort(msg, out)
         else:
-            out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
-                                  reason="unexpected message kind at prefill"))
+            out.append(_Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                                reason="unexpected message kind at prefill"))
 
     def _wake(self, out: list[ev.Effect]) -> None:
         """``watermark_cv.notify_all()``: every waiting worker polls now."""
@@ -572,7 +600,7 @@ class PrefillRank:
             if self.coalesced:
                 self.chain_starts.append(i)
         if waiting:
-            out.append(ev.WakeWorkers(workers=waiting, at=self.now))
+            out.append(_WakeWorkers(workers=waiting, at=self.now))
 
     def _news(self, out: list[ev.Effect], worker: int | None = None) -> None:
         """News that does not notify the condition. With ``worker_wake = "eager"`` (the model
@@ -585,7 +613,7 @@ class PrefillRank:
             w = self._workers[worker]
             w.waiting = w.sleeping = False
             w.blocked_streak = 0
-            out.append(ev.WakeWorkers(workers=(worker,), at=self.now))
+            out.append(_WakeWorkers(workers=(worker,), at=self.now))
 
     def _nudge(self, out: list[ev.Effect]) -> None:
         """News that does not notify the condition (an allocation, a queued chunk, an abort):
@@ -605,12 +633,12 @@ class PrefillRank:
                 self._workers[i].planned = (-1.0, -1)
                 if self.coalesced:
                     self.chain_starts.append(i)
-            out.append(ev.WakeWorkers(workers=tuple(sleeping), at=at))
+            out.append(_WakeWorkers(workers=tuple(sleeping), at=at))
 
     # -- rooms and sends ---------------------------------------------------------------------
     def _on_bootstrapped(self, e: ev.RoomBootstrapped, out: list[ev.Effect]) -> None:
         if e.room in self._aborted:
-            out.append(ev.Dropped(what="metadata", room=e.room, reason="room already failed"))
+            out.append(_Dropped(what="metadata", room=e.room, reason="room already failed"))
             return
         room = self._rooms.get(e.room)
         targets = [PrefillTarget(t.session, t.decode_rank, t.total_pages, dst_port=t.dst_port)
@@ -625,8 +653,8 @@ class PrefillRank:
             room.targets.extend(t for t in targets if t.session not in known)
             if self._indexing and not had_targets:
                 self._reclassify_rooms({e.room})
-        out.append(ev.TargetsKnown(room=e.room,
-                                   sessions=tuple(t.session for t in room.targets)))
+        out.append(_TargetsKnown(room=e.room,
+                                 sessions=tuple(t.session for t in room.targets)))
 
     def _on_prefetch(self, e: ev.Prefetch, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
@@ -649,14 +677,14 @@ class PrefillRank:
                 if key in requested_at:
                     continue
                 requested_at[key] = self.now
-                out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
+                out.append(_Send(dst=target.session, msg=_StagingReq(
                     room=room_id, chunk_idx=chunk_idx, chunk_pages=chunk_pages,
                     session_id=target.session, pp_rank=self._req_pp_rank)))
 
     def _on_send_kv(self, e: ev.SendKV, out: list[ev.Effect]) -> None:
         room = self._rooms.get(e.room)
         if room is None or room.state is _S_FAILED:
-            out.append(ev.Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
+            out.append(_Dropped(what="SendKV", room=e.room, reason="room not bootstrapped"))
             return
         page = self.cfg.page_size
         aligned = self._aligned
@@ -681,10 +709,10 @@ class PrefillRank:
             room.sent_pages += num_pages
             chunk.is_last = e.last and seg_end == end and room.sent_pages >= total_pages
             self._enqueue(worker, chunk, True)
-            out.append(ev.ChunkQueued(worker=worker, room=e.room,
-                                      chunk_idx=chunk_index(chunk.page_start, self._full_pages),
-                                      page_start=chunk.page_start, num_pages=num_pages,
-                                      is_last=chunk.is_last))
+            out.append(_ChunkQueued(worker=worker, room=e.room,
+                                    chunk_idx=chunk_index(chunk.page_start, self._full_pages),
+                                    page_start=chunk.page_start, num_pages=num_pages,
+                                    is_last=chunk.is_last))
         room.start_send_idx = end
         w = self._workers[worker]
         if w.busy is None and not w.waiting:
@@ -724,8 +752,8 @@ class PrefillRank:
             chunk.queued = False
             room = self._rooms.get(chunk.room)
             if room is None:
-                out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
-                                           reason="room state torn down"))
+                out.append(_ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
+                                         reason="room state torn down"))
                 self._maybe_ack(chunk.room, out)
                 continue
             if not chunk.counted:
@@ -739,8 +767,8 @@ class PrefillRank:
                     room.outstanding -= 1
                 else:
                     room.outstanding = 0  # _staging_outstanding.pop(room) (nx ~1635)
-                out.append(ev.ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
-                                           reason="room failed"))
+                out.append(_ChunkSkipped(room=chunk.room, page_start=chunk.page_start,
+                                         reason="room failed"))
                 if not self._queued(room.room) and room.outstanding <= 0:
                     self._tear_down(room, out)
                 self._maybe_ack(room.room, out)
@@ -748,7 +776,7 @@ class PrefillRank:
             room.state = prefill_next(room.state, _T_DEQUEUE)
             if self._step_chunk(index, room, chunk, out):
                 return
-        out.append(ev.WorkerIdle(worker=index))
+        out.append(_WorkerIdle(worker=index))
 
     def _step_chunk(self, index: int, room: PrefillRoom, chunk: TransferChunk,
                     out: list[ev.Effect]) -> bool:
@@ -825,9 +853,9 @@ class PrefillRank:
             w.poll_at = -1.0 if retry is None else retry
             if retry is not None and self.coalesced and not self._accounting:
                 self.chain_starts.append(index)
-            out.append(ev.Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
-                                   session=target.session, reason=reason,
-                                   all_blocked=all_blocked, retry_at=retry))
+            out.append(_Deferred(worker=index, room=room.room, chunk_idx=chunk_idx,
+                                 session=target.session, reason=reason,
+                                 all_blocked=all_blocked, retry_at=retry))
             return True
         self._finish_chunk(index, room, chunk, out)
         return False
@@ -844,7 +872,7 @@ class PrefillRank:
         requested_at[key] = self.now
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
-        out.append(ev.Send(dst=target.session, msg=wire.StagingReq(
+        out.append(_Send(dst=target.session, msg=_StagingReq(
             room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session,
             pp_rank=self._req_pp_rank)))
 
@@ -877,7 +905,7 @@ class PrefillRank:
                                  f"({chunk.num_pages} pages, {nbytes} bytes)", out)
                 return None
             staged = False
-        return ev.StartTransfer(
+        return _StartTransfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=offset,
             region_end=end, dst_offset=dst_offset, nbytes=nbytes, writer=wi, round=rnd,
@@ -894,7 +922,7 @@ class PrefillRank:
             wi = self._writer
             write = self._writes[key] = (writer_bytes[wi], sum(writer_bytes[:wi]),
                                          sum(writer_bytes))
-        return ev.StartTransfer(
+        return _StartTransfer(
             worker=index, room=room.room, chunk_idx=chunk_idx, session=target.session,
             page_start=chunk.page_start, num_pages=chunk.num_pages, region_offset=-1,
             region_end=-1, dst_offset=-1, nbytes=write[0], writer=self._writer, round=0,
@@ -938,7 +966,7 @@ class PrefillRank:
         chunk_idx = chunk_index(chunk.page_start, self._full_pages)
         skip_last = chunk.is_last and self._blind_last
         if chunk.staged and not skip_last:
-            out.append(ev.Send(dst=target.session, msg=wire.ChunkReady(
+            out.append(_Send(dst=target.session, msg=_ChunkReady(
                 room=chunk.room, chunk_idx=chunk_idx, page_start=chunk.page_start,
                 num_pages=chunk.num_pages, writer_id=target.session,
                 prefill_rank=self.unique_rank)))
@@ -978,7 +1006,7 @@ class PrefillRank:
             self._aborted.add(room.room)
         if self._indexing:
             self._reclassify_rooms({room.room})  # its queued chunks are skipped
-        out.append(ev.RoomTornDown(room=room.room))
+        out.append(_RoomTornDown(room=room.room))
 
     def _fail_chunk(self, room: PrefillRoom, chunk: TransferChunk, reason: str,
                     out: list[ev.Effect], notify: bool = True) -> None:
@@ -995,30 +1023,30 @@ class PrefillRank:
         reason, and tells decode again (``KV_STATUS`` Failed)."""
         if room.state is _S_FAILED:
             if notify:
-                self._send_status(room, wire.KVPoll.Failed, room.fail_reason, out)
+                self._send_status(room, _KVPoll.Failed, room.fail_reason, out)
             return
         room.state = prefill_next(room.state,
                                   _T_LAST_CHUNK_DONE if status == "Success" else _T_FAIL)
         room.fail_reason = reason
         if self._indexing and status != "Success":
             self._reclassify_rooms({room.room})  # its queued chunks are skipped
-        poll = wire.KVPoll.Success if status == "Success" else wire.KVPoll.Failed
-        out.append(ev.RoomConcluded(room=room.room, status=status, reason=reason))
+        poll = _KVPoll.Success if status == "Success" else _KVPoll.Failed
+        out.append(_RoomConcluded(room=room.room, status=status, reason=reason))
         if notify:
             self._send_status(room, poll, reason, out)
 
     def _send_status(self, room: PrefillRoom, poll: wire.KVPoll, reason: str,
                      out: list[ev.Effect]) -> None:
         for target in room.targets:
-            out.append(ev.Send(dst=target.session, msg=wire.TransferStatus(
+            out.append(_Send(dst=target.session, msg=_TransferStatus(
                 room=room.room, status=poll, prefill_rank=self.unique_rank,
                 failure_reason=reason)))
 
     def _on_send_failed(self, e: ev.SendFailed, out: list[ev.Effect]) -> None:
         msg = e.msg
-        if not isinstance(msg, wire.ChunkReady) or self.defects.on(SWALLOWED_CHUNK_READY_ERROR):
-            out.append(ev.Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
-                                  reason="send failed (ignored)"))
+        if not isinstance(msg, _ChunkReady) or self.defects.on(SWALLOWED_CHUNK_READY_ERROR):
+            out.append(_Dropped(what=type(msg).__name__, room=getattr(msg, "room", -1),
+                                reason="send failed (ignored)"))
             return
         room = self._rooms.get(msg.room)
         reason = f"CHUNK_READY send to {e.dst} failed"
@@ -1030,8 +1058,8 @@ class PrefillRank:
         # ``conclude_transfer(Success)`` (nx ~1838-1902), and ``conclude_failure`` tells decode;
         # so tell the decode rank the frame was for (a driver feeds the failure before it sends
         # the step's later frames, so this Failed goes out ahead of that Success).
-        out.append(ev.Send(dst=e.dst, msg=wire.TransferStatus(
-            room=msg.room, status=wire.KVPoll.Failed, prefill_rank=self.unique_rank,
+        out.append(_Send(dst=e.dst, msg=_TransferStatus(
+            room=msg.room, status=_KVPoll.Failed, prefill_rank=self.unique_rank,
             failure_reason=reason)))
 
     def _on_abort(self, e: ev.RoomAborted, out: list[ev.Effect]) -> None:
@@ -1063,7 +1091,7 @@ class PrefillRank:
         room.fail_reason = reason
         if self._indexing:
             self._reclassify_rooms({room.room})  # its queued chunks are skipped
-        out.append(ev.RoomConcluded(room=room.room, status="Failed", reason=reason))
+        out.append(_RoomConcluded(room=room.room, status="Failed", reason=reason))
         if room.outstanding <= 0 and not self._queued(room.room):
             self._tear_down(room, out)
         self._news(out)  # its queued chunks are skipped at the next pass
@@ -1078,7 +1106,7 @@ class PrefillRank:
         if not targets or room_id in self._poisoned:
             return
         for (ip, _port), generation in sorted(targets.items()):
-            out.append(ev.Send(dst=ip, msg=wire.AbortAck(
+            out.append(_Send(dst=ip, msg=_AbortAck(
                 room=room_id, prefill_rank=self.unique_rank, generation=generation)))
 
     def _queued(self, room: int) -> bool:

@@ -80,8 +80,11 @@ class ServerCosts:
         if self.profile is not None:
             return self.profile.prefill_s(batch)
         p = self.params
-        tokens = sum(t for t, _ in batch)
-        ctx = sum(t * (c + t / 2) for t, c in batch)
+        tokens = 0
+        ctx = 0.0
+        for t, c in batch:  # a loop, not two generators: called on every forward
+            tokens += t
+            ctx += t * (c + t / 2)
         return (p.forward_overhead_s + tokens * p.prefill_s_per_token
                 + ctx * p.prefill_s_per_token_ctx)
 

@@ -50,6 +50,21 @@ from twin.workloads import Request, Workload
 _PREFETCH: Final = wire.PREFETCH_SOCKET
 _CONTROL: Final = wire.CONTROL_SOCKET
 _STAGING_REQ: Final = wire.StagingReq
+_Allocated: Final = ev.Allocated
+_DecodeRoomInit: Final = ev.DecodeRoomInit
+_DeferralsCounted: Final = ev.DeferralsCounted
+_Deferred: Final = ev.Deferred
+_Freed: Final = ev.Freed
+_MessageArrived: Final = ev.MessageArrived
+_PeerPolled: Final = ev.PeerPolled
+_RankCrashed: Final = ev.RankCrashed
+_RoomAborted: Final = ev.RoomAborted
+_RoomConcluded: Final = ev.RoomConcluded
+_ScatterDone: Final = ev.ScatterDone
+_SendFailed: Final = ev.SendFailed
+_TargetsKnown: Final = ev.TargetsKnown
+_TransferDone: Final = ev.TransferDone
+_WatermarkMoved: Final = ev.WatermarkMoved
 _NORMAL: Final = 1  # simpy.events.NORMAL: the priority of a Timeout
 
 
@@ -343,14 +358,14 @@ class Simulation:
         self.topo = Topology(cfg)
         self.runtime = Runtime(build_ranks(self.topo, self.defects), self, recorder=recorder,
                                hooks={
-                                   ev.Allocated: self._on_allocated,
-                                   ev.Freed: self._on_freed,
-                                   ev.WatermarkMoved: self._on_watermark,
-                                   ev.Deferred: self._on_deferred,
-                                   ev.DeferralsCounted: self._on_deferrals_counted,
-                                   ev.TargetsKnown: self._on_targets_known,
-                                   ev.RoomConcluded: self._on_concluded,
-                                   ev.RankCrashed: self._on_rank_crashed,
+                                   _Allocated: self._on_allocated,
+                                   _Freed: self._on_freed,
+                                   _WatermarkMoved: self._on_watermark,
+                                   _Deferred: self._on_deferred,
+                                   _DeferralsCounted: self._on_deferrals_counted,
+                                   _TargetsKnown: self._on_targets_known,
+                                   _RoomConcluded: self._on_concluded,
+                                   _RankCrashed: self._on_rank_crashed,
                                },
                                clock=self.time)
         self.feed = self.runtime.feed
@@ -524,7 +539,7 @@ class Simulation:
         self.link_last[link] = t
         delay = t - now
         self.calendar.add(now + (delay if delay > 0.0 else 0.0), self.feed,
-                       (dst, ev.MessageArrived(src=src, msg=msg)))
+                       (dst, _MessageArrived(src=src, msg=msg)))
 
     def _transmit_faulty(self, src: str, dst: str, msg: wire.Message) -> None:
         p = self.params
@@ -533,7 +548,7 @@ class Simulation:
             detail = f"{wire.tag_of(msg).decode()} {src}->{dst}"
             self._fault(src, ";".join(fate.applied), detail, getattr(msg, "room", -1))
             if fate.send_failed:
-                self.feed(src, ev.SendFailed(dst=dst, msg=msg))
+                self.feed(src, _SendFailed(dst=dst, msg=msg))
                 return
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
@@ -553,14 +568,14 @@ class Simulation:
             delay += depart - self.calendar.now
         t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
         self.link_last[link] = t
-        arrived = ev.MessageArrived(src=src, msg=msg)
+        arrived = _MessageArrived(src=src, msg=msg)
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.calendar.now, self.feed, dst, arrived)
 
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
-        link = (src, dst, wire.CONTROL_SOCKET)
+        link = (src, dst, _CONTROL)
         delay = self.params.zmq_latency_s
         if self._dead_peers:
             depart = self._socket_send(src, dst, None, event)
@@ -575,7 +590,7 @@ class Simulation:
                      notice: ev.Input | None) -> float:
         """When a frame (or a control notice) from ``src`` leaves, or -1 if it never reaches
         ``dst`` (``SendBlocking.send``)."""
-        if notice is not None and type(notice) is ev.PeerPolled:
+        if notice is not None and type(notice) is _PeerPolled:
             return self.calendar.now  # decode group peers: a collective, not a ZMQ socket
         dead = dst in self.runtime.crashed
         server_dead = False
@@ -662,7 +677,7 @@ class Simulation:
         self.at(done - now, self._transfer_done, node, e, now)
 
     def _transfer_timed_out(self, node: str, e: ev.StartTransfer, timeout: float) -> None:
-        self.feed(node, ev.TransferDone(
+        self.feed(node, _TransferDone(
             worker=e.worker, ok=False, settled=False,
             error=f"batch_transfer_sync_write timed out after {timeout:g} s "
                   f"(MC_TRANSFER_TIMEOUT); the batch may still be writing"))
@@ -676,7 +691,7 @@ class Simulation:
         if failed:
             detail = f"room {e.room} chunk {e.chunk_idx} write to {e.session}"
             self._fault(node, failed, detail, e.room)
-            self.feed(node, ev.TransferDone(worker=e.worker, ok=False, error=failed))
+            self.feed(node, _TransferDone(worker=e.worker, ok=False, error=failed))
             return
         self.integrity.on_transfer(e.session, e)
         now = self.calendar.now
@@ -684,7 +699,7 @@ class Simulation:
         if req is not None:
             req.last_transfer_s = now
         self.metrics.transfer(now - t0, e.nbytes)
-        self.feed(node, ev.TransferDone(worker=e.worker))
+        self.feed(node, _TransferDone(worker=e.worker))
 
     def start_scatter(self, node: str, e: ev.StartScatter) -> None:
         p = self._costs
@@ -698,7 +713,7 @@ class Simulation:
         # The scatter's event is seen by the decode loop's next poll after it finished.
         self._loop_of[node].scatter_started(
             node, finish,
-            ev.ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
+            _ScatterDone(room=e.room, chunk_idx=e.chunk_idx, alloc_id=e.alloc_id))
 
     def _fault(self, node: str, fault: str, detail: str, room: int) -> None:
         """Record a fault that fired (with the room it touched, when one) and note it for the
@@ -804,7 +819,7 @@ class Simulation:
         init_pages = self.placement.total_pages(req)
         attn_tp = self.cfg.prefill.attn_tp_size
         for node, writers, group in ranks:
-            self.feed(node, ev.DecodeRoomInit(
+            self.feed(node, _DecodeRoomInit(
                 room=req.room, prefill_ranks=writers, prefill_attn_tp=attn_tp,
                 decode_prefix_len=req.decode_prefix_len, total_pages=init_pages, group=group))
 
@@ -815,7 +830,7 @@ class Simulation:
             return
         reason = "bootstrap timeout: decode metadata never reached every rank"
         for n in self.topo.prefill_groups[req.prefill_group].nodes:
-            self.feed(n.id, ev.RoomAborted(room=req.room, reason=reason))
+            self.feed(n.id, _RoomAborted(room=req.room, reason=reason))
 
     def abort(self, room: int, reason: str) -> None:
         """Abort a request everywhere (client abort, bootstrap timeout)."""
@@ -825,7 +840,7 @@ class Simulation:
         nodes = [n.id for n in self.topo.prefill_groups[req.prefill_group].nodes]
         nodes += [n.id for n in self.topo.decode_groups[req.decode_group].nodes]
         for n in nodes:
-            self.feed(n, ev.RoomAborted(room=room, reason=reason))
+            self.feed(n, _RoomAborted(room=room, reason=reason))
         if not req.finished and self.decode_loops[req.decode_group].abandon(req):
             # Still waiting for decode KV pages: no decode rank knows the room.
             self.conclude(req, "Failed", reason)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from twin.core import events as ev
 from twin.core.config import TwinConfig
@@ -30,6 +30,10 @@ from twin.models.costs import ServerCosts
 from twin.runtime.params import SimParams
 from twin.runtime.requests import RequestState
 
+# Built on every forward: Final names are C statics when compiled.
+_Prefetch: Final = ev.Prefetch
+_SendKV: Final = ev.SendKV
+
 
 class SchedulerHost(Protocol):
     """What a prefill scheduler needs from its simulation (``Simulation`` provides it)."""
@@ -38,6 +42,7 @@ class SchedulerHost(Protocol):
     params: SimParams
     topo: Topology
     seed: int
+    recorder: Any  # None when the run records no trace: forward records are not built then
 
     def time(self) -> float: ...
     def at(self, delay: float, fn: Callable[..., object], *args: Any) -> None: ...
@@ -157,25 +162,29 @@ class PrefillScheduler:
             return
         self.busy = True
         duration = self.costs.forward_s([(t, r.extend_end) for r, t in batch])
+        recording = sim.recorder is not None
         for req, take in batch:
             if req.first_forward_s < 0:
                 req.first_forward_s = sim.time()
-            sim.sys(self.nodes[0], {"type": "ForwardStart", "room": req.room, "tokens": take})
+            if recording:
+                sim.sys(self.nodes[0], {"type": "ForwardStart", "room": req.room, "tokens": take})
         sim.at(duration, self._finish, batch)
 
     def _first_batch(self, req: RequestState) -> None:
         sim = self.sim
         req.first_batch = False
-        self._all(ev.Prefetch(room=req.room))
+        self._all(_Prefetch(room=req.room))
         end = early_send_end(req.extend_end, req.decode_prefix_len, sim.cfg.page_size)
         if sim.params.early_send_cached_prefix and end is not None:
-            self._all(ev.SendKV(room=req.room, end_idx=end, last=False))
+            self._all(_SendKV(room=req.room, end_idx=end, last=False))
 
     def _finish(self, batch: list[tuple[RequestState, int]]) -> None:
         sim = self.sim
         sim.mark_progress()
+        recording = sim.recorder is not None
         for req, take in batch:
-            sim.sys(self.nodes[0], {"type": "ForwardEnd", "room": req.room, "tokens": take})
+            if recording:
+                sim.sys(self.nodes[0], {"type": "ForwardEnd", "room": req.room, "tokens": take})
             if req.finished:
                 continue
             req.extend_end += take
@@ -183,5 +192,5 @@ class PrefillScheduler:
             if last:
                 req.prefill_done_s = sim.time()
                 sim.prefill_finished(req)
-            self._all(ev.SendKV(room=req.room, end_idx=req.extend_end, last=last))
+            self._all(_SendKV(room=req.room, end_idx=req.extend_end, last=last))
         self._start()
