@@ -256,6 +256,8 @@ def test_shrink_command_shrinks_a_scenario_trace(tmp_path: Path) -> None:
     assert data["kind"] == "wedged" and "stale" in data["root"]
     assert data["before"]["requests"] == 3 and data["after"]["requests"] == 2
     assert data["checks"]["replay"] == "wedged"
+    assert data["sglang_exposure"]["label"] == "not exposed"  # it needs the defect
+    assert "stale-empty-ring-watermark" in data["sglang_exposure"]["detail"]
     assert_command_reproduces(Path(data["dir"]), 3, "stale")
     clean = tmp_path / "clean.jsonl.gz"
     invoke("sim", "--scenario", "stale-empty-ring", "--trace-out", str(clean), "--json")

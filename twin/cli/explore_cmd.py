@@ -228,6 +228,9 @@ def shrink_command(trace_path: str, out: str | None, max_runs: int, as_json: boo
         raise BadInput(f"{trace_path}: rebuilt from its header the run ends {first.status}, "
                        f"not {recorded} as recorded; it cannot be shrunk faithfully")
     res = shrink(base, trial, first.signature, max_runs=max_runs)
+    from twin.explore.exposure import exposure
+
+    told = exposure(base, res.trial, first.signature[0], needs_defects=tuple(res.result.needs))
     data: dict[str, Any] = {"kind": first.signature[0], "root": first.signature[1],
                             "status": first.status, "runs": res.runs,
                             "before": {"requests": len(trial.requests),
@@ -236,14 +239,15 @@ def shrink_command(trace_path: str, out: str | None, max_runs: int, as_json: boo
                             "after": {"requests": len(res.trial.requests),
                                       "faults": len(res.trial.faults),
                                       "tokens": sum(r.input_len for r in res.trial.requests)},
-                            "trial": res.trial.to_json()}
+                            "trial": res.trial.to_json(),
+                            "sglang_exposure": told.to_json()}
     if out is not None:
         from twin.explore.artifacts import write_finding
         from twin.explore.campaign import Finding
 
         f = Finding(first.signature, first.status, 1, 0.0, trial, res.trial, res.runs,
                     diagnosis=res.result.diagnosis[:12], corruption=res.result.corruption[:12],
-                    failures=res.result.failures, slug="shrunk")
+                    failures=res.result.failures, slug="shrunk", exposure=told.to_json())
         data["checks"] = write_finding(base, f, Path(out))
         data["dir"] = str(Path(out) / "findings" / "shrunk")
     if as_json:
@@ -260,6 +264,7 @@ def shrink_command(trace_path: str, out: str | None, max_runs: int, as_json: boo
                        + (f", prefill hit {r.prefill_prefix}" if r.prefill_prefix else ""))
         for fault in res.trial.faults:
             click.echo(f"fault       {fault}")
+        click.echo(f"SGLang      0.5.23: {told.text()}")
         if out is not None:
             click.echo(f"written     {data['dir']}/")
     from twin.runtime.outcome import exit_code
