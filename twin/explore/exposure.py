@@ -37,6 +37,7 @@ from twin.core.config import TwinConfig
 from twin.core.topology import Topology
 from twin.explore.oracles import TrialResult, run_trial
 from twin.explore.trial import Base, Trial
+from twin.reference.sglang_wheel import SGLANG_VERSION as SGLANG
 
 EXPOSED = "exposed"
 NOT_EXPOSED = "not exposed"
@@ -102,10 +103,14 @@ def exposure(base: Base, trial: Trial, kind: str, *, needs_defects: tuple[str, .
     if got == "error":
         return Exposure(UNCHECKED, f"with SGLang's behaviour (no defect, no fix) the twin "
                                    f"itself raised: {res.signature[1] if res.signature else ''}")
+    if got != want and not base.defects and not base.cfg.fixes:
+        return Exposure(UNCHECKED, f"no defect or fix was on, yet the shrunk trial run again "
+                                   f"ends {_ends(res)}: it does not show its verdict again")
     if got != want:
         why = _difference(base, trial, want, needs_defects, should_stop)
+        other = " instead (another verdict, not this one)" if got else ""
         return Exposure(NOT_EXPOSED, f"with SGLang's behaviour (no defect, no fix) it ends "
-                                     f"{_ends(res)}; {why}")
+                                     f"{_ends(res)}{other}; {why}")
     same = f"with SGLang's behaviour (no defect, no fix) it still ends {_ends(res)}"
     check = check_decode(plain.config(trial), log, note=note)
     if check.unavailable:
@@ -121,9 +126,6 @@ def exposure(base: Base, trial: Trial, kind: str, *, needs_defects: tuple[str, .
                              f"same decisions ({check.agreed_text()})")
 
 
-SGLANG = "0.5.23"
-
-
 def _difference(base: Base, trial: Trial, want: str, needs: tuple[str, ...],
                 should_stop: Callable[[], bool] | None) -> str:
     """Which switch made the difference between the finding and SGLang's behaviour."""
@@ -132,8 +134,6 @@ def _difference(base: Base, trial: Trial, want: str, needs: tuple[str, ...],
                 f"upstream before {SGLANG})")
     switches = [("defect", d) for d in sorted(base.defects)] + \
         [("fix", f) for f in sorted(base.cfg.fixes)]
-    if not switches:
-        return "no switch was on: the shrunk trial does not show its verdict again"
     plain = sglang_base(base)
     for what, name in switches:
         if should_stop is not None and should_stop():
