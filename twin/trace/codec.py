@@ -147,14 +147,30 @@ def _describe(value: Any) -> str:
 
 
 _EXEMPT_ROOM_CHECK = (ev.Dropped, ev.MessageArrived, ev.SendFailed)
+_WITH_MSG = frozenset(t for t in (*ev.INPUT_TYPES, *ev.EFFECT_TYPES)
+                      if "msg" in getattr(t, "__struct_fields__", ()))
+
+
+_HAS_ROOM: dict[type, bool] = {}
+"""Event and message class -> whether it has a ``room`` field (asked once per class: a
+``getattr`` with a default raises and clears an AttributeError for every class without one)."""
+
+
+def _has_room(t: type) -> bool:
+    has = _HAS_ROOM.get(t)
+    if has is None:
+        has = _HAS_ROOM[t] = "room" in getattr(t, "__struct_fields__", ())
+    return has
 
 
 def named_room(event: Any) -> int | None:
     """The room an event names (its ``room`` field, or its message's), or None."""
-    room = getattr(event, "room", None)
-    if room is None:
-        room = getattr(getattr(event, "msg", None), "room", None)
-    return room
+    if _has_room(type(event)):
+        room: int | None = event.room
+        if room is not None:
+            return room
+    msg = getattr(event, "msg", None) if type(event) in _WITH_MSG else None
+    return msg.room if msg is not None and _has_room(type(msg)) else None
 
 
 def room_of(event: Any) -> int | None:

@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from types import GenericAlias
-from typing import Any, Final, Optional, Union
+from typing import Any, Final, Optional, Union, get_args
 
 import msgspec
 
@@ -25,6 +25,24 @@ from twin.trace.records import forward_record
 
 __all__ = ["DRIVER", "JSON_TEXT", "Batch", "Item", "LineEncoder", "LiveState", "float_text",
            "pack_batch", "unpack_batch"]
+
+# The classes the encoder tests on every line, as module constants: compiled, a Final name
+# is a C static, where ``ev.Send`` is two lookups on every use.
+_Allocated: Final = ev.Allocated
+_Deferred: Final = ev.Deferred
+_Freed: Final = ev.Freed
+_MessageArrived: Final = ev.MessageArrived
+_RoomConcluded: Final = ev.RoomConcluded
+_ScatterDone: Final = ev.ScatterDone
+_Send: Final = ev.Send
+_StagingReq: Final = wire.StagingReq
+_StartScatter: Final = ev.StartScatter
+_StartTransfer: Final = ev.StartTransfer
+_TransferDone: Final = ev.TransferDone
+_WakeWorkers: Final = ev.WakeWorkers
+_Watermark: Final = wire.Watermark
+_WatermarkMoved: Final = ev.WatermarkMoved
+_WorkerPoll: Final = ev.WorkerPoll
 
 DRIVER: Final = "driver"
 """The pseudo node of run-level records (``dir`` must be ``"sys"``)."""
@@ -52,12 +70,35 @@ def float_text(t: float) -> bytes:
     return encode(float(t))
 
 
+_FLOATS: dict[type, bool] = {}
+"""Event class -> whether it (or a frame it carries) has a float field: only those can hold
+an infinity or NaN, so only their texts are searched for a ``null``."""
+
+
+def _has_floats(t: type) -> bool:
+    has = _FLOATS.get(t)
+    if has is None:
+        has = _FLOATS[t] = _holds_float(t, set())
+    return has
+
+
+def _holds_float(t: Any, seen: set[Any]) -> bool:
+    """Whether type ``t`` is a float or holds one (in a Struct's fields, a union, a tuple)."""
+    if t is float or t in seen:
+        return t is float
+    seen.add(t)
+    if isinstance(t, type) and issubclass(t, msgspec.Struct):
+        return any(_holds_float(f.type, seen) for f in msgspec.structs.fields(t))
+    return any(_holds_float(a, seen) for a in get_args(t))
+
+
 def _text(event: Any) -> bytes:
     """An event's JSON text without its opening brace. JSON has no infinities or NaN (msgspec
     writes them as null): an event whose text holds a null that does not read back is
     refused with ``ValueError``."""
     text = encode(event)
-    if b"null" in text:
+    if _has_floats(type(event)) and text.find(b"null") >= 0:  # (``in`` raises and clears
+        # a TypeError on every call before it searches)
         try:
             decode_event(text, where=type(event).__name__)
         except TraceError as exc:
@@ -81,40 +122,40 @@ class LiveState:
         """Note input or effect ``e`` of ``node``, written as ``line``."""
         t = type(e)
         lines = self.lines
-        if t is ev.MessageArrived:
+        if t is _MessageArrived:
             msg = e.msg
-            if type(msg) is wire.Watermark:
+            if type(msg) is _Watermark:
                 key = (node, msg.session_id)
                 value = (msg.round, msg.tail)
                 prev = self._newest_wm.get(key)
                 if prev is None or value > prev:
                     self._newest_wm[key] = value
                     lines[("p", node, msg.session_id)] = (seq, line)
-        elif t is ev.Send:
-            if type(e.msg) is wire.StagingReq:
+        elif t is _Send:
+            if type(e.msg) is _StagingReq:
                 lines.setdefault(("r", node, e.msg.session_id), (seq, line))
-        elif t is ev.TransferDone:
+        elif t is _TransferDone:
             lines.pop(("x", node, e.worker), None)
             lines.pop(("d", node, e.worker), None)
-        elif t is ev.WorkerPoll:
+        elif t is _WorkerPoll:
             lines.pop(("d", node, e.worker), None)
-        elif t is ev.ScatterDone:
+        elif t is _ScatterDone:
             lines.pop(("s", node, e.alloc_id), None)
-        elif t is ev.StartTransfer:
+        elif t is _StartTransfer:
             lines.pop(("d", node, e.worker), None)
             lines[("x", node, e.worker)] = (seq, line)
-        elif t is ev.Deferred:
+        elif t is _Deferred:
             lines.setdefault(("d", node, e.worker), (seq, line))
-        elif t is ev.WakeWorkers:
+        elif t is _WakeWorkers:
             for w in e.workers:
                 lines.pop(("d", node, w), None)
-        elif t is ev.StartScatter:
+        elif t is _StartScatter:
             lines[("s", node, e.alloc_id)] = (seq, line)
-        elif t is ev.Allocated:
+        elif t is _Allocated:
             self.alloc.setdefault(node, {})[e.alloc_id] = e.size
-        elif t is ev.Freed:
+        elif t is _Freed:
             self.alloc.get(node, {}).pop(e.alloc_id, None)
-        elif t is ev.WatermarkMoved:
+        elif t is _WatermarkMoved:
             lines[("w", node)] = (seq, line)
 
     def on_sys(self, rtype: str, node: str, room: Any, seq: int, line: bytes) -> None:
@@ -308,7 +349,7 @@ class Batch:
             c = type(e)
             if c not in _EFFECT_CLASSES:
                 raise TypeError(f"not a core effect: {c.__name__}")
-            if c is ev.RoomConcluded and node in self.decode_nodes:
+            if c is _RoomConcluded and node in self.decode_nodes:
                 (self.succeeded if e.status == "Success" else self.failed).add(e.room)
         return out
 
