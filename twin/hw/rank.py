@@ -67,6 +67,7 @@ from twin.hw.rankspec import (
     STOP,
     RankSpec,
 )
+from twin.hw.ringcheck import RingCheck
 from twin.runtime.faults import FaultInjector, FaultSpec, in_scope, parse_fault
 from twin.runtime.runtime import Runtime
 from twin.runtime.sockets import configured, thread_of
@@ -191,6 +192,10 @@ class RankProcess:
         # (the page range of one check, its first wrong element)
         self.verified: dict[int, set[int]] = {}
         self.mismatch: dict[int, list[tuple[range, str]]] = {}
+        # decode, staged: ring regions written and not yet scattered, checked when they stop
+        # being so without a scatter (twin.hw.ringcheck)
+        self.ring_check = (RingCheck(self.ring, cfg, spec.rank, self.topo, self.rooms)
+                           if self.ring is not None else None)
         self.outbox: list[tuple[float, Any, list[Any]]] = []
         self._refused_reported = 0  # connections refused for want of the run key, reported
         self.reports: list[dict[str, Any]] = []
@@ -366,6 +371,9 @@ class RankProcess:
             # corrupted them too (the first wrong range of each, in page order).
             wrong = {room: first for room in self.mismatch
                      if (first := self._first_wrong(room)) is not None}
+            if self.ring_check is not None:  # and written ring bytes no scatter read
+                for room, text in self.ring_check.open_rooms().items():
+                    wrong[room] = f"{wrong[room]}; {text}" if room in wrong else text
             state = messages.rank_state(self.core.snapshot(),
                                         self.script[0] if self.script else None,
                                         sum(len(v) for v in self.held.values()), wrong)
@@ -412,6 +420,9 @@ class RankProcess:
     # -- feeding the core ----------------------------------------------------------------------
     def input(self, event: Any) -> None:
         """A real happening or a driver input; in replay mode it may be held for its turn."""
+        if self.ring_check is not None and type(event) is ev.MessageArrived and \
+                type(event.msg) is wire.ChunkReady:
+            self.ring_check.arrived(event.msg, event.src)  # the writer's WRITE completed
         if self.script is not None and type(event) in REAL_INPUTS:
             self.held.setdefault(_match_key(event), []).append(event)
             return
@@ -505,6 +516,8 @@ class RankProcess:
 
     def write_effects(self, t: float, node: str, effects: list[Any]) -> None:
         self.outbox.append((t, self._last_input, effects))
+        if self.ring_check is not None:
+            self.ring_check.effects(effects)
 
     # -- driver: transport ---------------------------------------------------------------------
     def transmit(self, src: str, dst: str, msg: wire.Message) -> None:
@@ -753,6 +766,9 @@ class RankProcess:
             req = self.rooms.get(e.room)
             if e.status == "Success" and req is not None:
                 report["mismatch"] = self._verify(req)
+            ring = self.ring_check.take(e.room) if self.ring_check is not None else None
+            if ring is not None:  # written ring bytes of the room overwritten before a scatter
+                report["mismatch"] = "; ".join(filter(None, (report.get("mismatch"), ring)))
             self.room_server.pop(e.room, None)
             if e.status == "Success" or not self.cfg.deferred_decode_kv_release:
                 self.pool.release(e.room)  # a held failed room keeps its KV pages until released

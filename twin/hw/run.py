@@ -488,18 +488,14 @@ class HwRun:
             snapshots = {n: st.snapshot for n, st in states.items()}
             diagnosis = diagnose(snapshots, self.crashed, set(unfinished), self.dropped,
                                  self.fault_notes).lines()
-            # Wrong bytes the decode ranks' per-scatter checks found in rooms that never
-            # finished: the run corrupted them before it wedged.
-            for node, st in sorted(states.items()):
-                for room, text in sorted(st.mismatch.items()):
-                    if room in unfinished:
-                        self.corrupted_rooms.add(room)
-                        self.corruption.append(f"{node} room {room} (unfinished): {text}")
+            self._unfinished_wrong(states, unfinished)
             silent = sorted(set(lau.endpoints) - set(snapshots) - lau.departed)
             diagnosis += [f"{n} did not report its state (busy or stuck)" for n in silent]
             diagnosis.insert(0, f"wedge: {len(unfinished)} request(s) unfinished with no "
                                 f"progress for {self.wedge_window_s:g} s (rooms "
                                 f"{', '.join(map(str, unfinished[:12]))})")
+        elif unfinished and self.stopped is RunStatus.UNTIL and not lau.errors:
+            self._unfinished_wrong(lau.request_states(), unfinished)
         verified = sum(
             r.status == "Success" and self.verified.get(r.room, set()) >= set(r.decode_status)
             for r in self.reqs.values())
@@ -524,6 +520,17 @@ class HwRun:
             agents=lau.hub.records() if lau.hub is not None else None,
             coordinator_cpu_s=time.process_time() - self._cpu0,
             refused=refused, dropped_frames=len(lau.dropped))
+
+    def _unfinished_wrong(self, states: dict[str, messages.RankState],
+                          unfinished: list[int]) -> None:
+        """Wrong bytes the decode ranks found in rooms that never finished (their scatters'
+        checks, and written ring regions no scatter read, checked now: twin.hw.ringcheck):
+        the run corrupted them before it wedged or stopped."""
+        for node, st in sorted(states.items()):
+            for room, text in sorted(st.mismatch.items()):
+                if room in unfinished:
+                    self.corrupted_rooms.add(room)
+                    self.corruption.append(f"{node} room {room} (unfinished): {text}")
 
     def settle(self, result: HwResult) -> None:
         """After the ranks stopped (their last reports read): the blocked sends and the root
