@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from twin.explore.coverage import CoverageRecorder, observe_transitions
 from twin.explore.trial import Base, InvalidTrial, Trial
+from twin.runtime.params import longest_timeout
 
 if TYPE_CHECKING:
     from twin.explore.schedule import Driver
@@ -301,6 +302,13 @@ deferred chunk every 50 ms until the room's timeout, about a million inputs for 
 transfer that pins a ring for the 30 s release deadline (a few seconds compiled)."""
 
 
+SETTLE_WINDOWS = 4
+"""Settle windows after the last arrival a settling run may simulate: a thread that blocks
+in one send to a dead peer after another is slow, not stuck, to the wedge monitor, and such a
+chain can go on for simulated days of watcher ticks while it feeds the cores next to nothing
+(a settling run is otherwise bounded in core inputs only)."""
+
+
 class _EventBudget:
     every = 0.05
 
@@ -358,16 +366,20 @@ def _settles(cfg: Any, base: Base, trial: Trial, on: Any, faults: list[Any]) -> 
     design: a defect's, or the protocol's own)."""
     from twin.sim.runner import run_sim
 
-    params = base.params.replace(wedge_window_s=settle_window(cfg, base.params))
-    result = run_sim(cfg, trial.workload(), defects=on, faults=faults, seed=trial.seed,
+    window = settle_window(cfg, base.params)
+    params = base.params.replace(wedge_window_s=window)
+    workload = trial.workload()
+    last = max((r.arrival_s for r in workload.requests), default=0.0)
+    result = run_sim(cfg, workload, defects=on, faults=faults, seed=trial.seed,
                      params=params, request_overrides=trial.overrides(),
                      recorder=CoverageRecorder(cfg.ring_bytes),
-                     stop_check=_EventBudget(SETTLE_INPUTS))
+                     stop_check=_EventBudget(SETTLE_INPUTS),
+                     until=last + SETTLE_WINDOWS * window)
     sim = result.sim
     if result.status.value == "wedged":
         return result
     if len(sim.metrics.done) < len(trial.requests):
-        return None  # busy until the input bound
+        return None  # busy until the input or time bound
     touched = set(sim.fault_notes)  # rooms a message or transfer fault hit
     touched.update(f.room for f in faults if f.action == "abort" and f.room is not None)
     dead = set(sim.runtime.crashed) | set(sim.restarted) | set(sim.crash_times)
@@ -389,13 +401,8 @@ restarting rank, a dead prefill server (its heartbeat or its refused bootstrap q
 
 def settle_window(cfg: Any, params: Any) -> float:
     """Seconds without progress after which none of SGLang's timeouts can still move a run:
-    the longest of decode's waiting timeout, prefill's bootstrap timeout, the deferred decode
-    KV release deadline, Mooncake's transfer timeout and the heartbeat's window, plus the
-    base wedge window."""
-    longest = max(cfg.waiting_timeout_s, cfg.bootstrap_timeout_s,
-                  cfg.deferred_decode_kv_release_timeout_s, params.mooncake_transfer_timeout_s,
-                  params.heartbeat_interval_s * params.heartbeat_max_failure)
-    return float(longest + params.wedge_window_s)
+    the longest of them (``longest_timeout``) plus the base wedge window."""
+    return longest_timeout(cfg, params) + float(params.wedge_window_s)
 
 
 def _traced(cfg: Any, params: Any, trial: Trial, on: Any, faults: list[Any], path: str,

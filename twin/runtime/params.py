@@ -174,6 +174,17 @@ POSITIVE = frozenset({"nic_bandwidth_Bps", "gather_bandwidth_Bps", "scatter_band
                       "process_run_s", "heartbeat_interval_s", "heartbeat_max_failure"})
 
 
+def longest_timeout(cfg: Any, params: SimParams) -> float:
+    """The longest of SGLang's timeouts that can still end or move a stuck run: decode's
+    waiting timeout, prefill's bootstrap timeout, the deferred decode KV release deadline,
+    Mooncake's transfer timeout and the heartbeat's window. Past it with no progress, nothing
+    but a send that blocks again and again can happen."""
+    return float(max(cfg.waiting_timeout_s, cfg.bootstrap_timeout_s,
+                     cfg.deferred_decode_kv_release_timeout_s,
+                     params.mooncake_transfer_timeout_s,
+                     params.heartbeat_interval_s * params.heartbeat_max_failure))
+
+
 @dataclass(frozen=True, slots=True)
 class ServerArgs:
     """One server's memory and scheduling knobs, under SGLang's names. ``None``: derived as
