@@ -35,7 +35,12 @@ from twin.core.defects import (
     RAISE_ON_UNALIGNED_PREFIX,
     Defects,
 )
-from twin.core.fixes import BOUND_STAGING_REQ_CHUNK, DROP_LATE_STAGING_REQ, LOST_CONTROL_RECOVERY
+from twin.core.fixes import (
+    ANSWER_REQUESTER_ONLY,
+    BOUND_STAGING_REQ_CHUNK,
+    DROP_LATE_STAGING_REQ,
+    LOST_CONTROL_RECOVERY,
+)
 from twin.core.layout import num_tp_writers, pp_stage_of
 from twin.core.snapshot import AllocationView, ChunkAllocView, DecodeRoomView, DecodeSnapshot
 from twin.core.states import DecodeRoomState, DecodeTrigger, decode_next
@@ -216,6 +221,9 @@ class DecodeRank:
         self._blind_last = self.defects.on(COMPLETION_BEFORE_LAST_SCATTER)
         self._decode_tp = cfg.decode.attn_tp_size
         self._bound_chunk = self.fixes.on(BOUND_STAGING_REQ_CHUNK)
+        # ``answer-requester-only`` refines lost-control recovery's answers (alone: no change)
+        self._requester_only = (self.fixes.on(ANSWER_REQUESTER_ONLY)
+                                and self.fixes.on(LOST_CONTROL_RECOVERY))
         # Memory accounting of structures keyed by wire fields: the entries of every live
         # room's ``chunk_staging_infos`` (``DecodeRoom.info_len``), now and at their peak.
         self.chunk_info_entries = 0
@@ -287,7 +295,7 @@ class DecodeRank:
     def _on_message(self, e: ev.MessageArrived, out: list[ev.Effect]) -> None:
         msg = e.msg
         if isinstance(msg, _StagingReq):
-            self._on_staging_req(msg, out)
+            self._on_staging_req(msg, out, e.src)
         elif isinstance(msg, _ChunkReady):
             self._on_chunk_ready(msg, out)
         elif isinstance(msg, _TransferStatus):
@@ -348,7 +356,7 @@ class DecodeRank:
             self._fail(room, reason, out)
 
     # -- STAGING_REQ -------------------------------------------------------------------------
-    def _on_staging_req(self, msg: wire.StagingReq, out: list[ev.Effect]) -> None:
+    def _on_staging_req(self, msg: wire.StagingReq, out: list[ev.Effect], src: str) -> None:
         room_id, chunk_idx = msg.room, msg.chunk_idx  # read once each
         room = self._rooms.get(room_id)
         if room is None or not room.registered:
@@ -391,16 +399,25 @@ class DecodeRank:
         rsp = _StagingRsp(room=room_id, chunk_idx=chunk_idx, offset=offset, round=rnd,
                           end=end, session_id=msg.session_id)
         pp_rank = msg.pp_rank
+        # ``answer-requester-only``: a repeated request is answered to its sender alone (of
+        # the ranks SGLang would answer); a first one to every rank, as SGLang does.
+        src_only = repeated and self._requester_only
         for dst in room.prefill_ranks:
             # A request naming its PP rank (Mooncake) is answered only to that stage's ranks
             # (staging_handler.py ~895-897); one naming none, to every prefill rank.
             if pp_rank is not None and pp_stage_of(dst) != pp_rank:
                 continue
+            if src_only and dst != src:
+                continue
             out.append(_Send(dst=dst, msg=rsp))
         self._subscribe(room.prefill_ranks, msg.session_id, out)
         if repeated and self.fixes.on(LOST_CONTROL_RECOVERY):
-            # A repeated request may mean a lost WATERMARK too: re-broadcast the current one.
-            self._send_watermark(tuple(sorted(room.prefill_ranks)), msg.session_id, out)
+            # A repeated request may mean a lost WATERMARK too: re-broadcast the current one
+            # (with ``answer-requester-only``, re-send it to the requester only).
+            if not src_only:
+                self._send_watermark(tuple(sorted(room.prefill_ranks)), msg.session_id, out)
+            elif src in room.prefill_ranks:
+                self._send_watermark((src,), msg.session_id, out)
 
     def _index_error(self, room: DecodeRoom, msg: wire.StagingReq,
                      out: list[ev.Effect]) -> None:

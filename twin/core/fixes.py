@@ -21,6 +21,7 @@ COUNT_ERRORED_TRANSFERS = "count-errored-transfers"
 KEEP_ERRORED_OUTSTANDING = "keep-errored-outstanding"
 BOUND_STAGING_REQ_CHUNK = "bound-staging-req-chunk"
 SUCCESS_AFTER_OUTSTANDING = "success-after-outstanding"
+ANSWER_REQUESTER_ONLY = "answer-requester-only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,20 @@ CATALOG: dict[str, FixInfo] = {
             "chunk's pages never written",
             "the twin's finding (docs/defects.md, 'A lost STAGING_REQ completes a room with "
             "pages never written'); not in SGLang",
+        ),
+        FixInfo(
+            ANSWER_REQUESTER_ONLY, "both",
+            "refines lost-control-recovery (without it this fix changes nothing): decode "
+            "answers a repeated STAGING_REQ (its chunk already has an allocation) with the "
+            "STAGING_RSP to the writer that sent it only and re-sends its current watermark "
+            "to that subscriber only, instead of to every prefill rank of the room; a writer "
+            "whose chunk stays deferred backs off its re-requests, doubling the interval from "
+            "control_retry_s up to a tenth of the waiting timeout, and starts over at "
+            "control_retry_s once the chunk gets its allocation or its write is posted. "
+            "Without it a long-deferred chunk costs writers x (writers + subscribers) frames "
+            "every control_retry_s",
+            "the twin's finding (docs/defects.md, 'lost-control-recovery answers every "
+            "re-request to every writer'); not in SGLang",
         ),
     )
 }

@@ -34,6 +34,7 @@ from twin.core.defects import (
     Defects,
 )
 from twin.core.fixes import (
+    ANSWER_REQUESTER_ONLY,
     COUNT_ERRORED_TRANSFERS,
     KEEP_ERRORED_OUTSTANDING,
     LOST_CONTROL_RECOVERY,
@@ -231,6 +232,9 @@ class PrefillRank:
         # Per room (so a teardown drops its entries at once): each (chunk_idx, session) asked
         # for, and when it was last asked (lost-control recovery re-asks after a while).
         self._requested_at: dict[int, dict[tuple[int, str], float]] = {}
+        # ``answer-requester-only``: per room, each (chunk_idx, session)'s interval before its
+        # next re-request (absent: control_retry_s), doubled by each re-request.
+        self._retry_gap: dict[int, dict[tuple[int, str], float]] = {}
         self._ack_targets: dict[int, dict[tuple[str, int], int]] = {}
         self._poisoned: set[int] = set()
         self._aborted: set[int] = set()  # failed rooms already torn down here
@@ -249,6 +253,9 @@ class PrefillRank:
         self._aligned = not self.defects.on(NO_GRID_ALIGNMENT)
         self._resume = self.fixes.on(MULTI_TARGET_RETRY_RESUME)
         self._recovery = self.fixes.on(LOST_CONTROL_RECOVERY)
+        # ``answer-requester-only`` backs the recovery's re-requests off (alone: no change)
+        self._backoff = self._recovery and self.fixes.on(ANSWER_REQUESTER_ONLY)
+        self._retry_cap = max(cfg.control_retry_s, cfg.waiting_timeout_s / 10)
         self._count_errored = self.fixes.on(COUNT_ERRORED_TRANSFERS)
         self._keep_outstanding = self.fixes.on(KEEP_ERRORED_OUTSTANDING)
         self._success_after_outstanding = self.fixes.on(SUCCESS_AFTER_OUTSTANDING)
@@ -579,6 +586,8 @@ class PrefillRank:
                 return
             first = chunk_idx not in target.staging
             target.staging[chunk_idx] = (msg.offset, msg.round, msg.end)
+            if first and self._backoff:
+                self._reset_backoff(room_id, chunk_idx, msg.session_id)
             if self._indexing:
                 self._allocation_known(room_id, chunk_idx, first)
             self._news(out)  # handle_staging_rsp does not notify: the bounded wait runs out
@@ -619,15 +628,21 @@ class PrefillRank:
         """News that does not notify the condition (an allocation, a queued chunk, an abort):
         a waiting worker sees it when its bounded wait ends. A worker the twin lets sleep
         (its whole queue blocked) stands for one cycling through 1 ms waits, so it polls
-        ``deferral_wait_s`` from now; one with a poll scheduled keeps it."""
+        ``deferral_wait_s`` from now; one with a poll scheduled keeps it (with
+        ``answer-requester-only``, unless that poll is a re-request backed off past then)."""
         sleeping = []
+        at = self.now + self.cfg.deferral_wait_s
+        backoff = self._backoff
         for i, w in enumerate(self._workers):
             w.blocked_streak = 0
             if w.waiting and w.sleeping:
                 w.sleeping = False
                 sleeping.append(i)
+            elif backoff and w.waiting and w.poll_at > at:
+                # ``answer-requester-only``: a re-poll backed off past the bounded wait stands
+                # for a worker cycling through 1 ms waits too; it sees the news then.
+                sleeping.append(i)
         if sleeping:
-            at = self.now + self.cfg.deferral_wait_s
             for i in sleeping:
                 self._workers[i].poll_at = self._workers[i].fed_at = at
                 self._workers[i].planned = (-1.0, -1)
@@ -807,6 +822,7 @@ class PrefillRank:
                 w.blocked_streak = 0
                 return True
             blocked: tuple[PrefillTarget, str] | None = None
+            ask_at = -1.0  # with a backoff: the earliest next re-request of a blocked target
             for i in pending if resume else pending[:1]:
                 target = room.targets[i]
                 info = target.staging.get(chunk_idx)
@@ -823,7 +839,9 @@ class PrefillRank:
                     reason = "allocation pending" if offset < 0 else (
                         f"watermark ({wm[0]}, {wm[1]}) behind round {rnd} end {end}")
                     if self._recovery:
-                        self._re_request(room, target, chunk_idx, out)
+                        due = self._re_request(room, target, chunk_idx, out)
+                        if due >= 0 and (ask_at < 0 or due < ask_at):
+                            ask_at = due
                     blocked = blocked or (target, reason)
                     continue
                 post = self._post(index, room, chunk, target, chunk_idx, (offset, rnd, end),
@@ -831,6 +849,8 @@ class PrefillRank:
                 if post is None:
                     return False
                 out.append(post)
+                if self._backoff:
+                    self._reset_backoff(room.room, chunk_idx, target.session)
                 w.busy = chunk
                 chunk.current = i
                 chunk.staged = post.staged
@@ -849,6 +869,8 @@ class PrefillRank:
             retry = None if all_blocked else self.now + self._deferral_wait_s
             if retry is None and self._recovery:
                 retry = self.now + cfg.control_retry_s
+                if self._backoff and ask_at > retry:
+                    retry = ask_at  # nothing to ask again before then
             w.sleeping = retry is None
             w.poll_at = -1.0 if retry is None else retry
             if retry is not None and self.coalesced and not self._accounting:
@@ -861,20 +883,44 @@ class PrefillRank:
         return False
 
     def _re_request(self, room: PrefillRoom, target: PrefillTarget, chunk_idx: int,
-                    out: list[ev.Effect]) -> None:
+                    out: list[ev.Effect]) -> float:
         """Lost-control recovery: ask again for a chunk deferred ``control_retry_s`` after its
-        last request; decode answers with the allocation and its current watermark."""
+        last request; decode answers with the allocation and its current watermark.
+
+        With ``answer-requester-only`` the interval doubles with each re-request of the same
+        chunk and session, up to a tenth of the waiting timeout. Returns when the next
+        re-request is due (-1: never requested, or no backoff)."""
         key = (chunk_idx, target.session)
         requested_at = self._requested_at.get(room.room)
-        if requested_at is None or (
-                self.now - requested_at.get(key, self.now) < self.cfg.control_retry_s):
-            return  # never requested: nothing to ask again
+        if requested_at is None or key not in requested_at:
+            return -1.0  # never requested: nothing to ask again
+        last = requested_at[key]
+        due = -1.0
+        if not self._backoff:
+            if self.now - last < self.cfg.control_retry_s:
+                return due
+        else:
+            gaps = self._retry_gap.setdefault(room.room, {})
+            gap = gaps.get(key, self.cfg.control_retry_s)
+            if self.now < last + gap:  # (the poll comes at exactly last + gap)
+                return last + gap
+            gap = min(gap * 2, self._retry_cap)
+            gaps[key] = gap
+            due = self.now + gap
         requested_at[key] = self.now
         full = self.cfg.full_chunk_pages
         pages = min(full, target.total_pages - chunk_idx * full)
         out.append(_Send(dst=target.session, msg=_StagingReq(
             room=room.room, chunk_idx=chunk_idx, chunk_pages=pages, session_id=target.session,
             pp_rank=self._req_pp_rank)))
+        return due
+
+    def _reset_backoff(self, room_id: int, chunk_idx: int, session: str) -> None:
+        """``answer-requester-only``: a chunk that got its allocation or posted its write
+        re-requests ``control_retry_s`` after its last request again."""
+        gaps = self._retry_gap.get(room_id)
+        if gaps is not None:
+            gaps.pop((chunk_idx, session), None)
 
     def _post(self, index: int, room: PrefillRoom, chunk: TransferChunk, target: PrefillTarget,
               chunk_idx: int, info: tuple[int, int, int],
@@ -1002,6 +1048,7 @@ class PrefillRank:
     def _tear_down(self, room: PrefillRoom, out: list[ev.Effect]) -> None:
         del self._rooms[room.room]
         self._requested_at.pop(room.room, None)
+        self._retry_gap.pop(room.room, None)
         if room.state is _S_FAILED:
             self._aborted.add(room.room)
         if self._indexing:
