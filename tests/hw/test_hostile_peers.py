@@ -214,12 +214,17 @@ def test_control_messages_never_unpickle(tmp_path: Path) -> None:
 
 def test_no_unpickling_of_what_a_socket_or_user_file_delivers() -> None:
     """Nothing in the package unpickles, evaluates, builds code with ``exec`` or reads
-    ``marshal``: what crosses a pipe or a socket is typed msgpack (``msgspec``)."""
-    def grep(pattern: str) -> set[str]:
-        return set(subprocess.run(["grep", "-rlE", pattern, "twin/", "--include=*.py"],
-                                  cwd=ROOT, capture_output=True, text=True).stdout.split())
+    ``marshal``: what crosses a pipe or a socket is typed msgpack (``msgspec``). One ``exec``
+    is by design: the reference loader runs SGLang 0.5.23's own staging source out of its
+    released wheel (the code the exposure check and the differential tests compare against),
+    as installing that wheel would; no frame, trace or config reaches it."""
+    def grep(pattern: str) -> list[str]:
+        return subprocess.run(["grep", "-rnE", pattern, "twin/", "--include=*.py"],
+                              cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
 
-    assert not grep(r"pickle\.loads?\(|[^_.a-z]eval\(|exec\(|marshal\.loads?\(")
+    hits = grep(r"pickle\.loads?\(|[^_.a-z]eval\(|exec\(|marshal\.loads?\(")
+    assert [h.split(":", 1)[0] for h in hits] == ["twin/reference/sglang_wheel.py"], hits
+    assert hits[0].endswith("exec(code, module.__dict__)"), hits
 
 
 def test_run_secret_sources_are_checked(tmp_path: Path) -> None:
