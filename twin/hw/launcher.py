@@ -19,6 +19,7 @@ request can run a rank out of pages.
 from __future__ import annotations
 
 import contextlib
+import gc
 import heapq
 import json
 import os
@@ -41,6 +42,7 @@ from twin.hw.hostmem import RANK_OVERHEAD_BYTES, available_host_bytes, fits, hos
 from twin.hw.lifeline import LOG_ENV, PARENT_ENV, rank_log_path
 from twin.hw.netutil import has_rdma_devices
 from twin.hw.nodes import AgentHub, NodesError, PlacementEntry, RemoteRank
+from twin.hw.pacing import prompt_wakeups
 from twin.hw.procs import start_rank
 from twin.hw.rankspec import (
     CMD,
@@ -260,8 +262,17 @@ class Launcher:
                  options: HwOptions, writer: Any = None,
                  scripts: dict[str, list[Any]] | None = None,
                  requests: dict[str, list[dict[str, Any]]] | None = None,
-                 hub: AgentHub | None = None, params: SimParams | None = None) -> None:
+                 hub: AgentHub | None = None, params: SimParams | None = None,
+                 open_writer: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.cfg = cfg
+        # Opens the trace once the ranks are ready, given the facts of the start-up for its
+        # header's [run] table: ``{"warmup": ..., "pacing": ...}``.
+        self.open_writer = open_writer
+        self._gc_frozen = False
+        # What the coordinator asked of the kernel for its timers (twin.hw.pacing), and how to
+        # undo it when the run ends.
+        self.pacing: dict[str, Any] = {}
+        self._restore_pacing: Callable[[], None] | None = None
         self.topo = Topology(cfg)
         self.params = params or SimParams()
         self.defects = defects
@@ -308,6 +319,9 @@ class Launcher:
                 for node in scope_nodes(self.topo, spec):
                     at = spec.at or 0.0
                     self.crash_plan[node] = min(at, self.crash_plan.get(node, at))
+        # What the ranks' warm-up took before the first request (``twin.hw.warmup``), for
+        # the trace header: {"ran", "seconds", "ranks": {node: report}}; empty until started.
+        self.warmup: dict[str, Any] = {}
         self.dead: dict[str, float] = {}  # node -> when a crash fault's exit was seen
         self.gone: set[str] = set()  # dead ranks whose last records arrived
 
@@ -347,19 +361,40 @@ class Launcher:
         for info in directory:
             self.endpoints[info["node"]] = info["endpoint"]
         body = [DIRECTORY, json.dumps(directory).encode(), *metas]
+        warm_t0 = time.monotonic()
         for node in order:
             self.sock.send(self.endpoints[node], body)
-        ready: set[str] = set()
+        ready: dict[str, dict[str, Any]] = {}  # node -> its warm-up report
         while len(ready) < len(self.procs):
             frames = self._recv(deadline, "bootstrap")
-            node = self._starting(frames, b"TWIN_READY", "bootstrap", self._node_of)
-            if node is not None:
-                ready.add(node)
+            got = self._starting(frames, b"TWIN_READY", "bootstrap", self._ready)
+            if got is not None:
+                ready[got[0]] = got[1]
+        ready_at = time.monotonic()
+        # Every rank warmed its connections and transfer paths before it said ready
+        # (twin.hw.warmup): from the directory to the last rank ready, and each rank's own.
+        self.warmup = {"ran": True, "seconds": round(ready_at - warm_t0, 6),
+                       "ranks": dict(sorted(ready.items()))}
+        # The forward timers of this thread wake on time (twin.hw.pacing), and what this
+        # process set up so far lives for the run: the collector is kept off it, so that a
+        # full collection cannot hold a forward (SGLang's freeze_gc after warm-up).
+        self.pacing, self._restore_pacing = prompt_wakeups()
+        gc.freeze()
+        self._gc_frozen = True
+        if self.open_writer is not None:  # the header records both: the trace starts after
+            self.writer = self.open_writer({"warmup": self.warmup, "pacing": self.pacing})
         self.t0 = time.monotonic()
         for node in order:
             # Each rank's clock origin in its own host's clock: its records are our time.
             t0 = self.t0 + (self.hub.offset_of(node) if self.hub is not None else 0.0)
             self.sock.send(self.endpoints[node], [START, repr(t0).encode()])
+
+    def _ready(self, frames: list[bytes]) -> tuple[str, dict[str, Any]]:
+        """A rank's ``TWIN_READY``: its node and its warm-up report (``twin.hw.warmup``)."""
+        node = self._node_of(frames)
+        report = messages.json_object(frames[2]) if len(frames) > 2 else {}
+        return node, {k: v for k, v in report.items()
+                      if isinstance(k, str) and isinstance(v, (int, float))}
 
     def _starting(self, frames: list[bytes], tag: bytes, phase: str,
                   take: Callable[[list[bytes]], Any]) -> Any:
@@ -541,6 +576,12 @@ class Launcher:
                 for note in self.clock_notes:
                     self.sys({"type": "Note", "text": note})
         self.stopping = True
+        if self._gc_frozen:
+            gc.unfreeze()
+            self._gc_frozen = False
+        if self._restore_pacing is not None:
+            self._restore_pacing()
+            self._restore_pacing = None
         for node, ep in self.endpoints.items():
             if self.procs.get(node) is not None and self.procs[node].is_alive():
                 # A dead peer must not stop the teardown.
@@ -616,8 +657,11 @@ class Launcher:
             self.pump(50)
         return self.states
 
-    def pump(self, timeout_ms: int) -> int:
-        """Receive and dispatch rank messages for up to ``timeout_ms``; return how many."""
+    def pump(self, timeout_ms: int, *, flush: bool = True, until: float | None = None) -> int:
+        """Receive and dispatch rank messages for up to ``timeout_ms``; return how many.
+        ``until`` (run time): stop reading at it, leaving the rest queued, so that a timer due
+        then is not held behind a backlog of records; ``flush``: write the records every rank
+        has sent up to a common time to the trace (the caller does it later otherwise)."""
         n = 0
         frames = self.sock.recv_frames(timeout_ms=timeout_ms)
         while frames is not None:
@@ -626,10 +670,13 @@ class Launcher:
                 self._dispatch(frames)
             except (messages.BadFrame, IndexError, UnicodeDecodeError) as exc:
                 self.drop(frames, exc)
+            if until is not None and self.now() >= until:
+                break
             frames = self.sock.recv_frames(timeout_ms=0)
         if self.hub is not None:
             self._tick_agents()  # after reading what arrived, heartbeats included
-        self.flush_records()
+        if flush:
+            self.flush_records()
         return n
 
     def _dispatch(self, frames: list[bytes]) -> None:
@@ -722,12 +769,14 @@ class Launcher:
 
 
 def _hello(frames: list[bytes], nodes: set[str]) -> dict[str, Any]:
-    """A rank's HELLO: ``[tag, json {node, endpoint, ring, pool}, nixl metadata]`` (``ring``:
-    a decode rank's staging ring; ``pool``: its KV pool when nothing is staged; else null)."""
+    """A rank's HELLO: ``[tag, json {node, endpoint, ring, pool, warm}, nixl metadata]``
+    (``ring``: a decode rank's staging ring; ``pool``: its KV pool when nothing is staged;
+    ``warm``: its warm-up region, ``twin.hw.warmup``; else null)."""
     info = messages.json_object(frames[1])
     if len(frames) != 3 or info.get("node") not in nodes or \
             not isinstance(info.get("endpoint"), str) or \
             not isinstance(info.get("ring"), (dict, type(None))) or \
+            not isinstance(info.get("warm"), (dict, type(None))) or \
             not isinstance(info.get("pool"), (dict, type(None))):
         raise messages.BadFrame("not a HELLO of one of this run's ranks")
     return info

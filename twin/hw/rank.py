@@ -68,6 +68,7 @@ from twin.hw.rankspec import (
     RankSpec,
 )
 from twin.hw.ringcheck import RingCheck
+from twin.hw.warmup import WARMUP_BYTES, WarmUp, warm_plan
 from twin.runtime.faults import FaultInjector, FaultSpec, in_scope, parse_fault
 from twin.runtime.runtime import Runtime
 from twin.runtime.sockets import configured, thread_of
@@ -158,6 +159,11 @@ class RankProcess:
         # No staging (equal attention TP): pages go straight between the KV pools, which
         # both sides register (registered before the metadata is sent, so peers know it).
         self.pool_region = None if cfg.stages else self.nixl.register(self.pool.storage)
+        # A decode rank's warm-up region (prefill peers' first WRITEs land there, never read;
+        # twin.hw.warmup), and on a prefill rank each decode peer's.
+        self.warm_region = (self.nixl.register(byte_buffer(WARMUP_BYTES, self.device))
+                            if isinstance(self.core, DecodeRank) else None)
+        self.warm_targets: dict[str, tuple[str, RegionDesc]] = {}
         specs = [parse_fault(f) for f in spec.faults]
         self.injector = FaultInjector(specs, random.Random(f"{spec.seed}:{spec.node}:faults"))
         # The first crash fault that takes this rank down (``scope=server``: its whole server).
@@ -230,15 +236,18 @@ class RankProcess:
         hello = {"node": self.spec.node, "endpoint": self.sock.endpoint,
                  "health": self.health.address if self.health is not None else None,
                  "ring": self.ring_region.to_dict() if self.ring is not None else None,
-                 "pool": self._pool_entry()}
+                 "pool": self._pool_entry(),
+                 "warm": self.warm_region.to_dict() if self.warm_region is not None else None}
         self.sock.send(self.coordinator, [HELLO, json.dumps(hello).encode(),
                                           self.nixl.metadata()])
+        early: list[list[bytes]] = []  # peers that started first may already be talking
         while True:
             frames = self.sock.recv_frames(timeout_ms=60_000)
             if frames is None:
                 raise RuntimeError(f"{self.spec.node}: no directory from the coordinator")
             if frames[0] == DIRECTORY:
                 break
+            early.append(frames)  # a peer's warm-up ping
         directory = json.loads(frames[1])
         metas = frames[2:]
         for i, entry in enumerate(directory):
@@ -258,8 +267,12 @@ class RankProcess:
             for node, endpoint in self.endpoints.items():
                 if node in self.rings:
                     self.sock.connect(endpoint, "prefetch", wait_s=60.0)
-        self.sock.send(self.coordinator, [b"TWIN_READY", self.spec.node.encode()])
-        early: list[list[bytes]] = []  # peers that started first may already be talking
+        # Warm connections and transfer paths as a long-lived SGLang server's are, before any
+        # request (twin.hw.warmup); the coordinator gets the report with TWIN_READY.
+        warm = WarmUp(self.spec.node, self.sock, self.endpoints)
+        report = warm.run(*warm_plan(self), self.nixl, early)
+        self.sock.send(self.coordinator, [b"TWIN_READY", self.spec.node.encode(),
+                                          json.dumps(report).encode()])
         while True:
             frames = self.sock.recv_frames(timeout_ms=60_000)
             if frames is None:
@@ -269,7 +282,8 @@ class RankProcess:
                 self.sock.unread(early)
                 self._start_faults()
                 return
-            early.append(frames)
+            if not warm.answer(frames):  # peers still warming up ping this rank
+                early.append(frames)
 
     def _pool_entry(self) -> dict[str, Any] | None:
         """A decode rank's KV pool for the directory when nothing is staged (prefill ranks
@@ -281,10 +295,12 @@ class RankProcess:
     def _add_decode_peer(self, entry: dict[str, Any], meta: bytes) -> None:
         """Load a decode rank's agent from the directory, with its ring (staged deployments)
         or its KV pool (direct page writes)."""
-        ring, pool = entry.get("ring"), entry.get("pool")
+        ring, pool, warm = entry.get("ring"), entry.get("pool"), entry.get("warm")
         if ring is None and pool is None:
             return
         peer = self.nixl.add_peer(meta)
+        if warm is not None:
+            self.warm_targets[entry["node"]] = (peer, RegionDesc.from_dict(warm))
         if ring is not None:
             self.rings[entry["node"]] = (peer, RegionDesc.from_dict(ring))
         if pool is not None:

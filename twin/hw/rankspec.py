@@ -17,7 +17,8 @@ HELLO, DIRECTORY, START, CMD, RECORDS, REPORT, STATE, STOP = (
     b"TWIN_HELLO", b"TWIN_DIR", b"TWIN_START", b"TWIN_CMD", b"TWIN_REC", b"TWIN_REPORT",
     b"TWIN_STATE", b"TWIN_STOP")
 META, ABORT, PEER = b"TWIN_META", b"TWIN_ABORT", b"TWIN_PEER"
-WARM = b"TWIN_WARM"  # opens a prefill rank's prefetch connection to a decode rank at start-up
+# A rank's warm-up round trip with each peer before the first request (twin.hw.warmup).
+WARM, WARM_ACK = b"TWIN_WARM", b"TWIN_WARM_ACK"
 
 
 @dataclass

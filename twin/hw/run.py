@@ -48,6 +48,13 @@ UNSUPPORTED_FAULTS = ("restart",)
 #: The wedge window on hardware is wall-clock time: at least this long, since a loaded host can
 #: stall a rank for seconds without anything being stuck.
 HW_MIN_WEDGE_WINDOW_S = 15.0
+#: How often the coordinator's loop looks for rank processes that ended (and agents gone
+#: silent): each look polls every process, too much to do between every two frames.
+CHECK_ALIVE_S = 0.01
+#: The records are written to the trace when no timer is due within this long (writing a block
+#: of them takes several milliseconds, which would hold a forward), or after this long at most.
+TRACE_FLUSH_GAP_S = 0.01
+TRACE_FLUSH_MAX_S = 1.0
 
 
 class HwInputError(ValueError):
@@ -203,6 +210,8 @@ class HwRun:
         self.wedge_window_s = (opts.wedge_window_s if opts.wedge_window_s is not None
                                else max(params.wedge_window_s, HW_MIN_WEDGE_WINDOW_S))
         self.stopped = RunStatus.INTERRUPTED
+        self._next_check = 0.0  # when to look for dead ranks and agents next
+        self._flushed_at = 0.0  # when the records were last written to the trace
         launcher.on_records = self._records
         launcher.on_report = self._report
 
@@ -440,8 +449,7 @@ class HwRun:
                     self._fits(pending[0]):
                 self._admit(pending.popleft())
                 in_flight += 1
-            while self.timers and self.timers[0][0] <= now:
-                heapq.heappop(self.timers)[2]()
+            self._fire_timers()
             wait = 0.02
             if self.timers:
                 wait = min(wait, self.timers[0][0] - lau.now())
@@ -450,8 +458,19 @@ class HwRun:
                 # rank's message, which ends the pump anyway: waiting for its arrival time
                 # (long past) would spin this loop and take a core from the ranks.
                 wait = min(wait, self.workload.requests[pending[0]].arrival_s - lau.now())
-            lau.pump(max(0, int(wait * 1000)))
-            lau.check_alive()
+            self._wait(wait)
+            # A forward due now goes before the trace's bookkeeping and the liveness checks,
+            # and the trace is written while no forward is due soon (a block of it takes
+            # milliseconds to encode), or at least every TRACE_FLUSH_MAX_S.
+            self._fire_timers()
+            t = lau.now()
+            if not self.timers or self.timers[0][0] - t > TRACE_FLUSH_GAP_S or \
+                    t - self._flushed_at > TRACE_FLUSH_MAX_S:
+                self._flushed_at = t
+                lau.flush_records()
+            if lau.now() >= self._next_check:
+                self._next_check = lau.now() + CHECK_ALIVE_S
+                lau.check_alive()
             if lau.errors:
                 lau.settle_unreachable()
                 if self.echo is not None:
@@ -478,6 +497,23 @@ class HwRun:
             if now > opts.timeout_s:
                 self.notes.append(f"stopped after --timeout {opts.timeout_s:g} s")
                 return False
+
+    def _fire_timers(self) -> None:
+        now = self.launcher.now()
+        while self.timers and self.timers[0][0] <= now:
+            heapq.heappop(self.timers)[2]()
+
+    def _wait(self, wait: float) -> None:
+        """Read the ranks' messages for ``wait`` seconds, or until a timer is due: zmq waits
+        whole milliseconds, so a rest under one is slept (not spun on, which took a core from
+        the ranks as a forward came due), and reading stops when the next timer is due."""
+        lau = self.launcher
+        until = self.timers[0][0] if self.timers else None
+        ms = int(wait * 1000)
+        if ms > 0:
+            lau.pump(ms, flush=False, until=until)
+        elif not lau.pump(0, flush=False, until=until) and wait > 0:
+            time.sleep(wait)
 
     def _result(self, wedged: bool, t_start: float) -> HwResult:
         lau = self.launcher
@@ -625,7 +661,22 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
             from twin.hw.probe import host_record
 
             header["config"]["run"]["host"] = host_record()
-    writer = None
+    writer: Any = None
+
+    def open_writer(started: dict[str, Any] | None = None) -> Any:
+        """The trace, opened once the ranks are ready (the header's [run] table records their
+        warm-up and the coordinator's pacing: ``started``) or when the run ends before that."""
+        nonlocal writer
+        if header is not None and writer is None:
+            from twin.trace.format import TraceWriter
+
+            header["config"]["run"].update(started or {})
+            # inline: this process runs zmq threads, which a fork would not carry; blocks are
+            # compressed on a thread of their own, not between the forwards this loop paces
+            writer = TraceWriter(trace_out, header,  # type: ignore[arg-type]
+                                 encoder="inline", threaded=True)
+        return writer
+
     result: HwResult | None = None
     try:
         with signals_interrupt():
@@ -633,16 +684,12 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
             try:
                 hub = open_hub(cfg, options, echo)
             finally:
-                if header is not None:
-                    from twin.trace.format import TraceWriter
-
-                    if hub is not None:
-                        header["agents"] = hub.records()  # who ran what, and their clocks
-                    # inline: this process runs zmq and NIXL threads, which a fork would not carry
-                    writer = TraceWriter(trace_out, header,  # type: ignore[arg-type]
-                                         encoder="inline")
+                if header is not None and hub is not None:
+                    header["agents"] = hub.records()  # who ran what, and their clocks
+            # The trace opens once the ranks are warm (its header records the warm-up), before
+            # the run's clock starts: nothing of the warm-up is recorded.
             with Launcher(cfg, defects=defects, faults=faults, seed=seed, options=options,
-                          writer=writer, hub=hub, params=params) as launcher:
+                          hub=hub, params=params, open_writer=open_writer) as launcher:
                 run = HwRun(launcher, workload, params, request_overrides or {},
                             max_concurrency or options.max_concurrency, faults=specs,
                             echo=echo)
@@ -652,7 +699,7 @@ def run_hw(cfg: TwinConfig, workload: Workload, *, defects: Defects | None = Non
             if launcher.hub is not None:  # with the clocks re-checked at the end
                 result.agents = launcher.hub.records()
     except BaseException as exc:
-        if writer is not None:
+        if open_writer() is not None:  # a run that never started leaves its trace too
             writer.close(writer.abort_outcome(exc))
         raise
     if writer is not None:
