@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twin.hw import messages
 from twin.hw.control import ControlSocket
@@ -51,8 +51,9 @@ from twin.hw.nixl_transport import NixlEndpoint, RegionDesc
 from twin.hw.pacing import short_slices
 from twin.hw.rankspec import WARM, WARM_ACK
 
-if TYPE_CHECKING:
-    from twin.hw.rank import RankProcess
+# The rank process these functions warm (``twin.hw.rank.RankProcess``, which imports this
+# module): typed loosely so that the two modules do not import each other.
+RankProcess = Any
 
 #: Bytes of a decode rank's warm-up region, and of each warm-up WRITE into it (at most: a
 #: smaller source buffer bounds it): about a chunk's WRITE (128 KiB per writer in
