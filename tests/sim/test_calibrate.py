@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -128,3 +129,39 @@ def test_calibrate_with_stalls_fits_per_process_stalls(tmp_path: Path) -> None:
     assert params is not None and params.process_stall_s > 0
     (fit,) = report["traces"]
     assert 0.5 < fit["ratio_p50"]["kv_done_s"] < 2.0
+
+
+def test_a_write_time_that_does_not_grow_with_size_is_latency_not_bandwidth() -> None:
+    from twin.calibrate import _fit_line
+
+    flat = [(49152, 1.6e-3), (49152, 1.7e-3), (131072, 1.5e-3), (131072, 1.6e-3)]
+    intercept, per_byte = _fit_line(flat)
+    assert per_byte == 0.0 and intercept == pytest.approx(1.6e-3)
+    # A fixed cost and a cost per byte, over sizes far enough apart, are told apart.
+    line = [(n, 1e-3 + n * 2e-9) for n in (50_000, 100_000, 200_000) for _ in range(3)]
+    intercept, per_byte = _fit_line(line)
+    assert intercept == pytest.approx(1e-3) and per_byte == pytest.approx(2e-9)
+    # Sizes 6% apart (or one size) leave the slope to noise: the proportional line.
+    close = [(122880, 1.4e-3), (131072, 1.7e-3)]
+    assert _fit_line(close) == (0.0, pytest.approx(float(np.median([1.4e-3 / 122880,
+                                                                   1.7e-3 / 131072]))))
+
+
+def test_scatter_costs_split_a_fixed_cost_from_a_cost_per_byte() -> None:
+    from twin.calibrate import _scatter_costs
+
+    launch, per_byte, wait = 0.7e-3, 2e-9, 0.1e-3
+    spans: list[tuple[float, float, int]] = []
+    t = 0.0
+    for i in range(40):  # each alone on the stream, seen a polling wait after it finished
+        n = (100_000, 260_000)[i % 2]
+        spans.append((t, t + launch + n * per_byte + wait, n))
+        t += 0.01
+    # Two scatters queued behind the one before them: their times hold the queue.
+    a = t + 1.0
+    spans += [(a, a + launch + 260_000 * per_byte + wait, 260_000),
+              (a, a + 2 * (launch + 260_000 * per_byte) + wait, 260_000)]
+    got_launch, got_per_byte, poll = _scatter_costs([{"d0g0r0": spans}])
+    assert got_launch == pytest.approx(launch + wait, rel=1e-6)  # a poll's wait is fixed too
+    assert got_per_byte == pytest.approx(per_byte, rel=1e-6)
+    assert poll == pytest.approx(1e-4)  # nothing left once the queue is replayed

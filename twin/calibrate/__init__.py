@@ -169,19 +169,49 @@ class _FrameMatcher:
                 return
 
 
-def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """``(intercept, seconds per byte)`` through the median duration of each byte size
-    (least squares when there are several sizes; proportional when there is one)."""
+LINE_SPAN = 1.5
+"""A fixed cost is told from a cost per byte only over sizes at least this far apart (the
+slope through two sizes 6% apart is the noise of their medians)."""
+
+
+def _fit_line(points: list[tuple[int, float]], *, flat: bool = True) -> tuple[float, float]:
+    """``(intercept, seconds per byte)`` through the median duration of each byte size.
+
+    Sizes spanning at least ``LINE_SPAN`` (largest over smallest): least squares; a line that
+    falls with size (the time does not grow with the bytes: latency, not bandwidth) is the
+    flat line through the median of every duration (the proportional one without ``flat``),
+    and a line with a negative intercept the proportional one. One size: the
+    proportional line (nothing separates a fixed cost from a cost per byte), as with sizes
+    too close together for a slope."""
     by: dict[int, list[float]] = defaultdict(list)
     for b, d in points:
         by[b].append(d)
     xs = np.array(sorted(by), dtype=float)
     ys = np.array([float(np.median(by[int(b)])) for b in xs])
-    if len(xs) >= 2:
+    if len(xs) >= 2 and xs[-1] >= LINE_SPAN * xs[0]:
         slope, intercept = np.polyfit(xs, ys, 1)
+        if slope <= 0 and flat:
+            return float(np.median([d for _, d in points])), 0.0
         if slope > 0 and intercept >= 0:
             return float(intercept), float(slope)
     return 0.0, float(np.median(ys / xs))
+
+
+WRITE_FAST_END = 50
+"""Percentile of each size's WRITE times at or below which a WRITE is taken as unqueued: on
+the 2-core reference host the lower half fits another workload best (p10 and p25 read too
+fast a WRITE, p100, the median line, leaves no spread for the wait;
+``benchmarks/bench_calibration.py``)."""
+
+
+def _fast_end(points: list[tuple[int, float]], q: float = 10) -> list[tuple[int, float]]:
+    """The points at or below the ``q``-th percentile duration of their byte size: the ones
+    that did not queue or wait on the host's scheduler."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for b, d in points:
+        by[b].append(d)
+    cut = {b: float(np.percentile(v, q)) for b, v in by.items()}
+    return [(b, d) for b, d in points if d <= cut[b]]
 
 
 def _scatter_costs(spans: list[dict[str, list[tuple[float, float, int]]]]
@@ -189,23 +219,31 @@ def _scatter_costs(spans: list[dict[str, list[tuple[float, float, int]]]]
     """``(launch, seconds per byte, polling interval)`` of the decode ranks' scatters.
 
     A rank runs its scatters one after another (the simulator's stream does too), so one
-    scatter's start-to-done time holds the scatters queued before it: the cost of a byte is
-    the ranks' busy time (the union of their scatters' spans) over the bytes scattered. What
-    is left of each scatter's time once that queue is replayed (done minus its finish on a
+    scatter's start-to-done time holds the scatters queued before it and the wait for the
+    decode loop to see it. The scatters that did neither (the fast end, p10 of each byte
+    size) give the fixed cost of a scatter and its cost per byte (``_fit_line``; with one
+    size, the ranks' busy time, the union of their scatters' spans, over the bytes). What is
+    left of each scatter's time once the queue is replayed (done minus its finish on a
     serial stream) is the wait for the decode loop to see it, on average half the polling
     interval."""
-    busy, nbytes, count = 0.0, 0, 0
-    for per_node in spans:
-        for node_spans in per_node.values():
-            end = -math.inf
-            for a, b, n in sorted(node_spans):
-                if b > end:
-                    busy += b - max(a, end)
-                    end = b
-                nbytes += n
-                count += 1
-    launch = 1e-6
-    per_byte = max(0.0, busy - launch * count) / max(1, nbytes)
+    points = [(n, b - a) for per_node in spans for node_spans in per_node.values()
+              for a, b, n in node_spans]
+    sizes = [n for n, _ in points]
+    if sizes and max(sizes) >= LINE_SPAN * min(sizes):
+        launch, per_byte = _fit_line(_fast_end(points))
+        launch = max(launch, 1e-6)
+    else:
+        launch, busy, nbytes, count = 1e-6, 0.0, 0, 0
+        for per_node in spans:
+            for node_spans in per_node.values():
+                end = -math.inf
+                for a, b, n in sorted(node_spans):
+                    if b > end:
+                        busy += b - max(a, end)
+                        end = b
+                    nbytes += n
+                    count += 1
+        per_byte = max(0.0, busy - launch * count) / max(1, nbytes)
     waits = []
     for per_node in spans:
         for node_spans in per_node.values():
@@ -281,10 +319,12 @@ def direct_params(measured: list[Measured], base: SimParams | None = None,
         # cost goes to the gather (which does not queue), the rest to the WRITE's latency,
         # and the NIC is not the bottleneck. A rank's busy time (``transfer_busy``) says so:
         # its bytes over the time any WRITE was in flight is far below a NIC's bandwidth.
-        # The fast end (p10 of each size) is the WRITE itself; the median's excess over it
-        # is an exponential wait (its median is ln 2 times its mean).
-        fast = [(b, d) for b, d in xfer if d <= np.percentile([x for y, x in xfer if y == b], 10)]
-        intercept, per_byte = _fit_line(fast or xfer)
+        # The lower half of each size (the WRITEs that no queue or scheduling delay held
+        # back) gives the WRITE itself: a fixed cost and a cost per byte, or a flat line
+        # where the time does not grow with the bytes (``_fit_line``; a proportional fit
+        # there over-predicted a larger workload's WRITEs by their fixed cost). The median's
+        # excess over that line is an exponential wait (its median is ln 2 times its mean).
+        intercept, per_byte = _fit_line(_fast_end(xfer, WRITE_FAST_END))
         changes["gather_bandwidth_Bps"] = 1.0 / per_byte if per_byte > 0 else 1e15
         changes["rdma_latency_s"] = max(0.0, intercept - launch)
         changes["nic_bandwidth_Bps"] = 1e15
@@ -303,18 +343,21 @@ def _fit_direct_writes(direct: list[tuple[int, int, float]], staged: bool,
     seconds)``: the median, over the fast end (p10 of each write count, as for staged
     WRITEs), of a write's time beyond its latency and its bytes' cost (bytes over
     ``nic_bandwidth_Bps``, as the simulator charges a direct write) per page, layer and K/V.
-    The latency is the staged WRITEs' (``staged``); without any, the intercept of the
-    direct writes' time against their count, which then also sets the WRITE latency, its
-    jitter and an unlimited NIC. A fit that leaves no positive cost sets nothing."""
+    The latency is the staged WRITEs' (``staged``); without any, the line of the direct
+    writes' time against their count gives both (its intercept the WRITE latency, its slope
+    the cost of a write; proportional when the time does not grow with the count) and sets
+    the WRITE latency, its jitter and an unlimited NIC. A fit that leaves no positive cost
+    sets nothing."""
     fast = [w for w in direct
             if w[2] <= np.percentile([d for c, _, d in direct if c == w[0]], 10)]
-    if staged:
-        latency = float(changes["rdma_latency_s"])
-    else:
-        latency, _ = _fit_line([(c, d) for c, _, d in fast])
     nic = 1e15 if not staged else float(changes.get("nic_bandwidth_Bps",
                                                     base.nic_bandwidth_Bps))
-    per_write = float(np.median([(d - latency - b / nic) / c for c, b, d in fast]))
+    if staged:
+        latency = float(changes["rdma_latency_s"])
+        per_write = float(np.median([(d - latency - b / nic) / c for c, b, d in fast]))
+    else:
+        # the time a write count adds (all of it, when it does not grow with the count)
+        latency, per_write = _fit_line([(c, d) for c, _, d in fast], flat=False)
     if per_write <= 0:
         return
     changes["direct_write_s"] = per_write
