@@ -57,7 +57,7 @@ from twin.core.snapshot import (
     TargetView,
     WorkerView,
 )
-from twin.core.states import PrefillRoomState, PrefillTrigger, prefill_next
+from twin.core.states import PrefillRoomState, PrefillTrigger, observing, prefill_next
 
 # The members the handlers compare against, as module constants: compiled, a Final
 # name is a C static, where reading an enum class's attribute goes through its
@@ -66,6 +66,7 @@ _S_BOOTSTRAPPING: Final = PrefillRoomState.BOOTSTRAPPING
 _S_FAILED: Final = PrefillRoomState.FAILED
 _S_SUCCESS: Final = PrefillRoomState.SUCCESS
 _T_DEQUEUE: Final = PrefillTrigger.DEQUEUE
+_TRANSFERRING: Final = PrefillRoomState.TRANSFERRING
 _T_FAIL: Final = PrefillTrigger.FAIL
 _T_LAST_CHUNK_DONE: Final = PrefillTrigger.LAST_CHUNK_DONE
 
@@ -175,6 +176,7 @@ class PrefillRoom:
     prefetched: bool
     fail_reason: str
     success_due: bool  # the last chunk finished while another was outstanding (a fix)
+    polled: int  # coalesced polls: this room's accounted polls in the batch being counted
 
     def __init__(self, *, room: int, targets: list[PrefillTarget], base: int,
                  start_send_idx: int = 0) -> None:
@@ -188,6 +190,7 @@ class PrefillRoom:
         self.prefetched = False
         self.fail_reason = ""
         self.success_due = False
+        self.polled = 0
 
 
 @dataclass(slots=True)
@@ -412,7 +415,6 @@ class PrefillRank:
         size = len(queue)  # a dequeue and its re-put leave the length as it was
         wait_s = self._deferral_wait_s
         room_of = self._rooms
-        counts: dict[int, int] = {}
         seq = w.next_seq
         streak = w.blocked_streak
         # How many polls are due: the times step as the fed polls' would (one addition each,
@@ -429,29 +431,46 @@ class PrefillRank:
         if polls and (not queue or w.busy is not None):
             raise AssertionError(f"{self.node}: coalesced poll of worker {index} would act; "
                                  f"it should have been fed")
-        # Each poll dequeues the head and re-puts it at the tail: a rotation by ``polls``.
+        # Each poll dequeues the head and re-puts it at the tail: a rotation by ``polls``. A
+        # room already Transferring stays so on a dequeue: the table's self-loop is skipped
+        # unless somebody watches. Counts go on the rooms (a room's chunks are mostly next to
+        # each other in the queue: its record is looked up once per run of them).
+        full = observing()
+        touched: list[PrefillRoom] = []
+        key = -1
+        room: PrefillRoom | None = None
         for chunk in islice(queue, polls):
-            room = room_of.get(chunk.room)
-            if room is None or chunk.wait == _ACTS:
+            if chunk.room != key or room is None:
+                key = chunk.room
+                room = room_of.get(key)
+                if room is None:
+                    raise AssertionError(f"{self.node}: coalesced poll of worker {index} on "
+                                         f"room {key}, which it does not hold")
+            if chunk.wait == _ACTS:
                 raise AssertionError(f"{self.node}: coalesced poll of worker {index} on room "
-                                     f"{chunk.room} would act; it should have been fed")
+                                     f"{key} would act; it should have been fed")
             if not chunk.counted:
                 room.outstanding += 1
                 chunk.counted = True
-            room.state = prefill_next(room.state, _T_DEQUEUE)
+            if full or room.state is not _TRANSFERRING:
+                room.state = prefill_next(room.state, _T_DEQUEUE)
             if chunk.written:
                 chunk.written.clear()
             chunk.seq = seq
             seq += 1
-            counts[chunk.room] = counts.get(chunk.room, 0) + 1
+            if room.polled == 0:
+                touched.append(room)
+            room.polled += 1
         queue.rotate(-polls)
         streak += polls
         self.accounted += seq - w.next_seq
         w.next_seq = seq
         w.blocked_streak = streak
         w.poll_at = at
-        out.append(_DeferralsCounted(worker=index, rooms=tuple(counts),
-                                     counts=tuple(counts.values())))
+        out.append(_DeferralsCounted(worker=index, rooms=tuple([r.room for r in touched]),
+                                     counts=tuple([r.polled for r in touched])))
+        for r in touched:
+            r.polled = 0
 
     def _schedule_polls(self, out: list[ev.Effect]) -> None:
         """Ask the driver to feed each waiting worker's first poll that acts or sleeps (a

@@ -100,6 +100,12 @@ def observe(pairs: set[tuple[object, object]] | None) -> set[tuple[object, objec
     return before
 
 
+def observing() -> bool:
+    """Whether ``observe`` collects pairs now: a caller that skips a transition that leaves
+    the state as it is (a hot loop's fast path) must still take it while somebody watches."""
+    return _observed is not None
+
+
 def prefill_next(state: PrefillRoomState, trigger: PrefillTrigger) -> PrefillRoomState:
     """The state after ``trigger``; ``ProtocolError`` names both when the pair is not allowed."""
     key = (state, trigger)
