@@ -70,7 +70,9 @@ def test_the_timing_comparison_says_when_the_host_ran_at_another_speed() -> None
     same = host_speed(m, fitted)
     assert same is not None and same["cost_ratio"] == pytest.approx(1.0, abs=1e-3)
     assert "note" not in same
-    slow = host_speed(m, fitted.replace(scatter_bandwidth_Bps=fitted.scatter_bandwidth_Bps * 2))
+    # costs from a host twice as fast: half the fixed cost, twice the bandwidth
+    slow = host_speed(m, fitted.replace(scatter_bandwidth_Bps=fitted.scatter_bandwidth_Bps * 2,
+                                        kernel_launch_s=fitted.kernel_launch_s / 2))
     assert slow is not None and slow["cost_ratio"] == pytest.approx(2.0, rel=1e-3)
     assert "another speed" in slow["note"]
     assert host_speed(m, SimParams()) is None  # not calibrated costs: nothing to compare

@@ -28,7 +28,7 @@ compares any hardware trace with it, and says when the trace ran on another host
 from __future__ import annotations
 
 import math
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,14 +254,25 @@ def _scatter_costs(spans: list[dict[str, list[tuple[float, float, int]]]]
     return launch, per_byte, max(1e-4, 2 * float(np.median(waits)))
 
 
-def scatter_cost_per_byte(m: Measured) -> float | None:
-    """Seconds per byte of the decode ranks' scatters in one trace (their busy time over the
-    bytes, as the fit reads it; on a CPU host it tracks the host's speed during the run), or
-    None without scatters."""
-    if not m.scatter_spans:
+def scatter_cost_per_byte(m: Measured, params: SimParams | None = None) -> float | None:
+    """Seconds per byte of the decode ranks' scatters in one trace, their fixed costs included
+    (on a CPU host it tracks the host's speed during the run): each scatter at the median of its
+    size's unqueued end (p10, as the fit reads them), or, with ``params``, at what those costs
+    (``kernel_launch_s`` and ``scatter_bandwidth_Bps``) charge a scatter of its size. None
+    without scatters."""
+    sizes = Counter(n for n, _ in m.scatters)
+    nbytes = sum(n * c for n, c in sizes.items())
+    if nbytes <= 0:
         return None
-    _, per_byte, _ = _scatter_costs([m.scatter_spans])
-    return per_byte if per_byte > 0 else None
+    if params is None:
+        fast: dict[int, list[float]] = defaultdict(list)
+        for n, d in _fast_end(m.scatters):
+            fast[n].append(d)
+        seconds = sum(c * float(np.median(fast[n])) for n, c in sizes.items())
+    else:
+        seconds = sum(c * (params.kernel_launch_s + n / params.scatter_bandwidth_Bps)
+                      for n, c in sizes.items())
+    return seconds / nbytes if seconds > 0 else None
 
 
 def direct_params(measured: list[Measured], base: SimParams | None = None,

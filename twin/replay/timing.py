@@ -105,22 +105,24 @@ the host ran at another speed."""
 
 
 def host_speed(m: Measured, params: SimParams) -> dict[str, Any] | None:
-    """The decode ranks' scatter speed in a measured hardware trace (``scatter_cost_per_byte``)
-    against the speed calibrated ``params`` assume (``blocking_kernels``: costs from ``twin
-    calibrate``); None when either is missing. On a CPU host the scatter includes the byte
+    """The decode ranks' scatter speed in a measured hardware trace (``scatter_cost_per_byte``,
+    fixed costs included) against the speed calibrated ``params`` assume for the same scatters
+    (``blocking_kernels``: costs from ``twin calibrate``); None when either is missing. On a CPU host the scatter includes the byte
     check and runs on the rank's own core, so it tracks the host's speed during the run and the
     contention for its cores: a trace whose scatters ran slower (or faster) than during
     calibration says so in ``note``, since every timing ratio includes that."""
     per_byte = scatter_cost_per_byte(m)
     if not params.blocking_kernels or per_byte is None:
         return None
-    measured_bps = 1.0 / per_byte
-    ratio = params.scatter_bandwidth_Bps / measured_bps  # this trace's cost per byte over the costs'
-    out: dict[str, Any] = {"trace_scatter_Bps": round(measured_bps), "costs_scatter_Bps":
-                           round(params.scatter_bandwidth_Bps), "cost_ratio": round(ratio, 3)}
+    assumed = scatter_cost_per_byte(m, params)
+    assert assumed is not None  # the same scatters, charged by the costs
+    measured_bps, costs_bps = 1.0 / per_byte, 1.0 / assumed
+    ratio = per_byte / assumed  # this trace's cost per byte over the costs'
+    out: dict[str, Any] = {"trace_scatter_Bps": round(measured_bps),
+                           "costs_scatter_Bps": round(costs_bps), "cost_ratio": round(ratio, 3)}
     if not 1 / (1 + SPEED_TOLERANCE) <= ratio <= 1 + SPEED_TOLERANCE:
         out["note"] = (f"this trace's decode ranks scattered at {measured_bps / 1e6:.1f} MB/s, "
-                       f"the costs assume {params.scatter_bandwidth_Bps / 1e6:.1f} MB/s "
+                       f"the costs assume {costs_bps / 1e6:.1f} MB/s for the same scatters "
                        f"({ratio:.2f}x the cost per byte): the host ran at another speed than "
                        f"during the calibration traces (or this run contended more for its "
                        f"cores), and every ratio below includes that")
