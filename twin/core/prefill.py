@@ -433,8 +433,9 @@ class PrefillRank:
                                  f"it should have been fed")
         # Each poll dequeues the head and re-puts it at the tail: a rotation by ``polls``. A
         # room already Transferring stays so on a dequeue: the table's self-loop is skipped
-        # unless somebody watches. Counts go on the rooms (a room's chunks are mostly next to
-        # each other in the queue: its record is looked up once per run of them).
+        # unless somebody watches. Counts go on the room records, not in a dict keyed by room
+        # id (each such key is a fresh int object above 256); a record is looked up again only
+        # when the next chunk is another room's.
         full = observing()
         touched: list[PrefillRoom] = []
         key = -1
