@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -204,14 +205,17 @@ fast a WRITE, p100, the median line, leaves no spread for the wait;
 ``benchmarks/bench_calibration.py``)."""
 
 
-def _fast_end(points: list[tuple[int, float]], q: float = 10) -> list[tuple[int, float]]:
-    """The points at or below the ``q``-th percentile duration of their byte size: the ones
-    that did not queue or wait on the host's scheduler."""
-    by: dict[int, list[float]] = defaultdict(list)
-    for b, d in points:
-        by[b].append(d)
+_P = TypeVar("_P", bound=tuple[Any, ...])
+
+
+def _fast_end(points: Sequence[_P], q: float = 10) -> list[_P]:
+    """The points (size first, seconds last) at or below the ``q``-th percentile duration of
+    their size: the ones that did not queue or wait on the host's scheduler."""
+    by: dict[Any, list[float]] = defaultdict(list)
+    for p in points:
+        by[p[0]].append(p[-1])
     cut = {b: float(np.percentile(v, q)) for b, v in by.items()}
-    return [(b, d) for b, d in points if d <= cut[b]]
+    return [p for p in points if p[-1] <= cut[p[0]]]
 
 
 def _scatter_costs(spans: list[dict[str, list[tuple[float, float, int]]]]
@@ -359,8 +363,7 @@ def _fit_direct_writes(direct: list[tuple[int, int, float]], staged: bool,
     the cost of a write; proportional when the time does not grow with the count) and sets
     the WRITE latency, its jitter and an unlimited NIC. A fit that leaves no positive cost
     sets nothing."""
-    fast = [w for w in direct
-            if w[2] <= np.percentile([d for c, _, d in direct if c == w[0]], 10)]
+    fast = _fast_end(direct)  # p10 of each write count
     nic = 1e15 if not staged else float(changes.get("nic_bandwidth_Bps",
                                                     base.nic_bandwidth_Bps))
     if staged:

@@ -46,17 +46,18 @@ def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _slice(libc: Any, calls: tuple[int, int], runtime_ns: int | None) -> int | None:
-    """Set this thread's slice request (``runtime_ns``; None: only read it); the one before,
-    or None where the kernel refuses (or the thread is not a normal task)."""
+def _slice(libc: Any, calls: tuple[int, int], runtime_ns: int | None, tid: int = 0
+           ) -> int | None:
+    """Set thread ``tid``'s slice request (0: this thread; ``runtime_ns`` None: only read it);
+    the one before, or None where the kernel refuses (or the thread is not a normal task)."""
     old = _SchedAttr()
-    if libc.syscall(calls[1], 0, ctypes.byref(old), ctypes.sizeof(old), 0) != 0 or \
+    if libc.syscall(calls[1], tid, ctypes.byref(old), ctypes.sizeof(old), 0) != 0 or \
             old.sched_policy != _SCHED_OTHER:
         return None
     if runtime_ns is not None:
         new = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=_SCHED_OTHER,
                          sched_nice=old.sched_nice, sched_runtime=runtime_ns)
-        if libc.syscall(calls[0], 0, ctypes.byref(new), 0) != 0:
+        if libc.syscall(calls[0], tid, ctypes.byref(new), 0) != 0:
             return None
     return int(old.sched_runtime)
 
@@ -68,16 +69,10 @@ def short_slices() -> int:
     calls = _SYSCALLS.get(os.uname().machine) if sys.platform.startswith("linux") else None
     if calls is None:
         return 0
-    libc, took = _libc(), 0
-    for tid in os.listdir("/proc/self/task"):
-        attr = _SchedAttr()
-        if libc.syscall(calls[1], int(tid), ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0 \
-                or attr.sched_policy != _SCHED_OTHER:
-            continue
-        new = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=_SCHED_OTHER,
-                         sched_nice=attr.sched_nice, sched_runtime=int(SLICE_S * 1e9))
-        took += libc.syscall(calls[0], int(tid), ctypes.byref(new), 0) == 0
-    return took
+    libc = _libc()
+    runtime = int(SLICE_S * 1e9)
+    return sum(_slice(libc, calls, runtime, int(tid)) is not None
+               for tid in os.listdir("/proc/self/task"))
 
 
 def prompt_wakeups() -> tuple[dict[str, Any], Callable[[], None]]:
