@@ -30,9 +30,8 @@ def test_ring_put_splits_overlapped_intervals():
     r = Ring()
     r.put(0, 100, (1, 0, 1, 0))
     r.put(40, 60, (2, 0, 1, 0))
-    assert [(s, e, t[0], live) for s, e, t, live in r.spans] == [
+    assert [(s.start, s.end, s.tag[0], s.live) for s in r.spans] == [
         (0, 40, 1, True), (40, 60, 2, True), (60, 100, 1, True)]
-    assert r.starts == [0, 40, 60]
 
 
 def test_ring_put_over_several_intervals_keeps_their_liveness():
@@ -41,15 +40,16 @@ def test_ring_put_over_several_intervals_keeps_their_liveness():
     r.put(50, 100, (2, 0, 1, 0))
     r.consume(0, 50)
     r.put(25, 75, (3, 0, 1, 0))
-    assert [(s, e, t[0], live) for s, e, t, live in r.spans] == [
+    assert [(s.start, s.end, s.tag[0], s.live) for s in r.spans] == [
         (0, 25, 1, False), (25, 75, 3, True), (75, 100, 2, True)]
 
 
 def test_ring_put_dead_and_overlapping_query():
     r = Ring()
     r.put(10, 20, (1, 0, 1, 0), live=False)
-    assert r.spans[0][3] is False
-    assert r.overlapping(0, 10) == [] and r.overlapping(19, 30) == [0]
+    assert r.spans[0].live is False
+    assert r.overlapping(0, 10) == [] and r.overlapping(19, 30) == [r.spans[0]]
+    assert r.meeting(0, 10) == (0, 0) and r.meeting(20, 30) == (1, 1)
 
 
 def test_ring_consume_and_retire():
@@ -57,9 +57,9 @@ def test_ring_consume_and_retire():
     r.put(0, 10, (1, 0, 1, 0))
     r.put(10, 20, (2, 0, 1, 0))
     r.consume(0, 5)
-    assert [live for *_, live in r.spans] == [False, True]
+    assert [s.live for s in r.spans] == [False, True]
     r.retire(2)
-    assert [live for *_, live in r.spans] == [False, False]
+    assert [s.live for s in r.spans] == [False, False]
 
 
 # -- IntegrityModel -----------------------------------------------------------------------------
@@ -203,3 +203,17 @@ def test_memory_stays_bounded_by_the_rooms_in_flight() -> None:
     m.on_transfer("d0", write(10_000, 0, 0, 100))
     m.on_transfer("d0", write(17, 0, 0, 100))  # a late write of an ended room ...
     assert kinds(m) == [("overwrite", 10_000)]  # ... clobbers live data but is itself dead
+
+
+def test_ring_put_inside_one_span_splits_it_in_three_and_stays_sorted_and_disjoint():
+    r = Ring()
+    r.put(0, 100, (1, 0, 1, 0))
+    r.consume(0, 100)
+    r.put(30, 50, (2, 0, 1, 0))
+    r.put(10, 20, (3, 0, 1, 0))
+    r.put(45, 200, (4, 0, 1, 0))
+    assert [(s.start, s.end, s.tag[0], s.live) for s in r.spans] == [
+        (0, 10, 1, False), (10, 20, 3, True), (20, 30, 1, False), (30, 45, 2, True),
+        (45, 200, 4, True)]
+    assert [s.tag[0] for s in r.overlapping(15, 31)] == [3, 1, 2]
+    assert r.meeting(200, 300) == (5, 5) and r.meeting(-5, 0) == (0, 0)

@@ -9,7 +9,6 @@ bookkeeping; no I/O. Byte ranges are kept as sorted, disjoint intervals per ring
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 from twin.core import events as ev
@@ -17,60 +16,78 @@ from twin.core import events as ev
 Tag = tuple[int, int, int, int]  # (room, page_start, num_pages, writer)
 
 
+class Span:
+    """Bytes ``[start, end)`` of a ring holding ``tag``'s data; ``live`` until scattered.
+    (A plain class: compiled, its constructor is native, where a dataclass's is not.)"""
+
+    __slots__ = ("start", "end", "tag", "live")
+
+    def __init__(self, start: int, end: int, tag: Tag, live: bool) -> None:
+        self.start = start
+        self.end = end
+        self.tag = tag
+        self.live = live
+
+    def __repr__(self) -> str:
+        return f"Span({self.start}, {self.end}, {self.tag}, {self.live})"
+
+
 @dataclass(slots=True)
 class Ring:
-    """Tagged byte intervals of one decode staging ring."""
+    """Tagged byte intervals of one decode staging ring: ``spans`` sorted by start, disjoint
+    (so sorted by end too), and the spans meeting any interval a contiguous run of them."""
 
-    starts: list[int] = field(default_factory=list)
-    spans: list[tuple[int, int, Tag, bool]] = field(default_factory=list)  # start, end, tag, live
+    spans: list[Span] = field(default_factory=list)
 
-    def overlapping(self, a: int, b: int) -> list[int]:
-        """Indices of the spans that overlap ``[a, b)``, in order."""
+    def meeting(self, a: int, b: int) -> tuple[int, int]:
+        """``(lo, hi)``: ``spans[lo:hi]`` are the spans that overlap ``[a, b)``, in order."""
         spans = self.spans
-        i = bisect.bisect_right(self.starts, a) - 1
-        if i < 0:
-            i = 0
+        lo, hi = 0, len(spans)
+        while lo < hi:  # the first span ending after ``a``
+            mid = (lo + hi) >> 1
+            if spans[mid].end <= a:
+                lo = mid + 1
+            else:
+                hi = mid
         n = len(spans)
-        hits = []
-        while i < n:
-            span = spans[i]
-            if span[0] >= b:
-                break
-            if span[1] > a:
-                hits.append(i)
-            i += 1
-        return hits
+        hi = lo
+        while hi < n and spans[hi].start < b:
+            hi += 1
+        return lo, hi
+
+    def overlapping(self, a: int, b: int) -> list[Span]:
+        """The spans that overlap ``[a, b)``, in order."""
+        lo, hi = self.meeting(a, b)
+        return self.spans[lo:hi]
 
     def put(self, a: int, b: int, tag: Tag, live: bool = True) -> None:
-        hits = self.overlapping(a, b)
-        spans, starts = self.spans, self.starts
-        pieces: list[tuple[int, int, Tag, bool]] = []
-        for i in hits:
-            s, e, t, was_live = spans[i]
-            if s < a:
-                pieces.append((s, a, t, was_live))
-            if e > b:
-                pieces.append((b, e, t, was_live))
-        for i in reversed(hits):
-            del spans[i]
-            del starts[i]
-        pieces.append((a, b, tag, live))
-        for p in pieces:
-            j = bisect.bisect_left(starts, p[0])
-            starts.insert(j, p[0])
-            spans.insert(j, p)
+        """``[a, b)`` now holds ``tag``'s data; what it overlapped keeps only its bytes outside."""
+        spans = self.spans
+        lo, hi = self.meeting(a, b)
+        new = Span(a, b, tag, live)
+        if lo == hi:
+            spans.insert(lo, new)
+            return
+        first, last = spans[lo], spans[hi - 1]
+        pieces = [new]
+        if first.start < a:
+            pieces.insert(0, Span(first.start, a, first.tag, first.live))
+        if last.end > b:
+            pieces.append(Span(b, last.end, last.tag, last.live))
+        spans[lo:hi] = pieces
 
     def consume(self, a: int, b: int) -> None:
         """Mark ``[a, b)`` scattered: its bytes may be overwritten from now on."""
-        for i in self.overlapping(a, b):
-            s, e, t, _ = self.spans[i]
-            self.spans[i] = (s, e, t, False)
+        spans = self.spans
+        lo, hi = self.meeting(a, b)
+        for i in range(lo, hi):
+            spans[i].live = False
 
     def retire(self, room: int) -> None:
         """Mark every byte of ``room`` dead: the room ended and nothing will scatter it."""
-        for i, (s, e, t, live) in enumerate(self.spans):
-            if live and t[0] == room:
-                self.spans[i] = (s, e, t, False)
+        for span in self.spans:
+            if span.live and span.tag[0] == room:
+                span.live = False
 
 
 @dataclass(slots=True)
@@ -168,14 +185,17 @@ class IntegrityModel:
                        f"chunk {t.chunk_idx} write [{a}, {b}) runs past the ring end "
                        f"{self.ring_bytes}")
             b = self.ring_bytes
-        for i in ring.overlapping(a, b):
-            s, e, tag, live = ring.spans[i]
-            if live and (tag[0], tag[1]) != (room, page_start):
+        spans = ring.spans
+        lo, hi = ring.meeting(a, b)
+        for i in range(lo, hi):
+            span = spans[i]
+            tag = span.tag
+            if span.live and (tag[0] != room or tag[1] != page_start):
                 self._flag("overwrite", node, tag[0],
                            f"write of room {room} pages [{page_start}, "
                            f"{page_start + num_pages}) landed on unscattered data of room "
                            f"{tag[0]} pages [{tag[1]}, {tag[1] + tag[2]}) at bytes "
-                           f"[{max(s, a)}, {min(e, b)})")
+                           f"[{max(span.start, a)}, {min(span.end, b)})")
         # A write for a room that already ended on ``node``, or a repeat write of a chunk that
         # was already scattered there, is garbage nobody scatters: it may clobber live data
         # (flagged above) but is itself free to be overwritten.
@@ -196,16 +216,17 @@ class IntegrityModel:
             pos = b
             hits = ring.overlapping(a, b)
             want = (room, page_start, num_pages, w)
-            good = _covers(ring, hits, a, b, want, self.pp_stages)
+            good = _covers(hits, a, b, want, self.pp_stages)
             if not good:
                 ok = False
-                found = sorted({(ring.spans[i][2][0], ring.spans[i][2][1]) for i in hits})
+                found = sorted({(h.tag[0], h.tag[1]) for h in hits})
                 what = ", ".join(f"room {r} page {p}" for r, p in found) or "never-written bytes"
                 self._flag("misplaced", node, s.room,
                            f"scatter of chunk {s.chunk_idx} (pages [{s.page_start}, "
                            f"{s.page_start + s.num_pages}), writer {w}) read bytes [{a}, {b}) "
                            f"holding {what}" + (" (blind tail scatter)" if s.blind else ""))
-            ring.consume(a, b)
+            for h in hits:  # scattered: may be overwritten from now on
+                h.live = False
         self.pages.setdefault((node, room), []).append((page_start, page_start + num_pages, ok))
 
     def on_freed(self, node: str, offset: int, size: int) -> None:
@@ -229,23 +250,21 @@ class IntegrityModel:
                        f"(first: page {first})")
 
 
-def _covers(ring: Ring, hits: list[int], a: int, b: int, want: Tag, stages: int) -> bool:
-    """Whether the spans ``hits`` of ``ring`` cover ``[a, b)`` without a gap, all tagged
-    ``want``: one span per writer block, or one per PP stage when ``stages > 1``."""
+def _covers(hits: list[Span], a: int, b: int, want: Tag, stages: int) -> bool:
+    """Whether ``hits`` (the spans meeting ``[a, b)``, in order) cover it without a gap, all
+    tagged ``want``: one span per writer block, or one per PP stage when ``stages > 1``."""
     if not hits:
         return False
-    spans = ring.spans
-    first = spans[hits[0]]
+    first = hits[0]
     if len(hits) == 1:
-        return first[2] == want and first[0] <= a and first[1] >= b
-    if len(hits) != stages or first[0] > a:
+        return first.tag == want and first.start <= a and first.end >= b
+    if len(hits) != stages or first.start > a:
         return False
-    pos = first[0]
-    for i in hits:
-        s, e, tag, _ = spans[i]
-        if tag != want or s != pos:
+    pos = first.start
+    for h in hits:
+        if h.tag != want or h.start != pos:
             return False
-        pos = e
+        pos = h.end
     return pos >= b
 
 
