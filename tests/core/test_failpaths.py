@@ -220,8 +220,7 @@ def test_simulator_orders_frames_per_socket():
     sim = Simulation(CFG, fixed([(0.0, 64, 1, 0)]))
     arrived: list[tuple[float, str]] = []
     sim.feed = lambda node, e: arrived.append((sim.env.now, type(e.msg).__name__))  # type: ignore[method-assign]
-    for key in (("p", "d"), ("p", "d", wire.CONTROL_SOCKET)):
-        sim.link_last[key] = 1.0  # type: ignore[index]
+    sim._link("p", "d").after(wire.CONTROL_SOCKET, 1.0)  # the control socket is busy until 1 s
     sim.transmit("p", "d", wire.ChunkReady(room=1, chunk_idx=0, page_start=0, num_pages=1,
                                            writer_id="d", prefill_rank=0))
     sim.transmit("p", "d", wire.StagingReq(room=1, chunk_idx=1, chunk_pages=1, session_id="d"))

@@ -198,8 +198,9 @@ def test_memory_stays_bounded_by_the_rooms_in_flight() -> None:
         m.on_transfer("d0", write(room, 0, 0, 100))
         m.on_scatter("d0", scatter(room, 0, 0, 100), [100])
         m.on_concluded("d0", room, "Success", total_pages=1)
-    assert not m.pages and not m._scattered
-    assert m._ended["d0"].floor == 10_000 and not m._ended["d0"].above
+    d0 = m.nodes["d0"]
+    assert not d0.pages and not d0.scattered
+    assert d0.ended.floor == 10_000 and not d0.ended.above
     m.on_transfer("d0", write(10_000, 0, 0, 100))
     m.on_transfer("d0", write(17, 0, 0, 100))  # a late write of an ended room ...
     assert kinds(m) == [("overwrite", 10_000)]  # ... clobbers live data but is itself dead

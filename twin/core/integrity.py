@@ -122,6 +122,20 @@ class Violation:
         return f"{self.kind}: {self.node} room {self.room}: {self.detail}"
 
 
+class DecodeNode:
+    """What the model knows of one decode node: its ring, the page ranges landed per room
+    (start, end, correct), the chunks scattered per room (page starts, kept until the room
+    ends there) and the rooms ended (bounded by the rooms in flight, not the run's length)."""
+
+    __slots__ = ("ring", "pages", "scattered", "ended")
+
+    def __init__(self, ended: RoomSet | None = None) -> None:
+        self.ring = Ring()
+        self.pages: dict[int, list[tuple[int, int, bool]]] = {}
+        self.scattered: dict[int, set[int]] = {}
+        self.ended = ended if ended is not None else RoomSet()
+
+
 class IntegrityModel:
     """Feed it ``on_transfer`` (prefill writes), ``on_effects`` (decode effects) and it collects
     ``violations``. ``writer_bytes(node, room, num_pages)`` must give per-writer block bytes."""
@@ -131,32 +145,29 @@ class IntegrityModel:
         # Each PP stage writes its own share of every writer block (Mooncake, PP > 1): a
         # block then holds exactly this many spans of the writer's tag.
         self.pp_stages = pp_stages
-        self.rings: dict[str, Ring] = {}
-        # (node, room) -> landed page ranges (start, end, correct)
-        self.pages: dict[tuple[str, int], list[tuple[int, int, bool]]] = {}
+        self.nodes: dict[str, DecodeNode] = {}
         self.violations: list[Violation] = []
         self._seen: set[tuple[str, int, str]] = set()
-        # Bounded by the rooms in flight, not the run's length: ended rooms as a RoomSet per
-        # node, scattered chunks only until their room ends there.
-        self._ended: dict[str, RoomSet] = {}
-        self._scattered: dict[tuple[str, int], set[int]] = {}  # (node, room) -> page starts
+
+    @property
+    def rings(self) -> dict[str, Ring]:
+        """Each decode node's ring."""
+        return {node: d.ring for node, d in self.nodes.items()}
 
     def restarted(self, node: str) -> None:
         """``node`` came back as a new process: a new ring, no landed pages of its old rooms
-        (what the old process held is gone, not overwritten)."""
-        self.rings.pop(node, None)
-        for key in [k for k in self.pages if k[0] == node]:
-            del self.pages[key]
-        for key in [k for k in self._scattered if k[0] == node]:
-            del self._scattered[key]
+        (what the old process held is gone, not overwritten); its ended rooms stay ended."""
+        old = self.nodes.get(node)
+        if old is not None:
+            self.nodes[node] = DecodeNode(old.ended)
 
-    def _ring(self, node: str) -> Ring:
-        """``node``'s ring, made on first use (a ``setdefault`` would build and drop one on
+    def _node(self, node: str) -> DecodeNode:
+        """``node``'s record, made on first use (a ``setdefault`` would build and drop one on
         every call)."""
-        ring = self.rings.get(node)
-        if ring is None:
-            ring = self.rings[node] = Ring()
-        return ring
+        d = self.nodes.get(node)
+        if d is None:
+            d = self.nodes[node] = DecodeNode()
+        return d
 
     def _flag(self, kind: str, node: str, room: int, detail: str) -> None:
         key = (kind, room, node)
@@ -168,11 +179,11 @@ class IntegrityModel:
     def on_transfer(self, node: str, t: ev.StartTransfer) -> None:
         """A prefill writer's bytes land in ``node``'s ring (called when the WRITE completes)."""
         room, page_start, num_pages = t.room, t.page_start, t.num_pages  # read once each
+        d = self._node(node)
         if not t.staged:
-            self.pages.setdefault((node, room), []).append(
-                (page_start, page_start + num_pages, True))
+            _landed(d, room, page_start, page_start + num_pages, True)
             return
-        ring = self._ring(node)
+        ring = d.ring
         a = t.dst_offset
         b = a + t.nbytes
         if b > t.region_end:
@@ -199,16 +210,19 @@ class IntegrityModel:
         # A write for a room that already ended on ``node``, or a repeat write of a chunk that
         # was already scattered there, is garbage nobody scatters: it may clobber live data
         # (flagged above) but is itself free to be overwritten.
-        ended = self._ended.get(node)
-        dead = ((ended is not None and room in ended)
-                or page_start in self._scattered.get((node, room), ()))
+        scattered = d.scattered.get(room)
+        dead = room in d.ended or (scattered is not None and page_start in scattered)
         ring.put(a, b, (room, page_start, num_pages, t.writer), live=not dead)
 
     def on_scatter(self, node: str, s: ev.StartScatter, writer_bytes: list[int]) -> None:
         """A scatter reads the region and writes pages of ``s.room``."""
-        ring = self._ring(node)
+        d = self._node(node)
+        ring = d.ring
         room, page_start, num_pages = s.room, s.page_start, s.num_pages  # read once each
-        self._scattered.setdefault((node, room), set()).add(page_start)
+        scattered = d.scattered.get(room)
+        if scattered is None:
+            scattered = d.scattered[room] = set()
+        scattered.add(page_start)
         pos = s.offset
         ok = True
         for w, nb in enumerate(writer_bytes):
@@ -227,20 +241,18 @@ class IntegrityModel:
                            f"holding {what}" + (" (blind tail scatter)" if s.blind else ""))
             for h in hits:  # scattered: may be overwritten from now on
                 h.live = False
-        self.pages.setdefault((node, room), []).append((page_start, page_start + num_pages, ok))
+        _landed(d, room, page_start, page_start + num_pages, ok)
 
     def on_freed(self, node: str, offset: int, size: int) -> None:
-        self._ring(node).consume(offset, offset + size)
+        self._node(node).ring.consume(offset, offset + size)
 
     def on_concluded(self, node: str, room: int, status: str, total_pages: int) -> None:
         """A decode room ended; on Success every page must hold the right data."""
-        ranges = self.pages.pop((node, room), [])
-        self._scattered.pop((node, room), None)
-        ended = self._ended.get(node)
-        if ended is None:
-            ended = self._ended[node] = RoomSet()
-        ended.add(room)
-        self._ring(node).retire(room)
+        d = self._node(node)
+        ranges = d.pages.pop(room, [])
+        d.scattered.pop(room, None)
+        d.ended.add(room)
+        d.ring.retire(room)
         if status != "Success":
             return
         missing, first = _uncovered(ranges, total_pages)
@@ -248,6 +260,14 @@ class IntegrityModel:
             self._flag("incomplete", node, room,
                        f"completed with {missing} of {total_pages} pages not landed "
                        f"(first: page {first})")
+
+
+def _landed(d: DecodeNode, room: int, start: int, end: int, ok: bool) -> None:
+    """Pages ``[start, end)`` of ``room`` landed on ``d`` (correctly when ``ok``)."""
+    ranges = d.pages.get(room)
+    if ranges is None:
+        ranges = d.pages[room] = []
+    ranges.append((start, end, ok))
 
 
 def _covers(hits: list[Span], a: int, b: int, want: Tag, stages: int) -> bool:

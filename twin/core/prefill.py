@@ -734,8 +734,10 @@ class PrefillRank:
             self._prefetch(room, out)
         segments = (compute_grid_segments(start, end, room.base, self._grid_tokens)
                     if aligned else [(start, end)])
-        targets = room.targets
-        total_pages = max([t.total_pages for t in targets]) if targets else 0
+        total_pages = 0
+        for t in room.targets:  # a loop, not max() over a list: no boxed ints when compiled
+            if t.total_pages > total_pages:
+                total_pages = t.total_pages
         worker = self._worker_of(room)
         for seg_start, seg_end in segments:
             num_pages = pages_for_tokens(seg_end - seg_start, page)
@@ -759,10 +761,14 @@ class PrefillRank:
         """``add_transfer_request``: shard by the sum of the sessions' ports, so the same
         destinations always use the same worker (and its staging buffer). Targets from traces
         before format 3 carry no port; those shard by the decode ranks' indices."""
-        ports = [t.dst_port for t in room.targets]
-        if ports and min(ports) >= 0:
-            return sum(ports) % len(self._workers)
-        return sum(t.decode_rank for t in room.targets) % len(self._workers)
+        ports = ranks = 0  # summed in loops, not by sum() over lists: no boxed ints compiled
+        for t in room.targets:
+            if ports >= 0:
+                ports = ports + t.dst_port if t.dst_port >= 0 else -1
+            ranks += t.decode_rank
+        if room.targets and ports >= 0:
+            return ports % len(self._workers)
+        return ranks % len(self._workers)
 
     # -- transfer worker ---------------------------------------------------------------------
     def _on_poll(self, e: ev.WorkerPoll, out: list[ev.Effect]) -> None:

@@ -157,6 +157,30 @@ def _pop(heap: list[_Call]) -> _Call:
     return first
 
 
+class _Link:
+    """When the last frame from one rank to one peer arrives, per sending socket: frames keep
+    their order within a (source, destination, socket)."""
+
+    __slots__ = ("prefetch", "control")
+
+    def __init__(self) -> None:
+        self.prefetch = 0.0
+        self.control = 0.0
+
+    def after(self, socket: str, t: float) -> float:
+        """The arrival of a frame sent on ``socket`` that would arrive at ``t`` (not before the
+        socket's previous frame), noted as the socket's last."""
+        if socket == _PREFETCH:
+            if self.prefetch > t:
+                t = self.prefetch
+            self.prefetch = t
+        else:
+            if self.control > t:
+                t = self.control
+            self.control = t
+        return t
+
+
 class EventIds:
     """The event-id counter shared by SimPy's queue and the ``Calendar``: it replaces the
     environment's ``itertools.count`` (SimPy draws with ``next``; the calendar
@@ -410,7 +434,7 @@ class Simulation:
         self.placement = Placement(cfg, self.topo, self.params, request_overrides,
                                    pools=(self.deployment.prefill.max_total_tokens,
                                           self.deployment.decode.max_total_tokens))
-        self.link_last: dict[tuple[str, str, str], float] = {}
+        self._links: dict[str, dict[str, _Link]] = {}  # src -> dst -> its sockets' last frames
         self.nic_free: dict[str, float] = {}
         self.stream_free: dict[str, float] = {}
         self.alloc_span: dict[tuple[str, int], tuple[int, int]] = {}
@@ -529,14 +553,10 @@ class Simulation:
             delay = self._zmq_latency_s + -math.log(1.0 - self._net_random()) / jitter
         else:
             delay = self._zmq_latency_s + self._expovariate(jitter)
-        link = (src, dst, _PREFETCH if type(msg) is _STAGING_REQ else _CONTROL)
         t = now + delay
         if self._blocking:  # sent once the sender's kernels for this input have run
             t += max(0.0, self.busy_until.get(src, 0.0) - now)
-        last = self.link_last.get(link, 0.0)
-        if last > t:
-            t = last
-        self.link_last[link] = t
+        t = self._link(src, dst).after(_PREFETCH if type(msg) is _STAGING_REQ else _CONTROL, t)
         delay = t - now
         self.calendar.add(now + (delay if delay > 0.0 else 0.0), self.feed,
                        (dst, _MessageArrived(src=src, msg=msg)))
@@ -552,7 +572,7 @@ class Simulation:
                 return
         delay = p.zmq_latency_s + (self.rng_net.expovariate(1 / p.zmq_jitter_s)
                                    if p.zmq_jitter_s > 0 else 0.0)
-        link = (src, dst, wire.socket_of(msg))  # FIFO per sending socket, not per peer
+        socket = wire.socket_of(msg)  # FIFO per sending socket, not per peer
         msg = fate.frame(msg)  # a corrupt fault rewrites fields before the frame leaves
         copies, extra = fate.copies, fate.extra_s
         if fate.hold_s:
@@ -566,8 +586,7 @@ class Simulation:
             if depart < 0:
                 return
             delay += depart - self.calendar.now
-        t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
-        self.link_last[link] = t
+        t = self._link(src, dst).after(socket, self.calendar.now + delay)
         arrived = _MessageArrived(src=src, msg=msg)
         for i in range(copies):
             self.at(t + extra + i * 1e-6 - self.calendar.now, self.feed, dst, arrived)
@@ -575,16 +594,24 @@ class Simulation:
     def control(self, src: str, dst: str, event: ev.Input) -> None:
         """Metadata (on decode's control socket, in order with its frames) and other notices:
         the control link's latency and order, no jitter."""
-        link = (src, dst, _CONTROL)
         delay = self.params.zmq_latency_s
         if self._dead_peers:
             depart = self._socket_send(src, dst, None, event)
             if depart < 0:
                 return
             delay += depart - self.calendar.now
-        t = max(self.calendar.now + delay, self.link_last.get(link, 0.0))
-        self.link_last[link] = t
+        t = self._link(src, dst).after(_CONTROL, self.calendar.now + delay)
         self.at(t - self.calendar.now, self.feed, dst, event)
+
+    def _link(self, src: str, dst: str) -> _Link:
+        """The link from ``src`` to ``dst`` (made on first use)."""
+        peers = self._links.get(src)
+        if peers is None:
+            peers = self._links[src] = {}
+        link = peers.get(dst)
+        if link is None:
+            link = peers[dst] = _Link()
+        return link
 
     def _socket_send(self, src: str, dst: str, msg: wire.Message | None,
                      notice: ev.Input | None) -> float:
