@@ -111,6 +111,9 @@ def main() -> None:
     rows = []
     names: list[tuple[str | None, tuple[str, ...]]] = [] if args.no_baseline else [(None, ())]
     for d in args.defects.split(","):
+        if d and d not in ALL_DEFECTS:
+            ap.error(f"--defects: unknown defect {d!r}; known: {', '.join(ALL_DEFECTS)} "
+                     f"(--defects '' runs the baseline alone)")
         if d:
             names.append((d, ()))
     with tempfile.TemporaryDirectory() as tmp:
