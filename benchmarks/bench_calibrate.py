@@ -41,6 +41,10 @@ WORKLOADS = {
     "b": "poisson:n=24,rate=10,input=1000,output=1,seed=2",
     "c": "poisson:n=24,rate=15,input=800,output=1,seed=3",
     "d": "poisson:n=32,rate=25,input=400,output=1,seed=4",
+    # a and b three times as long: bench_calibration.py's defaults (a p50 over 24 requests
+    # moves too much between repeats to tell a fit's error from the host's spread)
+    "a-long": "poisson:n=72,rate=20,input=600,output=1,seed=1",
+    "b-long": "poisson:n=72,rate=10,input=1000,output=1,seed=2",
 }
 PHASES = ("kv_done_s", "transfer_s")
 

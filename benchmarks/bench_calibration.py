@@ -3,8 +3,8 @@ here as well as a repeat of that run does?
 
 Records three hardware-mode runs back to back (``twin hw``, prefill TP2 -> decode TP1 of
 ``examples/tp2-tp1-small.toml`` with ``--fix drop-late-staging-req``, the workloads of
-``bench_calibrate.py``): A (workload ``--fit``, default a = 24 requests of 600 tokens at 20/s),
-B (workload ``--check``, default b = 24 of 1,000 at 10/s) and B2 (B again). Fits A
+``bench_calibrate.py``): A (workload ``--fit``, default a-long = 72 requests of 600 tokens at
+20/s), B (workload ``--check``, default b-long = 72 of 1,000 at 10/s) and B2 (B again). Fits A
 (``twin calibrate A -o costs.toml``), predicts B (fresh simulations of B's workload on the
 fitted costs, ``--seeds`` of them from B's seed on, as ``twin replay`` makes them) and
 prints, for TTFT, ``kv_done_s`` and ``transfer_s``:
@@ -31,9 +31,11 @@ the load average sees late) is recorded again, up to ``--tries`` times, and the 
 much each kept recording had.
 
 Run: ``python benchmarks/bench_calibration.py [--work DIR] [--reuse] [--json out.json]
-[--fit a] [--check b] [--seeds N] [--max-load L] [--max-foreign F] [--tries N]``.
+[--fit a-long] [--check b-long] [--seeds N] [--max-load L] [--max-foreign F] [--tries N]``.
 ``--reuse`` keeps recordings and costs already in ``--work`` (a fresh fit when A is
-recorded again). About a minute here (2 cores) on a quiet host.
+recorded again). About 70 s here (2 cores) on a quiet host; ``--fit a --check b`` (24
+requests each, the default before) about 60 s, with error / spread moving between 0.7 and 1.6
+from one run to the next for the same code (docs/simulator.md, "Seventy-two requests").
 """
 
 from __future__ import annotations
@@ -211,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="bench-calibration", help="folder for traces and costs")
     ap.add_argument("--reuse", action="store_true",
                     help="keep recordings and costs already in --work")
-    ap.add_argument("--fit", default="a", help="workload A, fitted on")
-    ap.add_argument("--check", default="b", help="workload B, predicted and repeated")
+    ap.add_argument("--fit", default="a-long", help="workload A, fitted on")
+    ap.add_argument("--check", default="b-long", help="workload B, predicted and repeated")
     ap.add_argument("--seeds", type=int, default=21,
                     help="simulations of B's workload (a request's prediction is its median)")
     ap.add_argument("--max-load", type=float, default=0.5,
