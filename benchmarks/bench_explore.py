@@ -110,12 +110,11 @@ def main() -> None:
 
     rows = []
     names: list[tuple[str | None, tuple[str, ...]]] = [] if args.no_baseline else [(None, ())]
-    for d in args.defects.split(","):
-        if d and d not in ALL_DEFECTS:
+    for d in filter(None, args.defects.split(",")):
+        if d not in ALL_DEFECTS:
             ap.error(f"--defects: unknown defect {d!r}; known: {', '.join(ALL_DEFECTS)} "
                      f"(--defects '' runs the baseline alone)")
-        if d:
-            names.append((d, ()))
+        names.append((d, ()))
     with tempfile.TemporaryDirectory() as tmp:
         for i, (d, with_) in enumerate(names):
             row = hunt(d, args.seed, args.cap_runs, args.cap_seconds, Path(tmp) / str(i),
