@@ -55,7 +55,7 @@ from twin.trace.codec import (
 from twin.trace.compat import recorded_config
 from twin.trace.encoder import EncoderProcess, can_fork, sigint_deferred
 from twin.trace.index import Block, IndexWriter, index_path
-from twin.trace.lines import DRIVER, JSON_TEXT, Batch, LineEncoder, pack_batch
+from twin.trace.lines import DRIVER, JSON_TEXT, Batch, LineEncoder
 from twin.trace.records import (
     OUTCOME_STATUSES,
     SYS_DOCS,
@@ -274,7 +274,7 @@ class TraceWriter:
         self._closed = False
         self.requests = 0
         self._batch = Batch(str(self.path), self._codes, self._decode_nodes, self.flush_every,
-                            self._ship, self._check_sys)
+                            self._ship, self._check_sys, packed=self.encoder == "process")
         codec = codec_for_name(self.path.name)
         header_line = (JSON_TEXT(self.header) + "\n").encode("utf-8")
         if index:
@@ -345,13 +345,9 @@ class TraceWriter:
         if self._closed:
             raise ValueError(f"{self.path}: trace writer is closed")
         with sigint_deferred():  # a Ctrl-C here would drop the batch or send it twice
-            items = self._batch.items
-            if items:
-                self._batch.items = []
-                if isinstance(self._back, EncoderProcess):
-                    self._back.feed(pack_batch(items))
-                else:
-                    self._back.feed(items)
+            batch = self._batch.take()
+            if batch is not None:
+                self._back.feed(batch)
 
     def flush(self) -> None:
         """Write everything buffered and wait until it is in the file."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from types import GenericAlias
 from typing import Any, Final, Optional, Union, get_args
@@ -59,8 +60,11 @@ _BATCH: Any = GenericAlias(list, (GenericAlias(tuple, (
     _UNION[dict[str, Any], None])),))
 """A batch's type, as msgpack decodes it: ``list[tuple[float, int, Input | None,
 list[Effect] | None, dict | None]]``."""
-pack_batch = msgspec.msgpack.Encoder().encode
+_PACKER: Final = msgspec.msgpack.Encoder()
+pack_batch = _PACKER.encode
 """A batch of items as msgpack bytes (what crosses the pipe to a forked encoder)."""
+_pack_into: Final = _PACKER.encode_into
+_HEAD: Final = struct.Struct(">BI")
 unpack_batch = msgspec.msgpack.Decoder(_BATCH).decode
 """The items of ``pack_batch``'s bytes, events rebuilt as their classes."""
 
@@ -309,11 +313,17 @@ class Batch:
     classes), note the rooms decode nodes conclude, and append it; ``ship()`` is called once
     ``limit`` items are collected. ``path`` names the file in errors (``path:line``).
     ``check_sys(record)`` checks a driver record other than the common ``ForwardStart`` and
-    ``ForwardEnd`` (``write_sys``), raising ``TraceError`` without a place."""
+    ``ForwardEnd`` (``write_sys``), raising ``TraceError`` without a place. ``packed``: each
+    item is encoded as ``pack_batch`` would when it is added, while its objects are still in
+    the cache, and ``take()`` returns the batch's bytes (for a forked encoder); otherwise
+    ``take()`` returns the list of items."""
 
     def __init__(self, path: str, codes: dict[str, int], decode_nodes: set[str], limit: int,
-                 ship: Any, check_sys: Any) -> None:
+                 ship: Any, check_sys: Any, packed: bool = False) -> None:
         self.path = path
+        self.packed = packed
+        self.buf = bytearray(_HEAD.size)  # packed: the items' msgpack after an array header
+        self.count = 0  # items collected since the last ``take``
         self.codes = codes
         self.driver_code = len(codes)
         self.check_sys = check_sys
@@ -399,10 +409,31 @@ class Batch:
     def add(self, item: tuple[Any, ...], lines: int) -> None:
         """Append ``item`` (``lines`` trace lines), shipping the batch once it holds ``limit``
         items."""
-        self.items.append(item)
+        if self.packed:
+            _pack_into(item, self.buf, -1)
+        else:
+            self.items.append(item)
         self.lines += lines
-        if len(self.items) >= self.limit:
+        self.count += 1
+        if self.count >= self.limit:
             self.ship()
+
+    def take(self) -> Any:
+        """The items collected since the last call, None if there are none: ``pack_batch``'s
+        bytes of them when ``packed``, else their list."""
+        if not self.count:
+            return None
+        n = self.count
+        self.count = 0
+        if not self.packed:
+            items = self.items
+            self.items = []
+            return items
+        buf = self.buf
+        _HEAD.pack_into(buf, 0, 0xDD, n)  # msgpack's array of up to 2**32 - 1 items
+        data = bytes(buf)
+        del buf[_HEAD.size:]
+        return data
 
 
 _INPUT_CLASSES: Final = frozenset(ev.INPUT_TYPES)
