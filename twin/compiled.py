@@ -42,6 +42,7 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.runtime",
     "twin.runtime.requests",
     "twin.runtime.placement",
+    "twin.trace.rooms",
     "twin.trace.lines",
     "twin.replay.feeding",
     "twin.workloads.prefix_cache",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from twin.trace.codec import body, decode_event, room_of
+from twin.trace.codec import body, decode_event
+from twin.trace.rooms import room_of
 
 __all__ = ["feed_batch"]
 

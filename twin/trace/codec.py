@@ -20,6 +20,7 @@ import msgspec
 
 from twin.core import events as ev
 from twin.core import wire
+from twin.trace.rooms import named_room, room_of
 
 __all__ = [
     "EFFECT_NAMES",
@@ -32,6 +33,7 @@ __all__ = [
     "event_from_json",
     "event_to_json",
     "message_to_json",
+    "named_room",
     "room_of",
 ]
 
@@ -144,41 +146,6 @@ def event_from_json(d: Any, *, where: str) -> Any:
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-_EXEMPT_ROOM_CHECK = (ev.Dropped, ev.MessageArrived, ev.SendFailed)
-_WITH_MSG = frozenset(t for t in (*ev.INPUT_TYPES, *ev.EFFECT_TYPES)
-                      if "msg" in getattr(t, "__struct_fields__", ()))
-
-
-_HAS_ROOM: dict[type, bool] = {}
-"""Event and message class -> whether it has a ``room`` field (asked once per class: a
-``getattr`` with a default raises and clears an AttributeError for every class without one)."""
-
-
-def _has_room(t: type) -> bool:
-    has = _HAS_ROOM.get(t)
-    if has is None:
-        has = _HAS_ROOM[t] = "room" in getattr(t, "__struct_fields__", ())
-    return has
-
-
-def named_room(event: Any) -> int | None:
-    """The room an event names (its ``room`` field, or its message's), or None."""
-    if _has_room(type(event)):
-        room: int | None = event.room
-        if room is not None:
-            return room
-    msg = getattr(event, "msg", None) if type(event) in _WITH_MSG else None
-    return msg.room if msg is not None and _has_room(type(msg)) else None
-
-
-def room_of(event: Any) -> int | None:
-    """The room an event must have been introduced for (its ``room`` field, or its message's),
-    None when it is not checked (a dropped or failed frame may name any room)."""
-    if isinstance(event, _EXEMPT_ROOM_CHECK):
-        return None
-    return named_room(event)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import msgspec
 from twin.core import events as ev
 from twin.core import wire
 from twin.trace.blocks import BlockSink
-from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode, named_room
+from twin.trace.codec import _EFFECT, _INPUT, TraceError, decode_event, encode
 from twin.trace.index import STATE_EVERY, BlockMeta, IndexWriter
-from twin.trace.records import forward_record
+from twin.trace.rooms import named_room
 
 __all__ = ["DRIVER", "JSON_TEXT", "Batch", "Item", "LineEncoder", "LiveState", "float_text",
            "pack_batch", "unpack_batch"]
@@ -67,6 +67,31 @@ _pack_into: Final = _PACKER.encode_into
 _HEAD: Final = struct.Struct(">BI")
 unpack_batch = msgspec.msgpack.Decoder(_BATCH).decode
 """The items of ``pack_batch``'s bytes, events rebuilt as their classes."""
+
+
+def forward_record(record: dict[str, Any]) -> bool:
+    """Whether ``record`` is a well-formed ``ForwardStart`` or ``ForwardEnd`` with no other
+    key (the driver records a run writes most, checked without ``check_record``)."""
+    if len(record) != 3:
+        return False
+    rtype = record.get("type")
+    return ((rtype == "ForwardStart" or rtype == "ForwardEnd")
+            and type(record.get("room")) is int and type(record.get("tokens")) is int)
+
+
+_FORWARD_KEYS: Final = ["type", "room", "tokens"]
+
+
+def _record_text(record: dict[str, Any]) -> bytes:
+    """A driver record's ``JSON_TEXT`` without its opening brace; a ``forward_record`` (the
+    common case) written directly, in the same bytes."""
+    if forward_record(record) and list(record) == _FORWARD_KEYS:
+        rtype: str = record["type"]
+        text: bytes = b'"type":"%s","room":%d,"tokens":%d}' % (
+            rtype.encode(), record["room"], record["tokens"])
+        return text
+    whole: str = JSON_TEXT(record)
+    return whole[1:].encode()
 
 
 def float_text(t: float) -> bytes:
@@ -203,7 +228,7 @@ class LineEncoder:
         self._state: str | None = '{"alloc":{},"lines":[]}'
 
     def feed_packed(self, data: bytes) -> None:
-        """``feed`` the items of a ``pack_batch``."""
+        """``feed`` the items of a packed batch (``pack_batch``, or ``Batch(packed=True)``'s)."""
         self.feed(unpack_batch(data))
 
     def feed(self, items: Sequence[Item]) -> None:
@@ -253,8 +278,8 @@ class LineEncoder:
         if not self._buf:
             self._blk_seq = seq
             self._blk_t0 = self._t
-        line = (b'{"seq":%d,%s%s' % (seq, self._tt, self._heads["sys"][code])
-                + JSON_TEXT(record)[1:].encode() + b"\n")
+        line = b'{"seq":%d,%s%s%s\n' % (seq, self._tt, self._heads["sys"][code],
+                                        _record_text(record))
         self._buf.append(line)
         rtype = record["type"]
         room = record.get("room")

@@ -145,9 +145,3 @@ def check_record(record: Any, where: str, nodes: Any) -> str:
                     raise TraceError(where, f"unknown node {nid!r}", key)
     return rtype
 
-
-def forward_record(record: dict[str, Any]) -> bool:
-    """Whether ``record`` is a well-formed ``ForwardStart`` or ``ForwardEnd`` with no other
-    key (the records a run writes most, checked without ``check_record``)."""
-    return (len(record) == 3 and record.get("type") in ("ForwardStart", "ForwardEnd")
-            and type(record.get("room")) is int and type(record.get("tokens")) is int)
