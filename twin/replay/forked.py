@@ -125,15 +125,12 @@ def read_batches(path: str, replayed: frozenset[str], ship: Any) -> TraceReader:
     texts: list[bytes] = []  # the effect payloads after the latest input
     current: list[Any] | None = None  # that input's item (None: not replayed)
 
-    def passed(node: str, payload: bytes) -> None:
-        texts.append(payload)
-
     def close_input() -> None:
         if current is not None:
             current.append(b"\n".join(texts))
         texts.clear()
 
-    reader.passed_effects = passed
+    reader.passed_effects = texts.append
     inputs = 0
     for rec in reader:
         if rec.dir == "sys":

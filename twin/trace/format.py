@@ -657,9 +657,10 @@ class TraceReader:
         """Recently decoded events and the rooms they name, by their lines' payload text
         (``Record.event``)."""
         self.partial = False
-        self.passed_effects: Callable[[str, bytes], None] | None = None
-        """Set before iterating a select reader: called with the node and the payload text
-        (``Record.body``) of every effect line it passes over, in order."""
+        self.passed_effects: Callable[[bytes], None] | None = None
+        """Set before iterating a select reader: called with the payload text
+        (``Record.body``) of every effect line it passes over, in order (a list's
+        ``append``, say: it is called for most lines of a trace)."""
         self._span: tuple[Block, Block | None] | None = None
         self._started = False
         self._first_seq = 0
@@ -897,7 +898,7 @@ class TraceReader:
                             if (yield rec) is not None:  # skip_effects: not after a
                                 yield False  # strict line
                         elif passed is not None and rec.dir == "out":
-                            passed(rec.node, rec.body)
+                            passed(rec.body)
                         continue
                     seq_b, t_b, key = m.groups()
                     if int(seq_b) != lineno - 2:
@@ -937,7 +938,7 @@ class TraceReader:
                         self._whole(raw, lineno)
                     if not wanted:
                         if passed is not None and direction == "out":
-                            passed(node, raw[m.start(3) + body_from_key:-1])
+                            passed(raw[m.start(3) + body_from_key:-1])
                         continue
                     body_at = m.start(3) + body_from_key
                     effects = yield Record(lineno - 2, last_t, node, direction, rtype, None, None,
