@@ -162,9 +162,11 @@ def test_unit_tests_pass_against_the_compiled_modules(built: Path) -> None:
         "test_defects.py", "test_states.py", "test_pickle.py")] + [
         f"tests/sim/{name}" for name in ("test_decode_loop.py", "test_engine.py",
                                           "test_calendar.py")] + [
-        "tests/trace/test_parallel.py", "tests/trace/test_encoder.py"] + [
+        "tests/trace/test_parallel.py", "tests/trace/test_encoder.py",
+        "tests/trace/test_format.py", "tests/trace/test_damaged.py"] + [
         "tests/test_path.py"]
     proc = _run(built, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                "-k", "not test_sigkill_leaves_readable_trace",  # a minute of killed writers
                 *files)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout

@@ -44,6 +44,7 @@ MODULES: tuple[str, ...] = (
     "twin.runtime.placement",
     "twin.trace.rooms",
     "twin.trace.lines",
+    "twin.trace.format",
     "twin.replay.feeding",
     "twin.workloads.prefix_cache",
     "twin.sim.metrics",

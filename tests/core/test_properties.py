@@ -223,9 +223,12 @@ def test_every_config_with_all_fixes(data: st.DataObject) -> None:
 
 
 def search_multi_target_race() -> str:
-    """The search of the test below: the text of the first safety finding, or "" if none."""
+    """The search of the test below: the text of the first safety finding, or "" if none.
+    Which examples a derandomised search draws changes with code the search never runs (an
+    unused method added to the trace writer moved the first finding from about 1,400 examples
+    to past 3,000; another order found it at 2,385), so the budget is 6,000."""
 
-    @settings(SETTINGS, max_examples=3000, phases=[Phase.generate], print_blob=False,
+    @settings(SETTINGS, max_examples=6000, phases=[Phase.generate], print_blob=False,
               database=None, derandomize=True)
     @given(st.data())
     def search(data: st.DataObject) -> None:

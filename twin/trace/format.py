@@ -24,6 +24,7 @@ rewrites ``schema.json`` and the field tables of ``docs/trace-format.md`` from t
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import itertools
 import json
 import math
@@ -40,7 +41,7 @@ from typing import Any, cast
 from twin.core import events as ev
 from twin.core.config import ConfigError, TwinConfig
 from twin.core.defects import CATALOG
-from twin.trace.blocks import BlockSink, BlockSource, codec_for_name
+from twin.trace.blocks import BlockSink, BlockSource, Corrupt, codec_for_name
 from twin.trace.codec import (
     EFFECT_NAMES,
     INPUT_NAMES,
@@ -66,7 +67,7 @@ from twin.trace.records import (
 try:
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - a declared dependency; the standard parser also works
-    _fast_loads = json.loads
+    _fast_loads = json.loads  # type: ignore[assignment]
 
 
 def _loads(raw: bytes) -> Any:
@@ -105,7 +106,7 @@ FORMAT_VERSION = 4
 MODES = ("sim", "hw")
 ROLES = ("prefill", "decode")
 DIRS = ("in", "out", "sys")
-SCHEMA_PATH = Path(__file__).with_name("schema.json")
+SCHEMA_PATH = Path(str(importlib.resources.files("twin.trace").joinpath("schema.json")))
 
 _NODE_RE = re.compile(r"^[pd]\d+g\d+(s\d+)?r\d+$")
 _ENVELOPE = ("seq", "t", "node", "dir")
@@ -367,7 +368,7 @@ class TraceWriter:
             return
         try:
             if outcome is not None:
-                self.write_sys(self._batch.t, DRIVER, {"type": "Outcome", **outcome})
+                self._batch.write_sys(self._batch.t, DRIVER, {"type": "Outcome", **outcome})
             self._ship()
         finally:
             self._closed = True
@@ -441,7 +442,7 @@ class Record:
         d = self._data
         if d is None:
             try:
-                d = _loads(self.raw)
+                d = _loads(cast(bytes, self.raw))
             except ValueError:
                 src = self._src
                 raise TraceError(f"{src.name if src else '?'}:{self.line}",
@@ -485,7 +486,7 @@ class Record:
         src = self._src
         where = f"{src.name if src else '?'}:{self.line}"
         if self._body_at and self.raw is not None:
-            return decode_event(b"{" + self.raw[self._body_at:], where=where,  # type: ignore[index]
+            return decode_event(b"{" + self.raw[self._body_at:], where=where,
                                 direction=self.dir)
         return event_from_json(self.data, where=where)
 
@@ -550,7 +551,12 @@ class Trace:
         return iter(self.events)
 
 
-def _batches(source: BlockSource) -> Iterator[tuple[list[bytes], bool]]:
+def _corruption(source: BlockSource) -> Corrupt | None:
+    """``source.corrupt`` as it is now (a call: a check of it before does not narrow it)."""
+    return source.corrupt
+
+
+def _batches(source: BlockSource) -> Generator[tuple[list[bytes], bool], None, None]:
     """The lines of ``source`` in batches (one per decompressed chunk): ``(lines, True)``, and
     at the end ``([last], False)`` for a last line without a newline."""
     rest = b""
@@ -595,18 +601,32 @@ class TraceReader:
     used: the views and the replay read this way.
 
     ``span`` (a ``twin.trace.index.Block`` range: ``(first, last)``) reads only those blocks of
-    an indexed trace; such a reader is ``partial`` (no room or Outcome expectations).
+    an indexed trace; such a reader is ``partial`` (no room or Outcome expectations). With
+    ``of`` (another reader of the same file: ``part``) it takes that reader's header instead
+    of reading it again.
     ``select`` (a set of type names; implies ``lazy``) yields only records of those types and of
     driver records; the others are checked as in lazy mode and counted in ``counts``.
     """
 
+    header_line: bytes
+    header: dict[str, Any]
+    version: int
+    config: TwinConfig
+    nodes: dict[str, dict[str, Any]]
+
     def __init__(self, path: str | os.PathLike[str], *, lazy: bool = False,
                  span: tuple[Block, Block | None] | None = None,
-                 select: Container[str] | None = None) -> None:
+                 select: Container[str] | None = None, of: TraceReader | None = None) -> None:
         self._setup(path, lazy or select is not None, select)
+        if of is not None and span is not None:  # ``part``: the header is ``of``'s
+            self.header_line, self.header, self.version = of.header_line, of.header, of.version
+            self.config, self.nodes = of.config, of.nodes
+            self._open_span(span)
+            return
         try:
             self._source = BlockSource(self.path)
-            self._gen = self._it = _batches(self._source)
+            self._gen = _batches(self._source)
+            self._it: Iterator[tuple[list[bytes], bool]] = self._gen
             batch = next(self._it, None)
         except FileNotFoundError:
             raise TraceError(self.name, "no such file") from None
@@ -633,8 +653,8 @@ class TraceReader:
             raise TraceError(where, "not a staging-twin trace (line 1 is not JSON"
                              + ("; truncated" if not first[1] else "") + ")") from None
         self.config, self.nodes = _check_header(header, where, self.warnings)
-        self.header: dict[str, Any] = header
-        self.version: int = header["version"]
+        self.header = header
+        self.version = header["version"]
         if span is not None:
             self._gen.close()
             self._open_span(span)
@@ -673,19 +693,15 @@ class TraceReader:
         self._source = BlockSource(self.path, start=first_blk.off,
                                    end=None if last_blk is None else last_blk.end,
                                    first_block=first_blk.b)
-        self._gen = self._it = _batches(self._source)
+        self._gen = _batches(self._source)
+        self._it = self._gen
         self._first_seq, self._first_t = first_blk.seq, first_blk.t0
 
     def part(self, span: tuple[Block, Block | None], *,
              select: Container[str] | None = None) -> TraceReader:
         """A lazy reader of the blocks ``span`` (as the ``span`` argument) of this reader's
         trace that shares its header, config and nodes instead of reading them again."""
-        part = TraceReader.__new__(TraceReader)
-        part._setup(self.path, True, select)
-        part.header_line, part.header, part.version = self.header_line, self.header, self.version
-        part.config, part.nodes = self.config, self.nodes
-        part._open_span(span)
-        return part
+        return TraceReader(self.path, lazy=True, span=span, select=select, of=self)
 
     @property
     def started(self) -> bool:
@@ -826,7 +842,7 @@ class TraceReader:
             return exc
         for _ in self._it:  # decode the rest: does the stream hold together?
             pass
-        if self._source.corrupt is None:
+        if _corruption(self._source) is None:  # (read again: decoding may have set it)
             return exc
         return TraceError(self.name, f"{self._corrupt_text()}; the damage shows first at "
                           f"{exc.where}: {exc.detail}")
@@ -963,7 +979,7 @@ class TraceReader:
             for key, n in by_key.items():
                 if n:
                     k = keys[key][:3]
-                    counts[k] = counts.get(k, 0) + n  # type: ignore[index]
+                    counts[k] = counts.get(k, 0) + n
             self.counts.update(counts)
             self.last_t = last_t if self.first_t is not None else None
         self._finish(last_ok)
@@ -1094,7 +1110,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
 # ---------------------------------------------------------------------------------------------
 # JSON Schema and documentation tables, derived from the classes
 # ---------------------------------------------------------------------------------------------
-_JSON_OF_SYS = {"int": {"type": "integer"}, "str": {"type": "string"},
+_JSON_OF_SYS: dict[str, dict[str, Any]] = {"int": {"type": "integer"}, "str": {"type": "string"},
                 "number": {"type": "number"},
                 "list[str]": {"type": "array", "items": {"type": "string"}}}
 
@@ -1230,7 +1246,7 @@ def _md_type(spec: tuple[Any, ...]) -> str:
     if kind == "msg":
         return "message"
     if kind == "event":
-        return spec[1].__name__
+        return str(spec[1].__name__)
     raise AssertionError(spec)
 
 
@@ -1259,15 +1275,15 @@ def _md_class(title: str, cls: type) -> list[str]:
 def markdown_event_tables() -> str:
     """Markdown field tables of every input, effect, message and sys record type."""
     out = ["### Inputs (`\"dir\": \"in\"`)", ""]
-    for cls in ev.INPUT_TYPES:
-        out += _md_class(f"`{cls.__name__}`", cls)
+    for in_cls in ev.INPUT_TYPES:
+        out += _md_class(f"`{in_cls.__name__}`", in_cls)
     out += ["### Effects (`\"dir\": \"out\"`)", ""]
-    for cls in ev.EFFECT_TYPES:
-        out += _md_class(f"`{cls.__name__}`", cls)
+    for out_cls in ev.EFFECT_TYPES:
+        out += _md_class(f"`{out_cls.__name__}`", out_cls)
     out += ["### Nested objects", ""]
     out += _md_class("`Target` (`\"type\": \"Target\"`)", ev.Target)
-    for kind, cls in MESSAGE_KINDS.items():
-        out += _md_class(f"`{kind}` (`{cls.__name__}`, `\"kind\": \"{kind}\"`)", cls)
+    for kind, msg_cls in MESSAGE_KINDS.items():
+        out += _md_class(f"`{kind}` (`{msg_cls.__name__}`, `\"kind\": \"{kind}\"`)", msg_cls)
     out += ["### Driver records (`\"dir\": \"sys\"`)", ""]
     for rtype, fields in SYS_TYPES.items():
         out += [f"#### `{rtype}`", "", " ".join(SYS_DOCS[rtype].replace("``", "`").split()), "",
