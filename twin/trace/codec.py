@@ -20,7 +20,6 @@ import msgspec
 
 from twin.core import events as ev
 from twin.core import wire
-from twin.trace.rooms import named_room, room_of
 
 __all__ = [
     "EFFECT_NAMES",
@@ -33,8 +32,6 @@ __all__ = [
     "event_from_json",
     "event_to_json",
     "message_to_json",
-    "named_room",
-    "room_of",
 ]
 
 

@@ -51,7 +51,6 @@ from twin.trace.codec import (
     encode,
     event_from_json,
     field_specs,
-    room_of,
 )
 from twin.trace.compat import recorded_config
 from twin.trace.encoder import EncoderProcess, can_fork, sigint_deferred
@@ -63,6 +62,7 @@ from twin.trace.records import (
     SYS_TYPES,
     check_record,
 )
+from twin.trace.rooms import room_of
 
 try:
     from orjson import loads as _fast_loads
@@ -1110,9 +1110,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
 # ---------------------------------------------------------------------------------------------
 # JSON Schema and documentation tables, derived from the classes
 # ---------------------------------------------------------------------------------------------
-_JSON_OF_SYS: dict[str, dict[str, Any]] = {"int": {"type": "integer"}, "str": {"type": "string"},
-                "number": {"type": "number"},
-                "list[str]": {"type": "array", "items": {"type": "string"}}}
+_JSON_OF_SYS: dict[str, dict[str, Any]] = {
+    "int": {"type": "integer"}, "str": {"type": "string"}, "number": {"type": "number"},
+    "list[str]": {"type": "array", "items": {"type": "string"}}}
 
 
 def _schema_of(spec: tuple[Any, ...]) -> dict[str, Any]:

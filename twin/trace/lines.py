@@ -69,23 +69,24 @@ unpack_batch = msgspec.msgpack.Decoder(_BATCH).decode
 """The items of ``pack_batch``'s bytes, events rebuilt as their classes."""
 
 
+_FORWARD_KEYS: Final = ["type", "room", "tokens"]
+
+
 def forward_record(record: dict[str, Any]) -> bool:
     """Whether ``record`` is a well-formed ``ForwardStart`` or ``ForwardEnd`` with no other
-    key (the driver records a run writes most, checked without ``check_record``)."""
-    if len(record) != 3:
+    key, its keys in the order a run writes them (the driver records a run writes most,
+    checked without ``check_record`` and written without the json module)."""
+    if list(record) != _FORWARD_KEYS:
         return False
-    rtype = record.get("type")
+    rtype = record["type"]
     return ((rtype == "ForwardStart" or rtype == "ForwardEnd")
-            and type(record.get("room")) is int and type(record.get("tokens")) is int)
-
-
-_FORWARD_KEYS: Final = ["type", "room", "tokens"]
+            and type(record["room"]) is int and type(record["tokens"]) is int)
 
 
 def _record_text(record: dict[str, Any]) -> bytes:
     """A driver record's ``JSON_TEXT`` without its opening brace; a ``forward_record`` (the
     common case) written directly, in the same bytes."""
-    if forward_record(record) and list(record) == _FORWARD_KEYS:
+    if forward_record(record):
         rtype: str = record["type"]
         text: bytes = b'"type":"%s","room":%d,"tokens":%d}' % (
             rtype.encode(), record["room"], record["tokens"])
